@@ -1,0 +1,16 @@
+"""keras_pipe: GPipe pipeline parallelism for Keras 3 on TensorFlow."""
+
+import keras
+
+if keras.backend.backend() != "tensorflow":
+    raise ImportError(
+        "keras_pipe needs the TensorFlow backend of Keras, but the backend "
+        f"is {keras.backend.backend()!r}. Set KERAS_BACKEND=tensorflow "
+        "before importing keras.")
+
+from keras_pipe import schedule  # noqa: E402
+from keras_pipe.model import PipelineModel  # noqa: E402
+from keras_pipe.placement import logical_cpu_devices  # noqa: E402
+
+__all__ = ["PipelineModel", "logical_cpu_devices", "schedule"]
+__version__ = "0.1.0"

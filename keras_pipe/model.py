@@ -1,0 +1,435 @@
+"""PipelineModel: a Keras model whose stages run as a GPipe pipeline."""
+
+import contextlib
+
+import keras
+import tensorflow as tf
+from keras.src.backend.common import global_state
+from keras.src.trainers.data_adapters import data_adapter_utils
+
+from keras_pipe import microbatch
+from keras_pipe import placement
+from keras_pipe import schedule as schedule_lib
+from keras_pipe.remat import REMAT_MODES, Stage
+
+__all__ = ["PipelineModel"]
+
+
+@contextlib.contextmanager
+def _eager_scope():
+    """Leaves Keras' symbolic/stateless scopes and any FuncGraph.
+
+    Keras builds a model inside `backend.compute_output_spec`, where new
+    variables are deferred and later created outside any `tf.device` scope.
+    Stages must be built eagerly under their device instead.
+    """
+    names = ("stateless_scope", "symbolic_scope")
+    saved = {n: global_state.get_global_attribute(n) for n in names}
+    for n in names:
+        global_state.set_global_attribute(n, None)
+    try:
+        with tf.init_scope():
+            yield
+    finally:
+        for n, value in saved.items():
+            global_state.set_global_attribute(n, value)
+
+
+def _is_shape(value):
+    return isinstance(value, (tuple, list)) and all(
+        d is None or isinstance(d, int) for d in value)
+
+
+def _to_spec(shapes):
+    """Turns a nested structure of shapes into KerasTensors (float32)."""
+    if _is_shape(shapes):
+        return keras.KerasTensor(tuple(shapes))
+    if isinstance(shapes, dict):
+        return {k: _to_spec(v) for k, v in shapes.items()}
+    if isinstance(shapes, (tuple, list)):
+        return type(shapes)(_to_spec(v) for v in shapes)
+    raise TypeError(f"Cannot read an input shape from {shapes!r}.")
+
+
+def _describe(spec):
+    return keras.tree.map_structure(
+        lambda t: (tuple(t.shape), t.dtype) if hasattr(t, "shape") else t,
+        spec)
+
+
+def _known_input_spec(layer):
+    """The input KerasTensors of a Functional/Sequential stage, else None."""
+    try:
+        inputs = layer.inputs
+    except (AttributeError, ValueError):
+        return None
+    if not inputs:
+        return None
+    if isinstance(inputs, (list, tuple)) and len(inputs) == 1:
+        return inputs[0]
+    return inputs
+
+
+def _validate(stages, devices, num_micro_batches, remat):
+    """Checks the arguments; returns (stages, resolved devices)."""
+    if isinstance(stages, keras.layers.Layer) or not isinstance(
+            stages, (list, tuple)):
+        raise TypeError(
+            "stages must be a list of Keras layers or models, one per stage. "
+            f"Received: stages={stages!r}")
+    if not stages:
+        raise ValueError("stages must not be empty: pass at least one Keras "
+                         "layer or model. Received: stages=[]")
+    for j, stage in enumerate(stages):
+        if not isinstance(stage, keras.layers.Layer):
+            raise TypeError(
+                f"stages[{j}] must be a Keras layer or model. Received: "
+                f"{stage!r} of type {type(stage).__name__}")
+    for j, stage in enumerate(stages):
+        for jj in range(j):
+            if stages[jj] is stage:
+                raise ValueError(
+                    f"stages[{jj}] and stages[{j}] are the same layer "
+                    f"{stage.name!r}: a stage can live on one device only. "
+                    "Pass a distinct layer for each stage.")
+    if isinstance(num_micro_batches, bool) or not isinstance(
+            num_micro_batches, int):
+        raise TypeError(
+            "num_micro_batches must be an int. Received: "
+            f"num_micro_batches={num_micro_batches!r}")
+    if num_micro_batches < 1:
+        raise ValueError(
+            "num_micro_batches must be >= 1. Received: "
+            f"num_micro_batches={num_micro_batches}")
+    if remat not in REMAT_MODES:
+        raise ValueError(
+            f"remat must be one of {REMAT_MODES}. Received: remat={remat!r}")
+    if devices is None:
+        resolved = placement.default_devices(len(stages))
+    else:
+        if isinstance(devices, str) or not isinstance(devices, (list, tuple)):
+            raise TypeError(
+                "devices must be a list of device strings, one per stage. "
+                f"Received: devices={devices!r}")
+        if len(devices) != len(stages):
+            raise ValueError(
+                f"devices must name one device per stage: got "
+                f"{len(devices)} devices for {len(stages)} stages. Received: "
+                f"devices={list(devices)}")
+        resolved = placement.resolve_devices(devices)
+    _check_known_shapes(stages)
+    return list(stages), resolved
+
+
+def _check_known_shapes(stages):
+    """Checks stage j against stage j - 1 where both are already built."""
+    spec = _known_input_spec(stages[0])
+    for j, stage in enumerate(stages):
+        if spec is None or not stage.built:
+            return
+        try:
+            out = stage.compute_output_spec(spec)
+        except Exception as exc:  # Keras raises many types here.
+            raise ValueError(_mismatch_message(stages, j, spec, exc)) from exc
+        spec = out
+
+
+def _mismatch_message(stages, j, spec, exc):
+    source = (f"the output of stages[{j - 1}] ({stages[j - 1].name!r})"
+              if j else "the model input")
+    return (f"stages[{j}] ({stages[j].name!r}) cannot take {source}: "
+            f"{_describe(spec)}. Make stage {j}'s input match stage "
+            f"{j - 1}'s output. Error: {exc}")
+
+
+@keras.saving.register_keras_serializable(package="keras_pipe")
+class PipelineModel(keras.Model):
+    """A Keras model cut into stages that run as a GPipe pipeline.
+
+    Each stage lives on its own device. A mini-batch is cut into
+    `num_micro_batches` micro-batches that flow through the stages back to
+    back, following `keras_pipe.schedule.gpipe`, inside one `tf.function`
+    training step; gradients are summed over micro-batches and the
+    optimizer steps once per mini-batch, so training is the same as
+    training the unsplit model on one device. Stage insides are recomputed
+    in the backward pass (`remat`) without re-running their state updates.
+
+    ```python
+    devices = keras_pipe.logical_cpu_devices(2)   # first thing, no GPUs
+    model = keras_pipe.PipelineModel(
+        stages=[keras.Sequential([keras.layers.Dense(64, "relu")]),
+                keras.Sequential([keras.layers.Dense(10)])],
+        devices=devices, num_micro_batches=4)
+    model.compile("adam", keras.losses.SparseCategoricalCrossentropy(
+        from_logits=True), metrics=["accuracy"])
+    model.fit(x, y, batch_size=32, epochs=3)
+    ```
+
+    Args:
+        stages: list of Keras layers or models; stage `j` takes stage
+            `j - 1`'s output (a tensor or a nested structure) as its input.
+            Unbuilt stages are built under their device; stages built
+            before have their variables moved there.
+        devices: one TF device string per stage. Defaults to `None`: one
+            GPU per stage, an error if there are not enough GPUs.
+        num_micro_batches: `M`, micro-batches per mini-batch, >= 1. A batch
+            of `B < M` rows runs as `B` micro-batches. Defaults to `1`.
+        remat: which micro-batches recompute their stage activations in the
+            backward pass instead of keeping them: `"always"`,
+            `"except_last"` (all but the last micro-batch, whose backward
+            follows at once) or `"never"`. Defaults to `"except_last"`.
+        **kwargs: `keras.Model` arguments (`name`, `dtype`, `trainable`).
+
+    Raises:
+        TypeError: if `stages` is not a list of Keras layers, a device is not
+            a string, or `num_micro_batches` is not an int.
+        ValueError: if `stages` is empty or holds one layer twice, the
+            number of devices differs from the number of stages, a device
+            does not exist, `num_micro_batches < 1`, `remat` is unknown, or a
+            built stage cannot take the previous stage's output.
+    """
+
+    def __init__(self, stages, devices=None, num_micro_batches=1,
+                 remat="except_last", **kwargs):
+        stages, resolved = _validate(stages, devices, num_micro_batches,
+                                     remat)
+        super().__init__(**kwargs)
+        self._stage_layers = stages
+        self._given_devices = list(devices) if devices is not None else list(
+            resolved)
+        self._resolved_devices = resolved
+        self._num_micro_batches = num_micro_batches
+        self._remat = remat
+        self._runners = [Stage(s, d) for s, d in zip(stages, resolved)]
+        for stage, device in zip(stages, resolved):
+            if stage.built:
+                placement.place_variables(stage, device)
+        if all(stage.built for stage in stages) and _known_input_spec(
+                stages[0]) is not None:
+            self.built = True
+
+    @property
+    def stages(self):
+        """The stage layers, in order."""
+        return list(self._stage_layers)
+
+    @property
+    def devices(self):
+        """The device strings as given (or the GPUs chosen by default)."""
+        return list(self._given_devices)
+
+    @property
+    def num_micro_batches(self):
+        return self._num_micro_batches
+
+    @property
+    def remat(self):
+        return self._remat
+
+    @property
+    def num_stages(self):
+        return len(self._stage_layers)
+
+    def schedule(self, num_micro_batches=None):
+        """The clock ticks this model follows (see `keras_pipe.schedule`)."""
+        return schedule_lib.gpipe(num_micro_batches or self.num_micro_batches,
+                                  self.num_stages)
+
+    def summary_table(self):
+        """A text table: stage, device, layer name, parameter count."""
+        rows = [("stage", "device", "layer", "params")]
+        for j, (stage, device) in enumerate(
+                zip(self._stage_layers, self._resolved_devices)):
+            count = sum(int(v.numpy().size) for v in stage.weights)
+            rows.append((str(j), device, stage.name, f"{count:,}"))
+        widths = [max(len(r[c]) for r in rows) for c in range(4)]
+        return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(r, widths))
+                         for r in rows)
+
+    # ------------------------------------------------------------------ build
+
+    def build(self, input_shape):
+        spec = _to_spec(input_shape)
+        first = _known_input_spec(self._stage_layers[0])
+        if first is not None:
+            spec = first
+        with _eager_scope():
+            for j, (stage, device) in enumerate(
+                    zip(self._stage_layers, self._resolved_devices)):
+                with tf.device(device):
+                    try:
+                        out = stage.compute_output_spec(spec) if stage.built \
+                            else stage(spec)
+                    except Exception as exc:
+                        raise ValueError(_mismatch_message(
+                            self._stage_layers, j, spec, exc)) from exc
+                placement.place_variables(stage, device)
+                spec = out
+        self.built = True
+
+    def compute_output_spec(self, inputs, training=False):
+        spec = inputs
+        for stage in self._stage_layers:
+            spec = stage.compute_output_spec(spec)
+        return spec
+
+    # --------------------------------------------------------------- compile
+
+    def compile(self, *args, jit_compile="auto", run_eagerly=False,
+                **kwargs):
+        """Same as `keras.Model.compile`, with XLA off and a colocated optimizer.
+
+        Raises:
+            ValueError: if `jit_compile=True` (XLA cannot compile a function
+                whose variables live on several devices) or
+                `run_eagerly=True` (the per-device backward pass needs
+                graph mode).
+        """
+        if jit_compile is True:
+            raise ValueError(
+                "jit_compile=True is not supported by PipelineModel: XLA "
+                "compiles one function for one device, and a pipeline's "
+                "variables live on several devices. Use jit_compile=False "
+                "or 'auto' (which PipelineModel resolves to False).")
+        if run_eagerly:
+            raise ValueError(
+                "run_eagerly=True is not supported by PipelineModel: its "
+                "per-device backward pass uses tf.gradients, which needs "
+                "graph mode. Use run_eagerly=False.")
+        super().compile(*args, jit_compile=False, run_eagerly=False, **kwargs)
+        if self.optimizer is not None:
+            placement.colocate_optimizer(self.optimizer)
+
+    # --------------------------------------------------------------- execute
+
+    def _forward(self, inputs, training, remat, differentiable):
+        """Runs all micro-batches through all stages.
+
+        Returns:
+            `(outputs, runs, micro_batches)`: the merged outputs of the last
+            stage, `runs[i][j]` the `StageRun` of micro-batch `i` on stage
+            `j`, and the micro-batches.
+        """
+        micro_batches = microbatch.scatter(inputs, self.num_micro_batches)
+        m, k = len(micro_batches), self.num_stages
+        params = [r.read_params(differentiable) for r in self._runners]
+        state = [r.read_state() for r in self._runners]
+        changed = [[False] * len(s) for s in state]
+        runs = [[None] * k for _ in range(m)]
+        for tick in schedule_lib.gpipe(m, k):
+            for i, j in tick:
+                runner = self._runners[j]
+                x = micro_batches[i].inputs if j == 0 else runs[i][j - 1].outputs
+                after = keras.tree.flatten(runs[i - 1][j].outputs)[:1] if i else []
+                use_remat = remat == "always" or (
+                    remat == "except_last" and i < m - 1)
+                run, new_state = runner.forward(
+                    x, params[j], state[j], training, use_remat, after,
+                    differentiable)
+                valid = micro_batches[i].valid
+                for s, new in enumerate(new_state):
+                    if new is None:
+                        continue
+                    if valid is not True:
+                        with tf.device(runner.device):
+                            new = tf.where(valid, new, state[j][s])
+                    state[j][s] = new
+                    changed[j][s] = True
+                runs[i][j] = run
+        for runner, values, flags in zip(self._runners, state, changed):
+            with tf.device(runner.device):
+                for variable, value, flag in zip(runner.state_variables,
+                                                 values, flags):
+                    if flag:
+                        variable.assign(value)
+        with tf.device(self._runners[-1].device):
+            outputs = microbatch.gather([run[-1].outputs for run in runs],
+                                        micro_batches)
+        return outputs, runs, micro_batches
+
+    def _backward(self, loss, runs):
+        """Gradients of `loss` for `self.trainable_variables`, stage by stage."""
+        m, k = len(runs), self.num_stages
+        variables = self.trainable_variables
+        last = self._runners[-1]
+        out_flat = [keras.tree.flatten(runs[i][-1].outputs) for i in range(m)]
+        stage_losses = [l for row in runs for run in row for l in run.losses]
+        with tf.device(last.device):
+            targets = [t for flat in out_flat for t in flat
+                       if t is not None and t.dtype.is_floating]
+            grads = tf.gradients(loss, targets + stage_losses + variables,
+                                 unconnected_gradients="none")
+        grads = iter(grads)
+        output_grads = {}
+        for i in range(m):
+            output_grads[(i, k - 1)] = [
+                next(grads) if t is not None and t.dtype.is_floating else None
+                for t in out_flat[i]]
+        loss_grads = {id(l): next(grads) for l in stage_losses}
+        direct = list(grads)
+        per_variable = {id(v): [g] if g is not None else []
+                        for v, g in zip(variables, direct)}
+        for tick in reversed(schedule_lib.gpipe(m, k)):
+            for i, j in reversed(tick):
+                runner, run = self._runners[j], runs[i][j]
+                input_grads, param_grads = runner.backward(
+                    run, output_grads.pop((i, j)),
+                    [loss_grads[id(l)] for l in run.losses], training=True)
+                if j:
+                    output_grads[(i, j - 1)] = input_grads
+                for variable, g in zip(runner.trainable_variables,
+                                       param_grads):
+                    if g is not None:
+                        per_variable.setdefault(id(variable), []).append(g)
+        result = []
+        for variable in variables:
+            parts = per_variable.get(id(variable), [])
+            if not parts:
+                result.append(None)
+                continue
+            with tf.device(placement.device_of(variable)):
+                parts = [tf.convert_to_tensor(g) for g in parts]
+                result.append(parts[0] if len(parts) == 1 else tf.add_n(parts))
+        return result
+
+    def call(self, inputs, training=False):
+        outputs, _, _ = self._forward(inputs, bool(training), remat="never",
+                                      differentiable=True)
+        return outputs
+
+    def compute_loss_and_gradients(self, x, y=None, sample_weight=None,
+                                   training=True):
+        """One forward and backward pass, without an optimizer step.
+
+        Runs in graph mode (inside a `tf.function`), as `train_step` does.
+
+        Returns:
+            `(loss, y_pred, gradients)`, gradients in the order of
+            `self.trainable_variables`.
+        """
+        y_pred, runs, _ = self._forward(x, training, remat=self.remat,
+                                        differentiable=False)
+        with tf.device(self._runners[-1].device):
+            loss = self._compute_loss(x=x, y=y, y_pred=y_pred,
+                                      sample_weight=sample_weight,
+                                      training=training)
+            extra = [l for row in runs for run in row for l in run.losses]
+            if extra:
+                loss = loss + tf.add_n([tf.cast(tf.reduce_sum(l), loss.dtype)
+                                        for l in extra])
+            scaled = loss
+            if self.optimizer is not None:
+                scaled = self.optimizer.scale_loss(loss)
+        return loss, y_pred, self._backward(scaled, runs)
+
+    def train_step(self, data):
+        x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
+        loss, y_pred, gradients = self.compute_loss_and_gradients(
+            x, y, sample_weight)
+        batch_size = tf.shape(
+            next(t for t in keras.tree.flatten(x) if t is not None))[0]
+        self._loss_tracker.update_state(loss, sample_weight=batch_size)
+        variables = self.trainable_variables
+        if variables:
+            self.optimizer.apply_gradients(zip(gradients, variables))
+        return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)

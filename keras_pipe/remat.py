@@ -1,0 +1,168 @@
+"""State-safe re-materialization of a stage.
+
+Stock `tf.recompute_grad` and `keras.remat` run the layer's `call` again in
+the backward pass, and with it every state update inside: BatchNormalization
+updates its moving statistics a second time, and Dropout advances its seed
+generator and draws a *different* mask, so the gradient belongs to another
+network than the forward pass. They also refuse keyword arguments such as
+`training` inside `tf.function` (`tf.custom_gradient` does).
+
+Here a stage runs as a pure function of its inputs, its trainable values and
+its state (every non-trainable variable, seed generators included) under a
+`keras.StatelessScope`:
+
+    outputs, new_state, losses = stage(inputs; params, state)
+
+The forward pass returns `new_state`; the pipeline assigns it once per
+micro-batch. The recompute calls the same function with the *same* `state`
+it saw in the forward pass, so it draws the same dropout mask and computes
+the same batch statistics, and its own `new_state` is thrown away.
+`training` is bound in Python, never passed through a custom gradient.
+
+The backward pass of a stage is computed with `tf.gradients` under the
+stage's `tf.device`, so gradient and recompute ops run on the stage's device
+(a `tf.GradientTape` over the whole step would put them on one device). The
+recompute waits for the incoming gradient (a control dependency), so it runs
+in the backward pass and not eagerly next to the forward pass.
+"""
+
+import dataclasses
+
+import keras
+import tensorflow as tf
+
+__all__ = ["REMAT_MODES", "Stage", "StageRun"]
+
+REMAT_MODES = ("always", "except_last", "never")
+
+
+def _is_float(t):
+    return t is not None and t.dtype.is_floating
+
+
+@dataclasses.dataclass
+class StageRun:
+    """What the forward pass of one (micro-batch, stage) left for backward."""
+
+    inputs: object      # nested structure, gradient-stopped
+    params: list        # trainable values, gradient-stopped
+    state: list         # state values the forward pass started from
+    outputs: object     # nested structure
+    losses: list        # scalar losses added by the stage's layers
+    remat: bool
+
+
+class Stage:
+    """A Keras layer run as a pure function on a fixed device."""
+
+    def __init__(self, layer, device):
+        self.layer = layer
+        self.device = device
+
+    @property
+    def trainable_variables(self):
+        return self.layer.trainable_variables
+
+    @property
+    def state_variables(self):
+        return self.layer.non_trainable_variables
+
+    def read_params(self, differentiable=False):
+        """Reads the trainable values once per step, on the stage's device.
+
+        With `differentiable=False` (the pipeline's own backward pass) the
+        values are cut from the variables, so that only `Stage.backward`
+        computes their gradients; with `True`, an outer `tf.GradientTape`
+        sees the reads.
+        """
+        with tf.device(self.device):
+            values = [tf.convert_to_tensor(v.value)
+                      for v in self.trainable_variables]
+            if differentiable:
+                return values
+            return [tf.stop_gradient(v) for v in values]
+
+    def read_state(self):
+        with tf.device(self.device):
+            return [tf.convert_to_tensor(v.value)
+                    for v in self.state_variables]
+
+    def call(self, inputs, params, state, training):
+        """Runs the layer statelessly: returns (outputs, new_state, losses).
+
+        `new_state[k]` is `None` where the call left state variable `k`
+        unchanged.
+        """
+        mapping = list(zip(self.trainable_variables, params))
+        mapping += list(zip(self.state_variables, state))
+        with keras.StatelessScope(state_mapping=mapping,
+                                  collect_losses=True) as scope:
+            before = [scope.get_current_value(v) for v in self.state_variables]
+            outputs = self.layer(inputs, training=training)
+        new_state = [None if new is old else new for new, old in zip(
+            (scope.get_current_value(v) for v in self.state_variables), before)]
+        return outputs, new_state, list(scope.losses)
+
+    def forward(self, inputs, params, state, training, remat,
+                control_inputs=(), differentiable=False):
+        """Forward pass of one micro-batch; returns (StageRun, new_state).
+
+        `control_inputs` make this micro-batch wait for the previous one on
+        the same stage. With `differentiable=False`, gradients do not flow
+        through `inputs`: `backward` computes them stage by stage.
+        """
+        with tf.device(self.device):
+            if not differentiable:
+                inputs = keras.tree.map_structure(
+                    lambda t: None if t is None else tf.stop_gradient(t),
+                    inputs)
+            state = [tf.stop_gradient(s) for s in state]
+            with tf.control_dependencies(list(control_inputs)):
+                inputs = keras.tree.map_structure(
+                    lambda t: None if t is None else tf.identity(t), inputs)
+                outputs, new_state, losses = self.call(
+                    inputs, params, state, training)
+        run = StageRun(inputs, params, state, outputs, losses, remat)
+        return run, new_state
+
+    def backward(self, run, output_grads, loss_grads, training):
+        """Backward pass of one micro-batch.
+
+        Args:
+            run: the `StageRun` of the forward pass.
+            output_grads: gradients for `tree.flatten(run.outputs)`, `None`
+                where an output does not reach the loss.
+            loss_grads: gradients for `run.losses`.
+            training: the `training` flag of the forward pass.
+
+        Returns:
+            `(input_grads, param_grads)`: gradients for
+            `tree.flatten(run.inputs)` (None for non-float inputs) and for
+            each trainable variable (None where it gets none).
+        """
+        with tf.device(self.device):
+            inputs, params = run.inputs, run.params
+            outputs, losses = run.outputs, run.losses
+            seeds = [g for g in output_grads + loss_grads if g is not None]
+            if run.remat:
+                with tf.control_dependencies(seeds):
+                    inputs = keras.tree.map_structure(
+                        lambda t: None if t is None else tf.identity(t),
+                        inputs)
+                    outputs, _, losses = self.call(
+                        inputs, params, run.state, training)
+            ys, grad_ys = [], []
+            for y, g in zip(keras.tree.flatten(outputs) + losses,
+                            output_grads + loss_grads):
+                if g is not None and _is_float(y):
+                    ys.append(y)
+                    grad_ys.append(g)
+            flat_inputs = keras.tree.flatten(inputs)
+            float_inputs = [t for t in flat_inputs if _is_float(t)]
+            if not ys:
+                return [None] * len(flat_inputs), [None] * len(params)
+            grads = tf.gradients(ys, float_inputs + params, grad_ys=grad_ys,
+                                 unconnected_gradients="none")
+            input_grads = iter(grads[:len(float_inputs)])
+            return ([next(input_grads) if _is_float(t) else None
+                     for t in flat_inputs], grads[len(float_inputs):])
