@@ -142,6 +142,17 @@ def _mismatch_message(stages, j, spec, exc):
             f"{j - 1}'s output. Error: {exc}")
 
 
+def _sum_gradients(parts):
+    """Sums gradients; a sum of IndexedSlices stays sparse (concatenated)."""
+    if len(parts) == 1:
+        return parts[0]
+    if all(isinstance(g, tf.IndexedSlices) for g in parts):
+        return tf.IndexedSlices(tf.concat([g.values for g in parts], 0),
+                                tf.concat([g.indices for g in parts], 0),
+                                parts[0].dense_shape)
+    return tf.add_n([tf.convert_to_tensor(g) for g in parts])
+
+
 @keras.saving.register_keras_serializable(package="keras_pipe")
 class PipelineModel(keras.Model):
     """A Keras model cut into stages that run as a GPipe pipeline.
@@ -325,7 +336,7 @@ class PipelineModel(keras.Model):
                     remat == "except_last" and i < m - 1)
                 run, new_state = runner.forward(
                     x, params[j], state[j], training, use_remat, after,
-                    differentiable)
+                    differentiable, name=f"stage{j}/mb{i}/forward")
                 valid = micro_batches[i].valid
                 for s, new in enumerate(new_state):
                     if new is None:
@@ -347,8 +358,15 @@ class PipelineModel(keras.Model):
                                         micro_batches)
         return outputs, runs, micro_batches
 
-    def _backward(self, loss, runs):
-        """Gradients of `loss` for `self.trainable_variables`, stage by stage."""
+    def _backward(self, loss, runs, scale):
+        """Gradients of `loss` for `self.trainable_variables`, stage by stage.
+
+        `loss` is the scaled total loss. Only the loss head is differentiated
+        here; each stage's backward runs in `Stage.backward` on its device.
+        Regularization losses of weights (`self.losses`) reach the variables
+        directly and are differentiated on their own: asking `tf.gradients`
+        for the variables of `loss` would walk the whole forward graph again.
+        """
         m, k = len(runs), self.num_stages
         variables = self.trainable_variables
         last = self._runners[-1]
@@ -357,24 +375,30 @@ class PipelineModel(keras.Model):
         with tf.device(last.device):
             targets = [t for flat in out_flat for t in flat
                        if t is not None and t.dtype.is_floating]
-            grads = tf.gradients(loss, targets + stage_losses + variables,
-                                 unconnected_gradients="none")
-        grads = iter(grads)
+            grads = iter(tf.gradients(loss, targets + stage_losses,
+                                      unconnected_gradients="none"))
         output_grads = {}
         for i in range(m):
             output_grads[(i, k - 1)] = [
                 next(grads) if t is not None and t.dtype.is_floating else None
                 for t in out_flat[i]]
         loss_grads = {id(l): next(grads) for l in stage_losses}
-        direct = list(grads)
-        per_variable = {id(v): [g] if g is not None else []
-                        for v, g in zip(variables, direct)}
+        per_variable = {id(v): [] for v in variables}
+        weight_losses = [self._aggregate_additional_loss(l)
+                         for l in self.losses]
+        if weight_losses:
+            direct = tf.gradients(scale(tf.add_n(weight_losses)), variables,
+                                  unconnected_gradients="none")
+            for variable, g in zip(variables, direct):
+                if g is not None:
+                    per_variable[id(variable)].append(g)
         for tick in reversed(schedule_lib.gpipe(m, k)):
             for i, j in reversed(tick):
                 runner, run = self._runners[j], runs[i][j]
                 input_grads, param_grads = runner.backward(
                     run, output_grads.pop((i, j)),
-                    [loss_grads[id(l)] for l in run.losses], training=True)
+                    [loss_grads[id(l)] for l in run.losses], training=True,
+                    name=f"stage{j}/mb{i}/backward")
                 if j:
                     output_grads[(i, j - 1)] = input_grads
                 for variable, g in zip(runner.trainable_variables,
@@ -388,8 +412,7 @@ class PipelineModel(keras.Model):
                 result.append(None)
                 continue
             with tf.device(placement.device_of(variable)):
-                parts = [tf.convert_to_tensor(g) for g in parts]
-                result.append(parts[0] if len(parts) == 1 else tf.add_n(parts))
+                result.append(_sum_gradients(parts))
         return result
 
     def call(self, inputs, training=False):
@@ -417,10 +440,9 @@ class PipelineModel(keras.Model):
             if extra:
                 loss = loss + tf.add_n([tf.cast(tf.reduce_sum(l), loss.dtype)
                                         for l in extra])
-            scaled = loss
-            if self.optimizer is not None:
-                scaled = self.optimizer.scale_loss(loss)
-        return loss, y_pred, self._backward(scaled, runs)
+        scale = (self.optimizer.scale_loss if self.optimizer is not None
+                 else (lambda value: value))
+        return loss, y_pred, self._backward(scale(loss), runs, scale)
 
     def train_step(self, data):
         x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)

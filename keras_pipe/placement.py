@@ -12,6 +12,8 @@ module fixes each of them:
   `logical_cpu_devices` splits it into several.
 """
 
+import re
+
 import keras
 import tensorflow as tf
 
@@ -197,7 +199,10 @@ def colocate_optimizer(optimizer):
             return add_slot(reference_variable, *args, **kwargs)
 
     def colocated_update_step(gradient, variable, *args, **kwargs):
-        with tf.device(device_of(variable)):
+        device = device_of(variable)
+        # Named after the device so that placement tests can read it back.
+        scope = "update_on_" + re.sub(r"[^A-Za-z0-9_.\-]", "_", device)
+        with tf.device(device), tf.name_scope(scope):
             return update_step(gradient, variable, *args, **kwargs)
 
     optimizer.add_variable_from_reference = add_variable_from_reference

@@ -104,14 +104,14 @@ class Stage:
         return outputs, new_state, list(scope.losses)
 
     def forward(self, inputs, params, state, training, remat,
-                control_inputs=(), differentiable=False):
+                control_inputs=(), differentiable=False, name="forward"):
         """Forward pass of one micro-batch; returns (StageRun, new_state).
 
         `control_inputs` make this micro-batch wait for the previous one on
         the same stage. With `differentiable=False`, gradients do not flow
         through `inputs`: `backward` computes them stage by stage.
         """
-        with tf.device(self.device):
+        with tf.device(self.device), tf.name_scope(name):
             if not differentiable:
                 inputs = keras.tree.map_structure(
                     lambda t: None if t is None else tf.stop_gradient(t),
@@ -125,7 +125,8 @@ class Stage:
         run = StageRun(inputs, params, state, outputs, losses, remat)
         return run, new_state
 
-    def backward(self, run, output_grads, loss_grads, training):
+    def backward(self, run, output_grads, loss_grads, training,
+                 name="backward"):
         """Backward pass of one micro-batch.
 
         Args:
@@ -140,12 +141,12 @@ class Stage:
             `tree.flatten(run.inputs)` (None for non-float inputs) and for
             each trainable variable (None where it gets none).
         """
-        with tf.device(self.device):
+        with tf.device(self.device), tf.name_scope(name):
             inputs, params = run.inputs, run.params
             outputs, losses = run.outputs, run.losses
             seeds = [g for g in output_grads + loss_grads if g is not None]
             if run.remat:
-                with tf.control_dependencies(seeds):
+                with tf.control_dependencies(seeds), tf.name_scope("recompute"):
                     inputs = keras.tree.map_structure(
                         lambda t: None if t is None else tf.identity(t),
                         inputs)

@@ -1,0 +1,27 @@
+"""Shared test set-up: quiet TF, 4 logical CPU devices, a seed per test."""
+
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+
+import keras  # noqa: E402
+import pytest  # noqa: E402
+
+import keras_pipe  # noqa: E402
+
+NUM_DEVICES = 4
+# Enough inter-op threads for every stage to wait at once (schedule test).
+DEVICES = keras_pipe.logical_cpu_devices(NUM_DEVICES, inter_op_threads=16)
+
+
+@pytest.fixture
+def devices():
+    """The logical CPU devices created for the session."""
+    return list(DEVICES)
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    keras.utils.set_random_seed(1234)
+    yield
