@@ -142,6 +142,20 @@ def _mismatch_message(stages, j, spec, exc):
             f"{j - 1}'s output. Error: {exc}")
 
 
+def _layer_losses(runs, micro_batches, dtype):
+    """The losses layers added (`add_loss`) during the pipelined forward pass.
+
+    Keras divides an activity regularizer by the batch size, and most
+    `add_loss` terms are batch means: the full-batch value is the mean of
+    the micro-batch values weighted by micro-batch size.
+    """
+    sizes = [tf.cast(mb.size, dtype) for mb in micro_batches]
+    total = tf.add_n(sizes) if len(sizes) > 1 else sizes[0]
+    terms = [tf.cast(tf.reduce_sum(l), dtype) * (sizes[i] / total)
+             for i, row in enumerate(runs) for run in row for l in run.losses]
+    return tf.add_n(terms) if terms else None
+
+
 def _sum_gradients(parts):
     """Sums gradients; a sum of IndexedSlices stays sparse (concatenated)."""
     if len(parts) == 1:
@@ -430,16 +444,15 @@ class PipelineModel(keras.Model):
             `(loss, y_pred, gradients)`, gradients in the order of
             `self.trainable_variables`.
         """
-        y_pred, runs, _ = self._forward(x, training, remat=self.remat,
-                                        differentiable=False)
+        y_pred, runs, micro_batches = self._forward(
+            x, training, remat=self.remat, differentiable=False)
         with tf.device(self._runners[-1].device):
             loss = self._compute_loss(x=x, y=y, y_pred=y_pred,
                                       sample_weight=sample_weight,
                                       training=training)
-            extra = [l for row in runs for run in row for l in run.losses]
-            if extra:
-                loss = loss + tf.add_n([tf.cast(tf.reduce_sum(l), loss.dtype)
-                                        for l in extra])
+            extra = _layer_losses(runs, micro_batches, loss.dtype)
+            if extra is not None:
+                loss = loss + extra
         scale = (self.optimizer.scale_loss if self.optimizer is not None
                  else (lambda value: value))
         return loss, y_pred, self._backward(scale(loss), runs, scale)

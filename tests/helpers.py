@@ -1,0 +1,72 @@
+"""Builders shared by the tests: the same network pipelined and not."""
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+import keras_pipe
+
+IN_DIM, HIDDEN, NUM_CLASSES = 6, 8, 3
+
+
+def dense_stages(num_stages, batch_norm=False, dropout=0.0):
+    """`num_stages` Sequential stages of Dense layers (the last one: logits)."""
+    stages = []
+    for j in range(num_stages):
+        layers = []
+        if j < num_stages - 1:
+            layers.append(keras.layers.Dense(HIDDEN, activation="tanh"))
+            if batch_norm:
+                layers.append(keras.layers.BatchNormalization())
+            if dropout:
+                layers.append(keras.layers.Dropout(dropout, seed=10 + j))
+        else:
+            layers.append(keras.layers.Dense(HIDDEN, activation="tanh"))
+            layers.append(keras.layers.Dense(NUM_CLASSES))
+        stages.append(keras.Sequential(layers, name=f"stage_{j}"))
+    return stages
+
+
+def pipeline_and_reference(num_stages, num_micro_batches, remat, devices,
+                           **stage_kwargs):
+    """A PipelineModel and a one-device Sequential with the same weights."""
+    pipe = keras_pipe.PipelineModel(
+        dense_stages(num_stages, **stage_kwargs),
+        devices=devices[:num_stages], num_micro_batches=num_micro_batches,
+        remat=remat)
+    pipe.build((None, IN_DIM))
+    with tf.device("/device:CPU:0"):
+        reference = keras.Sequential(
+            [keras.Input((IN_DIM,))] + [
+                layer for stage in dense_stages(num_stages, **stage_kwargs)
+                for layer in stage.layers])
+    reference.set_weights(pipe.get_weights())
+    return pipe, reference
+
+
+def data(batch_size, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(batch_size, IN_DIM)).astype("float32")
+    y = rng.integers(0, NUM_CLASSES, size=(batch_size,)).astype("int32")
+    sample_weight = rng.uniform(0.1, 2.0, size=(batch_size,)).astype(
+        "float32")
+    return x, y, sample_weight
+
+
+def pipeline_loss_and_gradients(pipe, x, y, sample_weight=None):
+    """Runs `compute_loss_and_gradients` in graph mode, as `fit` does."""
+
+    @tf.function
+    def step():
+        return pipe.compute_loss_and_gradients(x, y, sample_weight)
+
+    loss, y_pred, grads = step()
+    return np.asarray(loss), y_pred.numpy(), [g.numpy() for g in grads]
+
+
+def reference_loss_and_gradients(model, x, y, sample_weight=None):
+    with tf.GradientTape() as tape:
+        y_pred = model(x, training=True)
+        loss = model.compute_loss(x, y, y_pred, sample_weight)
+    grads = tape.gradient(loss, model.trainable_variables)
+    return np.asarray(loss), y_pred.numpy(), [g.numpy() for g in grads]

@@ -1,0 +1,40 @@
+"""Trains one step of a 2-stage pipeline and prints where TF placed each op.
+
+Run as a subprocess by test_placement.py: the placer log
+(`tf.debugging.set_log_device_placement`) is written by TF's C++ code to
+stderr, one `name: (OpType): device` line per op.
+"""
+
+import json
+import os
+import sys
+
+os.environ["TF_CPP_MIN_LOG_LEVEL"] = "0"
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import keras_pipe  # noqa: E402
+
+remat = sys.argv[1]
+devices = keras_pipe.logical_cpu_devices(2)
+# Must be set before TF initializes to reach the placer of tf.functions.
+tf.debugging.set_log_device_placement(True)
+stages = [
+    keras.Sequential([keras.layers.Dense(8), keras.layers.BatchNormalization(),
+                      keras.layers.Dropout(0.5)]),
+    keras.Sequential([keras.layers.Dense(8, activation="relu"),
+                      keras.layers.Dense(2)]),
+]
+model = keras_pipe.PipelineModel(stages, devices=devices,
+                                 num_micro_batches=2, remat=remat)
+model.build((None, 4))
+model.compile(keras.optimizers.Adam(), "mse")
+model.train_on_batch(np.ones((6, 4), "float32"), np.ones((6, 2), "float32"))
+variables = {v.path: v.value.device for v in model.variables}
+slots = {v.path: v.value.device for v in model.optimizer.variables}
+print("RESULT " + json.dumps({"variables": variables, "slots": slots,
+                              "stage_devices": [
+                                  [v.path for v in s.variables]
+                                  for s in stages]}), flush=True)

@@ -1,0 +1,97 @@
+"""Where variables, forward, backward, recompute and optimizer ops run.
+
+Placement is read back from TF itself (variables' devices and the placer
+log), not from what the code asked for.
+"""
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+PLACER_LINE = re.compile(r"placer\.cc:\d+\] (\S+): \((\w+)\): (\S+)$")
+
+
+def run_placement_script(remat):
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="0")
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.placement_script", remat],
+        capture_output=True, text=True, env=env, timeout=300,
+        cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.split("RESULT ", 1)[1])
+    ops = [m.groups() for m in map(PLACER_LINE.search,
+                                   proc.stderr.splitlines()) if m]
+    assert len(ops) > 100, proc.stderr[-3000:]
+    return result, ops
+
+
+@pytest.fixture(scope="module", params=["always", "never"])
+def placement(request):
+    return request.param, *run_placement_script(request.param)
+
+
+def cpu(index):
+    return f"/job:localhost/replica:0/task:0/device:CPU:{index}"
+
+
+def test_stage_variables_live_on_their_device(placement):
+    _, result, _ = placement
+    for j, paths in enumerate(result["stage_devices"]):
+        for path in paths:
+            assert result["variables"][path] == cpu(j), path
+
+
+def test_optimizer_slots_live_with_their_variable(placement):
+    _, result, _ = placement
+    checked = 0
+    for path, device in result["variables"].items():
+        for slot in ("momentum", "velocity"):
+            slot_path = "adam/" + path.replace("/", "_") + "_" + slot
+            if slot_path in result["slots"]:
+                assert result["slots"][slot_path] == device, slot_path
+                checked += 1
+    assert checked == 2 * 8  # 8 trainable variables, 2 Adam slots each
+
+
+def test_forward_backward_and_recompute_ops_run_on_the_stage_device(
+        placement):
+    remat, _, ops = placement
+    kinds = {"forward": 0, "backward": 0, "recompute": 0}
+    for name, op_type, device in ops:
+        match = re.match(r"stage(\d+)/mb\d+/(forward|backward)", name)
+        if not match:
+            continue
+        assert device == cpu(int(match.group(1))), (name, op_type, device)
+        kind = "recompute" if "/recompute/" in name else match.group(2)
+        kinds[kind] += 1
+    assert kinds["forward"] > 0 and kinds["backward"] > 0
+    assert (kinds["recompute"] > 0) == (remat == "always")
+
+
+def test_optimizer_update_math_runs_on_each_variables_device(placement):
+    _, _, ops = placement
+    per_device = {cpu(0): 0, cpu(1): 0}
+    for name, op_type, device in ops:
+        match = re.search(r"update_on_(\S+?CPU_(\d))(_\d+)?/", name)
+        if not match or op_type == "ReadVariableOp":
+            continue  # reads of the shared iteration counter live on CPU:0
+        assert device == cpu(int(match.group(2))), (name, op_type, device)
+        per_device[device] += 1
+    assert all(count > 10 for count in per_device.values()), per_device
+
+
+def test_remat_keeps_no_forward_activation_for_backward(placement):
+    # With remat="always" every gradient is taken through the recompute;
+    # a gradient op of a forward op would keep forward activations alive.
+    remat, _, ops = placement
+    grads_of_forward = [name for name, _, _ in ops
+                        if re.search(r"gradients/stage\d+/mb\d+/forward/",
+                                     name)]
+    if remat == "always":
+        assert grads_of_forward == []
+    else:
+        assert grads_of_forward  # "never" differentiates the forward ops

@@ -1,0 +1,106 @@
+"""Re-materialization neither repeats state updates nor changes randomness.
+
+Stock `tf.recompute_grad`/`keras.remat` re-run BatchNormalization's moving
+average update and draw a new Dropout mask in the recompute; these tests
+fail for any remat that does.
+"""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import keras_pipe
+from tests import helpers
+
+
+def train(devices, remat, steps=3):
+    keras.utils.set_random_seed(7)
+    pipe = keras_pipe.PipelineModel(
+        helpers.dense_stages(3, batch_norm=True, dropout=0.4),
+        devices=devices[:3], num_micro_batches=4, remat=remat)
+    pipe.build((None, helpers.IN_DIM))
+    pipe.compile(keras.optimizers.Adam(0.05),
+                 keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    x, y, _ = helpers.data(22)
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(11)
+    history = pipe.fit(dataset, epochs=steps, verbose=0)
+    return pipe, history.history["loss"]
+
+
+def test_all_remat_modes_train_identically_with_batchnorm_and_dropout(
+        devices):
+    never, never_loss = train(devices, "never")
+    for remat in ("always", "except_last"):
+        pipe, loss = train(devices, remat)
+        np.testing.assert_allclose(loss, never_loss, rtol=1e-6)
+        # Weights, BatchNorm moving statistics and dropout seed states.
+        for v, ref in zip(pipe.variables, never.variables):
+            np.testing.assert_allclose(v.numpy(), ref.numpy(), rtol=1e-6,
+                                       atol=1e-7, err_msg=v.path)
+
+
+@pytest.mark.parametrize("remat", ["always", "except_last", "never"])
+def test_moving_statistics_update_once_per_micro_batch(devices, remat):
+    momentum = 0.5
+    norm = keras.layers.BatchNormalization(momentum=momentum)
+    pipe = keras_pipe.PipelineModel(
+        [keras.Sequential([norm]),
+         keras.Sequential([keras.layers.Dense(2)])],
+        devices=devices[:2], num_micro_batches=3, remat=remat)
+    pipe.build((None, 4))
+    pipe.compile("sgd", "mse")
+    rng = np.random.default_rng(3)
+    x = rng.normal(2.0, 3.0, size=(9, 4)).astype("float32")
+    pipe.train_on_batch(x, np.zeros((9, 2), "float32"))
+
+    mean, var = np.zeros(4), np.ones(4)
+    for part in np.split(x.astype("float64"), 3):  # one update per part
+        mean = momentum * mean + (1 - momentum) * part.mean(0)
+        var = momentum * var + (1 - momentum) * part.var(0)
+    np.testing.assert_allclose(norm.moving_mean.numpy(), mean, rtol=1e-5)
+    np.testing.assert_allclose(norm.moving_variance.numpy(), var, rtol=1e-5)
+
+
+def test_recompute_uses_the_forward_dropout_mask(devices):
+    def gradients(remat):
+        keras.utils.set_random_seed(11)
+        pipe = keras_pipe.PipelineModel(
+            helpers.dense_stages(2, dropout=0.5), devices=devices[:2],
+            num_micro_batches=2, remat=remat)
+        pipe.build((None, helpers.IN_DIM))
+        pipe.compile("sgd", keras.losses.SparseCategoricalCrossentropy(
+            from_logits=True))
+        x, y, _ = helpers.data(8)
+        return pipe, x, helpers.pipeline_loss_and_gradients(pipe, x, y)
+
+    pipe, x, (loss, y_pred, grads) = gradients("always")
+    _, _, (ref_loss, _, ref_grads) = gradients("never")
+    # Dropout is active in the training pass (outputs differ from inference).
+    assert np.abs(y_pred - pipe.predict(x, verbose=0)).max() > 1e-3
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
+    for g, ref_g in zip(grads, ref_grads):
+        np.testing.assert_allclose(g, ref_g, rtol=1e-6, atol=1e-7)
+
+
+class Shift(keras.layers.Layer):
+    """Adds 1 in training, 0 in inference: shows `training` arrived."""
+
+    def call(self, inputs, training=None):
+        return inputs + (1.0 if training else 0.0)
+
+
+def test_training_keyword_reaches_rematerialized_stages(devices):
+    pipe = keras_pipe.PipelineModel(
+        [Shift(), keras.layers.Dense(1, kernel_initializer="ones",
+                                     use_bias=False)],
+        devices=devices[:2], num_micro_batches=2, remat="always")
+    pipe.build((None, 3))
+    pipe.compile("sgd", "mse")
+    x = np.zeros((4, 3), "float32")
+    _, y_pred, grads = helpers.pipeline_loss_and_gradients(
+        pipe, x, np.zeros((4, 1), "float32"))
+    np.testing.assert_allclose(y_pred, np.full((4, 1), 3.0))
+    # d/dw of mean((sum_k w_k * 1)^2) = 2 * 3 * 1 for each weight.
+    np.testing.assert_allclose(grads[0], np.full((3, 1), 6.0), rtol=1e-6)
+    np.testing.assert_allclose(pipe.predict(x, verbose=0), np.zeros((4, 1)))

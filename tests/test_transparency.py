@@ -1,0 +1,149 @@
+"""The pipeline computes what the unsplit model computes on one device.
+
+Tolerances: float32, rtol=1e-5 and atol=1e-6 for losses, gradients,
+weights and outputs (micro-batching only changes the order of sums).
+"""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tests import helpers
+
+RTOL, ATOL = 1e-5, 1e-6
+
+
+def close(actual, expected):
+    np.testing.assert_allclose(actual, expected, rtol=RTOL, atol=ATOL)
+
+
+def compile_both(pipe, reference, loss=None, optimizer="sgd", metrics=()):
+    for model in (pipe, reference):
+        model.compile(
+            optimizer=keras.optimizers.get(optimizer).__class__.from_config(
+                keras.optimizers.get(optimizer).get_config()),
+            loss=loss or keras.losses.SparseCategoricalCrossentropy(
+                from_logits=True),
+            metrics=list(metrics))
+
+
+def check_one_step(pipe, reference, x, y, sample_weight=None):
+    loss, y_pred, grads = helpers.pipeline_loss_and_gradients(
+        pipe, x, y, sample_weight)
+    ref_loss, ref_pred, ref_grads = helpers.reference_loss_and_gradients(
+        reference, x, y, sample_weight)
+    close(loss, ref_loss)
+    close(y_pred, ref_pred)
+    assert len(grads) == len(ref_grads)
+    for g, ref_g in zip(grads, ref_grads):
+        close(g, ref_g)
+    logs = pipe.train_on_batch(x, y, sample_weight, return_dict=True)
+    ref_logs = reference.train_on_batch(x, y, sample_weight,
+                                        return_dict=True)
+    for name in ref_logs:
+        close(logs[name], ref_logs[name])
+    for w, ref_w in zip(pipe.get_weights(), reference.get_weights()):
+        close(w, ref_w)
+
+
+@pytest.mark.parametrize("num_stages", [1, 2, 4])
+@pytest.mark.parametrize("num_micro_batches", [1, 2, 3, 8])
+def test_stages_and_micro_batches(devices, num_stages, num_micro_batches):
+    pipe, reference = helpers.pipeline_and_reference(
+        num_stages, num_micro_batches, "except_last", devices)
+    compile_both(pipe, reference, optimizer="adam")
+    x, y, _ = helpers.data(10)  # 10 rows: uneven for M = 3, 8
+    check_one_step(pipe, reference, x, y)
+
+
+@pytest.mark.parametrize("remat", ["always", "except_last", "never"])
+def test_remat_modes(devices, remat):
+    pipe, reference = helpers.pipeline_and_reference(3, 4, remat, devices)
+    compile_both(pipe, reference, optimizer="adam")
+    x, y, sample_weight = helpers.data(10)
+    check_one_step(pipe, reference, x, y, sample_weight)
+
+
+@pytest.mark.parametrize(
+    "reduction",
+    ["sum_over_batch_size", "sum", "mean", "mean_with_sample_weight",
+     "none", None])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_loss_reductions_uneven_micro_batches(devices, reduction, weighted):
+    pipe, reference = helpers.pipeline_and_reference(2, 4, "always", devices)
+    compile_both(pipe, reference, loss=keras.losses.SparseCategoricalCrossentropy(
+        from_logits=True, reduction=reduction))
+    x, y, sample_weight = helpers.data(10)  # micro-batches of 3, 3, 2, 2
+    check_one_step(pipe, reference, x, y, sample_weight if weighted else None)
+
+
+def test_mean_of_micro_batch_means_would_be_wrong():
+    # Guards the premise of the test above: with sizes 3, 3, 2, 2 and
+    # weights, the mean of per-micro-batch means differs from the batch mean,
+    # so a pipeline that averaged micro-batch losses would fail it.
+    _, _, w = helpers.data(10)
+    losses = np.arange(10, dtype="float64") * w
+    means = [losses[a:b].mean() for a, b in [(0, 3), (3, 6), (6, 8), (8, 10)]]
+    assert abs(np.mean(means) - losses.mean()) > 1e-3
+
+
+def test_metrics_equal_plain_keras_on_the_full_batch(devices):
+    pipe, reference = helpers.pipeline_and_reference(2, 3, "always", devices)
+    compile_both(pipe, reference, metrics=[
+        "accuracy", keras.metrics.SparseTopKCategoricalAccuracy(k=2),
+        keras.metrics.SparseCategoricalCrossentropy(from_logits=True)])
+    x, y, sample_weight = helpers.data(11)
+    check_one_step(pipe, reference, x, y, sample_weight)
+
+
+def test_evaluate_and_predict_equal_the_unpipelined_model(devices):
+    pipe, reference = helpers.pipeline_and_reference(
+        3, 4, "always", devices, batch_norm=True, dropout=0.3)
+    compile_both(pipe, reference, metrics=["accuracy"])
+    x, y, _ = helpers.data(23)
+    close(pipe.predict(x, batch_size=7, verbose=0),
+          reference.predict(x, batch_size=7, verbose=0))
+    results = pipe.evaluate(x, y, batch_size=7, verbose=0, return_dict=True)
+    expected = reference.evaluate(x, y, batch_size=7, verbose=0,
+                                  return_dict=True)
+    for name in expected:
+        close(results[name], expected[name])
+
+
+def test_fit_on_dataset_equals_unpipelined_fit(devices):
+    # A dataset has a dynamic batch size, and its last batch (2 rows) is
+    # smaller than num_micro_batches=4: padding slots must not change
+    # anything.
+    pipe, reference = helpers.pipeline_and_reference(2, 4, "except_last",
+                                                     devices)
+    compile_both(pipe, reference, optimizer="adam")
+    x, y, _ = helpers.data(26)
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(8)
+    history = pipe.fit(dataset, epochs=2, verbose=0)
+    ref_history = reference.fit(dataset, epochs=2, verbose=0)
+    close(history.history["loss"], ref_history.history["loss"])
+    for w, ref_w in zip(pipe.get_weights(), reference.get_weights()):
+        close(w, ref_w)
+
+
+def test_regularization_losses_are_exact(devices):
+    def stages():
+        return [
+            keras.Sequential([keras.layers.Dense(
+                8, kernel_regularizer="l2", activity_regularizer="l1")]),
+            keras.Sequential([keras.layers.Dense(
+                3, bias_regularizer=keras.regularizers.L2(0.1))]),
+        ]
+
+    import keras_pipe
+
+    pipe = keras_pipe.PipelineModel(stages(), devices=devices[:2],
+                                    num_micro_batches=3, remat="always")
+    pipe.build((None, helpers.IN_DIM))
+    reference = keras.Sequential([keras.Input((helpers.IN_DIM,))] + [
+        layer for stage in stages() for layer in stage.layers])
+    reference.set_weights(pipe.get_weights())
+    compile_both(pipe, reference)
+    x, y, _ = helpers.data(10)
+    check_one_step(pipe, reference, x, y)
