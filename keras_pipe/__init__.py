@@ -11,6 +11,7 @@ if keras.backend.backend() != "tensorflow":
 from keras_pipe import schedule  # noqa: E402
 from keras_pipe.model import PipelineModel  # noqa: E402
 from keras_pipe.placement import logical_cpu_devices  # noqa: E402
+from keras_pipe.planner import plan  # noqa: E402
 
-__all__ = ["PipelineModel", "logical_cpu_devices", "schedule"]
+__all__ = ["PipelineModel", "logical_cpu_devices", "plan", "schedule"]
 __version__ = "0.1.0"

@@ -233,6 +233,49 @@ class PipelineModel(keras.Model):
                 stages[0]) is not None:
             self.built = True
 
+    @classmethod
+    def from_model(cls, model, num_stages, devices=None, num_micro_batches=1,
+                   remat="except_last", balance="params", **kwargs):
+        """Cuts a built Sequential or Functional model into a pipeline.
+
+        The stages reuse `model`'s layers (weights shared, not copied); see
+        `keras_pipe.partition` for how cuts carry skip connections, several
+        inputs and outputs, and tied layers. `keras_pipe.plan` shows the cut
+        without building the pipeline.
+
+        ```python
+        model = keras.applications.ResNet50(weights=None)
+        pipe = keras_pipe.PipelineModel.from_model(
+            model, num_stages=4, devices=devices, num_micro_batches=16,
+            balance="time")
+        ```
+
+        Args:
+            model: a built `keras.Sequential` or Functional `keras.Model`.
+            num_stages: number of stages.
+            devices: one device per stage, as in `PipelineModel`. Defaults
+                to `None`.
+            num_micro_batches: `M`. Defaults to `1`.
+            remat: as in `PipelineModel`. Defaults to `"except_last"`.
+            balance: `"params"`, `"flops"`, `"time"`, `"memory"` or a list
+                of layer-call counts per stage. Defaults to `"params"`.
+            **kwargs: `keras.Model` arguments (`name`, ...).
+
+        Returns:
+            A `PipelineModel`.
+
+        Raises:
+            TypeError, ValueError: see `keras_pipe.partition.split_model`
+                and `PipelineModel`.
+        """
+        # Imported here: the core does not depend on partitioning.
+        from keras_pipe import partition  # noqa: PLC0415
+        stages = partition.split_model(
+            model, num_stages, balance=balance, devices=devices,
+            num_micro_batches=num_micro_batches, remat=remat)
+        return cls(stages, devices=devices,
+                   num_micro_batches=num_micro_batches, remat=remat, **kwargs)
+
     @property
     def stages(self):
         """The stage layers, in order."""

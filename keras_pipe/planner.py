@@ -1,0 +1,273 @@
+"""A dry run of `PipelineModel.from_model`: where the cuts fall, and what it costs.
+
+`plan` reads the model's graph, cuts it as `from_model` would, and estimates
+per stage the parameters, forward FLOPs, boundary bytes and peak training
+memory, plus the GPipe bubble and the step time. It builds no pipeline and
+moves no variable, so it runs on a laptop for a model meant for 8 GPUs.
+"""
+
+import dataclasses
+import math
+
+import tensorflow as tf
+
+from keras_pipe import partition as partition_lib
+from keras_pipe import schedule as schedule_lib
+from keras_pipe.balance import cost as cost_lib
+
+__all__ = ["Plan", "StagePlan", "plan"]
+
+
+@dataclasses.dataclass
+class StagePlan:
+    """Estimates for one stage; sizes are per micro-batch.
+
+    Attributes:
+        index: the stage number `j`.
+        layers: names of the layer calls of the stage, in order.
+        params: weights the stage uses (tied weights count in each stage).
+        flops: estimated forward FLOPs for one micro-batch.
+        input_bytes: bytes of the tensors the stage receives per
+            micro-batch (the model inputs for stage 0).
+        output_bytes: bytes of the tensors it sends on per micro-batch.
+        peak_memory_bytes: estimated training memory: weights, gradients,
+            optimizer slots and the activations kept under `remat`.
+        time: measured forward seconds per micro-batch (`balance="time"`),
+            else `None`.
+        cost: the stage's total of the balanced cost, `None` for an
+            explicit balance.
+    """
+
+    index: int
+    layers: list
+    params: int
+    flops: float
+    input_bytes: int
+    output_bytes: int
+    peak_memory_bytes: int
+    time: object
+    cost: object
+
+    @property
+    def num_layers(self):
+        return len(self.layers)
+
+    @property
+    def first_layer(self):
+        return self.layers[0]
+
+    @property
+    def last_layer(self):
+        return self.layers[-1]
+
+
+@dataclasses.dataclass
+class Plan:
+    """How a model would be pipelined; `str(plan)` is a per-stage table.
+
+    Attributes:
+        model_name: the model's name.
+        num_stages: `K`.
+        num_micro_batches: `M`.
+        micro_batch_size: rows per micro-batch the sizes are for.
+        balance: the `balance` argument.
+        remat: the remat mode the memory estimate assumes.
+        stages: one `StagePlan` per stage.
+        sizes: layer calls per stage; `from_model(..., balance=plan.sizes)`
+            reproduces this cut.
+        tied: `(layers, stages)` for layers whose weights several stages
+            share.
+        bubble_fraction: `(K - 1) / (M + K - 1)`, the idle share of a step.
+        step_time: estimated seconds per training step, or `None` when
+            neither times nor `flops_per_second` are known.
+        suggestion: advice on `num_micro_batches`, or `None`.
+    """
+
+    model_name: str
+    num_stages: int
+    num_micro_batches: int
+    micro_batch_size: int
+    balance: object
+    remat: str
+    stages: list
+    sizes: list
+    tied: list
+    bubble_fraction: float
+    step_time: object
+    suggestion: object
+
+    def __str__(self):
+        return _format(self)
+
+
+def _remat_factor(remat, num_micro_batches):
+    """Step work in forward passes: forward + backward (~2) + recompute."""
+    recompute = {"always": 1.0, "never": 0.0,
+                 "except_last": (num_micro_batches - 1) / num_micro_batches}
+    return 3.0 + recompute[remat]
+
+
+def _stage_weights(calls):
+    """The variables of a stage's layers (layer weights), each once."""
+    seen, weights = set(), []
+    for call in calls:
+        for v in getattr(call.operation, "weights", None) or []:
+            if id(v) not in seen:
+                seen.add(id(v))
+                weights.append(v)
+    return weights
+
+
+def _weight_bytes(weights, optimizer_slots):
+    total = 0
+    for v in weights:
+        size = math.prod(v.shape) * tf.as_dtype(v.dtype).size
+        total += size * ((2 + optimizer_slots) if v.trainable else 1)
+    return total
+
+
+def plan(model, num_stages, num_micro_batches=1, balance="params",
+         remat="except_last", batch_size=None, devices=None,
+         optimizer_slots=2, flops_per_second=None):
+    """Plans the pipeline `PipelineModel.from_model` would build, without it.
+
+    ```python
+    model = keras.applications.ResNet50(weights=None)
+    p = keras_pipe.plan(model, num_stages=4, num_micro_batches=16,
+                        batch_size=256)
+    print(p)                # a table, one row per stage
+    p.stages[0].params      # the same data, for tools
+    ```
+
+    Args:
+        model: a built `keras.Sequential` or Functional `keras.Model`.
+        num_stages: `K`, number of stages.
+        num_micro_batches: `M`, micro-batches per mini-batch. Defaults to
+            `1`.
+        balance: as in `PipelineModel.from_model`. Defaults to `"params"`.
+        remat: the remat mode the memory estimate assumes. Defaults to
+            `"except_last"`.
+        batch_size: mini-batch size; sizes are for micro-batches of
+            `ceil(batch_size / M)` rows. Defaults to `None` (one row).
+        devices: stage devices; `balance="time"` measures on the first.
+            Defaults to `None` (TF's default device).
+        optimizer_slots: optimizer variables per weight for the memory
+            estimate (2 for Adam, 0 for SGD). Defaults to `2`.
+        flops_per_second: a device's sustained FLOP rate, to turn FLOPs into
+            a step time when times are not measured. Defaults to `None`.
+
+    Returns:
+        A `Plan`.
+
+    Raises:
+        TypeError, ValueError: as `keras_pipe.partition.split_model`.
+    """
+    part = partition_lib.cut(model, num_stages, balance, devices,
+                             num_micro_batches, remat, batch_size)
+    graph = part.graph
+    micro = partition_lib.micro_batch_size(batch_size, num_micro_batches)
+    call_flops = cost_lib.flops(graph, micro)
+    call_bytes = cost_lib.activation_bytes(graph, micro)
+    times = part.costs if balance == "time" else None
+    m, k = num_micro_batches, num_stages
+    stages, start = [], 0
+    for j, size in enumerate(part.sizes):
+        calls = part.stage_calls(j)
+        span = range(start, start + size)
+        start += size
+        in_bytes = sum(cost_lib.tensor_bytes(x, micro)
+                       for x in part.stage_inputs(j))
+        out_bytes = sum(cost_lib.tensor_bytes(x, micro)
+                        for x in part.stage_outputs(j))
+        activations = sum(call_bytes[i] for i in span)
+        if remat == "never":
+            kept = m * (in_bytes + activations)
+        else:
+            kept = m * in_bytes + activations
+        weights = _stage_weights(calls)
+        stages.append(StagePlan(
+            index=j, layers=[c.name for c in calls],
+            params=sum(math.prod(v.shape) for v in weights),
+            flops=float(sum(call_flops[i] for i in span)),
+            input_bytes=in_bytes, output_bytes=out_bytes,
+            peak_memory_bytes=_weight_bytes(weights, optimizer_slots) + kept,
+            time=None if times is None else sum(times[i] for i in span),
+            cost=None if part.costs is None else float(
+                sum(part.costs[i] for i in span))))
+    factor = _remat_factor(remat, m)
+    step_time = None
+    if times is not None:
+        step_time = (m + k - 1) * max(s.time for s in stages) * factor
+    elif flops_per_second:
+        step_time = ((m + k - 1) * max(s.flops for s in stages) * factor
+                     / flops_per_second)
+    bubble = schedule_lib.bubble_fraction(m, k)
+    suggestion = None
+    if k > 1 and m < 4 * k:
+        suggestion = (
+            f"num_micro_batches={m} < 4 x num_stages = {4 * k}: the "
+            f"pipeline idles {bubble:.0%} of a step. GPipe suggests "
+            f"num_micro_batches >= {4 * k}, which idles "
+            f"{schedule_lib.bubble_fraction(4 * k, k):.0%}.")
+    return Plan(model.name, k, m, micro, balance, remat, stages,
+                list(part.sizes), list(part.tied), bubble, step_time,
+                suggestion)
+
+
+def _si(value, unit=""):
+    for scale, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "K")):
+        if abs(value) >= scale:
+            return f"{value / scale:.2f} {prefix}{unit}"
+    return f"{value:.0f} {unit}".rstrip()
+
+
+def _bytes(value):
+    for scale, prefix in ((2**40, "TiB"), (2**30, "GiB"), (2**20, "MiB"),
+                          (2**10, "KiB")):
+        if value >= scale:
+            return f"{value / scale:.2f} {prefix}"
+    return f"{value} B"
+
+
+def _format(p):
+    rows = [["stage", "layers", "calls", "params", "fwd FLOPs", "in bytes",
+             "out bytes", "peak memory"]]
+    timed = any(s.time is not None for s in p.stages)
+    if timed:
+        rows[0].append("fwd time")
+    for s in p.stages:
+        row = [str(s.index), f"{s.first_layer}..{s.last_layer}",
+               str(s.num_layers), f"{s.params:,}", _si(s.flops),
+               _bytes(s.input_bytes), _bytes(s.output_bytes),
+               _bytes(s.peak_memory_bytes)]
+        if timed:
+            row.append(f"{s.time * 1e3:.3f} ms")
+        rows.append(row)
+    widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
+    numeric = {2, 3, 4, 5, 6, 7, 8}
+    table = "\n".join(
+        "  ".join(cell.rjust(w) if c in numeric else cell.ljust(w)
+                  for c, (cell, w) in enumerate(zip(r, widths))).rstrip()
+        for r in rows)
+    m, k = p.num_micro_batches, p.num_stages
+    lines = [
+        f"Pipeline plan for {p.model_name!r}: {k} stages, {m} micro-batches "
+        f"of {p.micro_batch_size} row(s), balance={p.balance!r}, "
+        f"remat={p.remat!r}",
+        table,
+        f"bubble fraction (K-1)/(M+K-1) = {k - 1}/{m + k - 1} = "
+        f"{p.bubble_fraction:.1%}",
+    ]
+    if p.step_time is not None:
+        lines.append(f"estimated step time: {p.step_time * 1e3:.2f} ms "
+                     "((M+K-1) x slowest stage x forward+backward+remat)")
+    else:
+        lines.append("estimated step time: unknown (use balance='time' or "
+                     "pass flops_per_second=...)")
+    for layers, stages in p.tied:
+        lines.append(f"tied weights: {layers} shared by stages {stages} "
+                     "(one variable, gradients summed)")
+    if p.suggestion:
+        lines.append("suggestion: " + p.suggestion)
+    lines.append(f"balance={p.sizes} reproduces this cut.")
+    return "\n".join(lines)
