@@ -317,7 +317,14 @@ class PipelineModel(keras.Model):
     # ------------------------------------------------------------------ build
 
     def build(self, input_shape):
-        spec = _to_spec(input_shape)
+        """Builds every stage under its device, from float32 input shapes.
+
+        `fit`, `evaluate` and `predict` build from the first batch instead,
+        with its real dtypes.
+        """
+        self._build_from_spec(_to_spec(input_shape))
+
+    def _build_from_spec(self, spec):
         first = _known_input_spec(self._stage_layers[0])
         if first is not None:
             spec = first
@@ -334,6 +341,13 @@ class PipelineModel(keras.Model):
                 placement.place_variables(stage, device)
                 spec = out
         self.built = True
+
+    def _ensure_built(self, x):
+        """Builds from a batch (Keras' TF trainer builds on first trace)."""
+        if not self.built:
+            self._build_from_spec(keras.tree.map_structure(
+                lambda t: keras.KerasTensor((None,) + tuple(t.shape[1:]),
+                                            dtype=t.dtype.name), x))
 
     def compute_output_spec(self, inputs, training=False):
         spec = inputs
@@ -502,6 +516,7 @@ class PipelineModel(keras.Model):
 
     def train_step(self, data):
         x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
+        self._ensure_built(x)
         loss, y_pred, gradients = self.compute_loss_and_gradients(
             x, y, sample_weight)
         batch_size = tf.shape(
@@ -511,3 +526,11 @@ class PipelineModel(keras.Model):
         if variables:
             self.optimizer.apply_gradients(zip(gradients, variables))
         return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+
+    def test_step(self, data):
+        self._ensure_built(data_adapter_utils.unpack_x_y_sample_weight(data)[0])
+        return super().test_step(data)
+
+    def predict_step(self, data):
+        self._ensure_built(data_adapter_utils.unpack_x_y_sample_weight(data)[0])
+        return super().predict_step(data)

@@ -93,8 +93,10 @@ def default_devices(num_stages):
 
 
 def _matches(spec, full):
-    """Whether the (partial) DeviceSpec `spec` names the full device `full`."""
+    """Whether the (partial) DeviceSpec `spec` names the device `full`."""
     full = tf.DeviceSpec.from_string(full)
+    if full.job is None:  # a local device, listed without its job
+        full = full.replace(job="localhost", replica=0, task=0)
     for field in ("job", "replica", "task", "device_index"):
         want = getattr(spec, field)
         if want is not None and want != getattr(full, field):

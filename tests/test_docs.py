@@ -1,0 +1,38 @@
+"""The README's commands stay true: CI runs the README's test command."""
+
+import os
+import re
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def readme_commands():
+    text = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    block = re.search(r"```bash\n(.*?)```", text, re.S).group(1)
+    return [line for line in block.splitlines() if line.strip()]
+
+
+def test_ci_runs_the_readme_test_command():
+    demo, tests = readme_commands()[:2]
+    assert "python -m keras_pipe.demo" in demo
+    assert "pytest" in tests
+    ci = open(os.path.join(ROOT, ".ci", "run"), encoding="utf-8").read()
+    assert tests in ci.splitlines()
+
+
+def test_demo_trains_above_chance():
+    # A short run of the main job (the README's first command runs it with
+    # the defaults: 8 epochs on 8192 samples).
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
+    proc = subprocess.run(
+        [sys.executable, "-m", "keras_pipe.demo", "--epochs", "3",
+         "--samples", "4096"],
+        capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "/device:CPU:3" in proc.stdout  # the stage/device table
+    assert "stage 3  .  .  .  0  1" in proc.stdout  # the schedule
+    accuracy = float(re.search(r"held-out accuracy: ([0-9.]+)",
+                               proc.stdout).group(1))
+    assert accuracy > 0.5, proc.stdout[-2000:]  # chance is 0.25

@@ -1,0 +1,117 @@
+"""The GPipe schedule: exact clock ticks, and the executor follows it."""
+
+import time
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import keras_pipe
+from keras_pipe import schedule
+
+
+def test_gpipe_clock_ticks_exactly():
+    assert schedule.gpipe(3, 3) == [
+        [(0, 0)],
+        [(1, 0), (0, 1)],
+        [(2, 0), (1, 1), (0, 2)],
+        [(2, 1), (1, 2)],
+        [(2, 2)],
+    ]
+    assert schedule.gpipe(1, 1) == [[(0, 0)]]
+    assert schedule.gpipe(2, 1) == [[(0, 0)], [(1, 0)]]
+    assert schedule.gpipe(1, 3) == [[(0, 0)], [(0, 1)], [(0, 2)]]
+
+
+@pytest.mark.parametrize("m,k", [(1, 4), (4, 1), (5, 3), (16, 4)])
+def test_gpipe_dependencies_hold(m, k):
+    ticks = schedule.gpipe(m, k)
+    assert len(ticks) == m + k - 1
+    when = {pair: t for t, tick in enumerate(ticks) for pair in tick}
+    assert sorted(when) == [(i, j) for i in range(m) for j in range(k)]
+    for (i, j), t in when.items():
+        if j:
+            assert when[(i, j - 1)] < t  # left the previous stage
+        if i:
+            assert when[(i - 1, j)] < t  # stage j finished micro-batch i - 1
+
+
+def test_format_schedule_draws_the_bubble():
+    assert schedule.format_schedule(schedule.gpipe(3, 2)) == (
+        "tick     0  1  2  3\n"
+        "stage 0  0  1  2  .\n"
+        "stage 1  .  0  1  2")
+
+
+def test_bubble_fraction():
+    assert schedule.bubble_fraction(4, 4) == pytest.approx(3 / 7)
+    assert schedule.bubble_fraction(1, 1) == 0.0
+
+
+@pytest.mark.parametrize("bad", [0, -1])
+def test_schedule_rejects_bad_counts(bad):
+    with pytest.raises(ValueError, match=f"num_micro_batches must be >= 1. "
+                       f"Received: num_micro_batches={bad}"):
+        schedule.gpipe(bad, 2)
+    with pytest.raises(TypeError, match="num_stages must be an int"):
+        schedule.gpipe(2, 2.0)
+
+
+class Wait(keras.layers.Layer):
+    """Identity that takes `seconds` (sleeps in a non-stateful op) and logs."""
+
+    def __init__(self, stage, seconds, record, **kwargs):
+        super().__init__(**kwargs)
+        # A callable, not the list: Keras would track (copy) a list attribute.
+        self.stage, self.seconds, self.record = stage, seconds, record
+
+    def call(self, inputs):
+        def wait(x):
+            start = time.perf_counter()
+            time.sleep(self.seconds)
+            # Row ids travel in column 0: the first one names the micro-batch.
+            self.record((self.stage, int(x[0, 0]), start,
+                             time.perf_counter()))
+            return x
+
+        out = tf.numpy_function(wait, [inputs], tf.float32, stateful=False)
+        return tf.ensure_shape(out, inputs.shape)
+
+
+def timed_forward(devices, num_stages, num_micro_batches, seconds):
+    log = []
+    model = keras_pipe.PipelineModel(
+        [Wait(j, seconds, log.append) for j in range(num_stages)],
+        devices=devices[:num_stages], num_micro_batches=num_micro_batches)
+    batch = 2 * num_micro_batches
+    x = np.repeat(np.arange(batch, dtype="float32")[:, None], 3, axis=1)
+    forward = tf.function(lambda x: model(x))
+    forward(x)  # trace
+    elapsed = []
+    for _ in range(3):
+        log.clear()
+        start = time.perf_counter()
+        forward(x).numpy()
+        elapsed.append(time.perf_counter() - start)
+    return min(elapsed), log, batch // num_micro_batches
+
+
+def test_stages_overlap_as_the_schedule_says(devices):
+    # K stages, M micro-batches, each stage-time t: the pipeline takes
+    # about (M + K - 1) t, a sequential run M K t. Sleeping does not use
+    # the CPU, so this holds on 2 shared cores with enough inter-op threads.
+    k, m, t = 4, 6, 0.05
+    elapsed, log, rows = timed_forward(devices, k, m, t)
+    assert len(log) == m * k
+    ideal, sequential = (m + k - 1) * t, m * k * t
+    assert ideal * 0.95 <= elapsed <= ideal * 1.3 + 0.05, (elapsed, ideal)
+    assert elapsed < 0.6 * sequential
+    # Execution order follows the schedule: micro-batch i on stage j starts
+    # after i left stage j - 1 and after stage j finished i - 1.
+    done = {(j, first_row // rows): (s, e) for j, first_row, s, e in log}
+    for (j, i), (start, _) in done.items():
+        if j:
+            assert start >= done[(j - 1, i)][1]
+        if i:
+            assert start >= done[(j, i - 1)][1]
