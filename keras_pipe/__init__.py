@@ -9,9 +9,12 @@ if keras.backend.backend() != "tensorflow":
         "before importing keras.")
 
 from keras_pipe import schedule  # noqa: E402
+from keras_pipe.callbacks import BackupAndRestore  # noqa: E402
 from keras_pipe.model import PipelineModel  # noqa: E402
 from keras_pipe.placement import logical_cpu_devices  # noqa: E402
 from keras_pipe.planner import plan  # noqa: E402
+from keras_pipe.saving import load_model  # noqa: E402
 
-__all__ = ["PipelineModel", "logical_cpu_devices", "plan", "schedule"]
+__all__ = ["BackupAndRestore", "PipelineModel", "load_model",
+           "logical_cpu_devices", "plan", "schedule"]
 __version__ = "0.1.0"

@@ -7,8 +7,10 @@ import tensorflow as tf
 from keras.src.backend.common import global_state
 from keras.src.trainers.data_adapters import data_adapter_utils
 
+from keras_pipe import export as export_lib
 from keras_pipe import microbatch
 from keras_pipe import placement
+from keras_pipe import saving
 from keras_pipe import schedule as schedule_lib
 from keras_pipe.remat import REMAT_MODES, Stage
 
@@ -313,6 +315,56 @@ class PipelineModel(keras.Model):
         widths = [max(len(r[c]) for r in rows) for c in range(4)]
         return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(r, widths))
                          for r in rows)
+
+    # ----------------------------------------------------------------- saving
+    # The logic lives in keras_pipe/saving.py and keras_pipe/export.py.
+
+    @property
+    def layers(self):
+        """The unpipelined model's layers, stage after stage.
+
+        Nested Sequential/Functional stages are opened up, so that weights
+        files have the plain model's layout whatever the cut.
+        """
+        return saving.flat_layers(self._stage_layers)
+
+    @property
+    def _seed_states(self):
+        # Walked by Keras saving: seed generator states (Dropout masks).
+        return saving.SeedStates(self.layers)
+
+    def get_config(self):
+        return saving.get_config(self, super().get_config())
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        return saving.from_config(cls, config, custom_objects)
+
+    def compile_from_config(self, config):
+        saving.compile_from_config(self, config)
+
+    def load_own_variables(self, store):
+        saving.check_store(self, store)
+        super().load_own_variables(store)
+
+    def load_weights(self, filepath, skip_mismatch=False, **kwargs):
+        """Same as `keras.Model.load_weights`, checked and all or nothing."""
+        saving.load_weights(
+            self, filepath, skip_mismatch=skip_mismatch,
+            load=lambda: super(PipelineModel, self).load_weights(
+                filepath, skip_mismatch=skip_mismatch, **kwargs))
+
+    def to_model(self, name=None):
+        """The unpipelined Functional model, sharing this model's layers."""
+        return export_lib.to_model(self, name=name)
+
+    def export(self, filepath, format="tf_saved_model", verbose=None,
+               input_signature=None, pipelined=False, **kwargs):
+        """Exports the model for serving; see `keras_pipe.export.export`."""
+        return export_lib.export(self, filepath, format=format,
+                                 verbose=verbose,
+                                 input_signature=input_signature,
+                                 pipelined=pipelined, **kwargs)
 
     # ------------------------------------------------------------------ build
 

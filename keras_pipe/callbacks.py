@@ -1,0 +1,160 @@
+"""BackupAndRestore that resumes an interrupted fit at the exact batch.
+
+`keras.callbacks.BackupAndRestore` with `save_freq=<int>` backs up in the
+middle of an epoch, but on restart it only restores the epoch number: the
+interrupted epoch runs again from its first batch, on top of weights that
+have already seen part of it. For a pipeline trained for hours between
+preemptions this both wastes work and changes the result. This subclass
+records how many batches of the epoch were done, in the same file as the
+weights (written to a temporary file, then renamed, so a crash never leaves
+weights and position out of step), and on restart skips those batches: the
+data they would have used is drawn and dropped, and training goes on from
+the next one. With a data order that depends on the epoch only (a fixed
+dataset, `shuffle=False`, or a shuffle with a fixed seed), the resumed fit
+ends with the same weights as an uninterrupted one.
+"""
+
+import json
+import os
+import shutil
+
+import h5py
+import keras
+
+__all__ = ["BackupAndRestore"]
+
+_ATTRIBUTE = "keras_pipe_resume"
+
+
+class BackupAndRestore(keras.callbacks.BackupAndRestore):
+    """`keras.callbacks.BackupAndRestore` with an exact mid-epoch resume.
+
+    Works with any Keras model; a `PipelineModel` saves its seed generator
+    states too, so Dropout draws the same masks after the restart.
+
+    ```python
+    backup = keras_pipe.BackupAndRestore("/ckpt/backup", save_freq=100)
+    model.fit(dataset, epochs=10, callbacks=[backup])   # preempted
+    # in the new process, same model code, same call:
+    model.fit(dataset, epochs=10, callbacks=[backup])   # goes on from there
+    ```
+
+    Args:
+        backup_dir: directory of the backup.
+        save_freq: `"epoch"` or a number of batches between backups.
+            Defaults to `"epoch"`.
+        double_checkpoint: keep the previous backup too. Defaults to `False`.
+        delete_checkpoint: delete the backup when training ends. Defaults
+            to `True`.
+
+    Raises:
+        ValueError: if `save_freq` is neither `"epoch"` nor an int, or (at
+            restore) the backup's position does not match its optimizer
+            step count.
+    """
+
+    def __init__(self, backup_dir, save_freq="epoch", double_checkpoint=False,
+                 delete_checkpoint=True):
+        super().__init__(backup_dir, save_freq=save_freq,
+                         double_checkpoint=double_checkpoint,
+                         delete_checkpoint=delete_checkpoint)
+        self._steps_done = 0
+        self._skip = 0
+        self._resume_steps = 0
+        self._train_function = None
+
+    # ------------------------------------------------------------- restore
+
+    def _load_model(self):
+        super()._load_model()
+        self._skip = 0
+        if not os.path.exists(self._weights_path):
+            return
+        with h5py.File(self._weights_path, "r") as f:
+            position = f.attrs.get(_ATTRIBUTE)
+        if position is None:
+            return
+        position = json.loads(position)
+        optimizer = self.model.optimizer
+        if optimizer is not None and int(optimizer.iterations.numpy()) != \
+                position["iterations"]:
+            raise ValueError(
+                f"The backup {self._weights_path!r} says it was written after "
+                f"{position['iterations']} optimizer steps, but its optimizer "
+                f"state holds {int(optimizer.iterations.numpy())}. Delete "
+                f"{self.backup_dir!r} to train from the start.")
+        self.model._initial_epoch = position["epoch"]
+        self._current_epoch = position["epoch"]
+        self._skip = position["steps"]
+
+    def on_train_begin(self, logs=None):
+        super().on_train_begin(logs)
+        self._steps_done = self._resume_steps = self._skip
+        if self._skip:
+            self._wrap_train_function()
+
+    def _wrap_train_function(self):
+        original = self.model.train_function
+        self._train_function = original
+        steps = self.model.steps_per_execution or 1
+
+        def skipping(iterator):
+            # Draw and drop the data of batches done before the interruption.
+            for _ in range(min(steps, self._skip)):
+                next(iterator)
+            self._skip -= min(steps, self._skip)
+            if not self._skip:
+                self.model.train_function = original
+            return self.model.get_metrics_result()
+
+        self.model.train_function = skipping
+
+    def on_train_end(self, logs=None):
+        if self._train_function is not None:
+            self.model.train_function = self._train_function
+            self._train_function = None
+        # Keras leaves the resumed epoch on the model; a later fit would
+        # start there.
+        self.model._initial_epoch = None
+        super().on_train_end(logs)
+
+    # ---------------------------------------------------------------- save
+
+    def on_train_batch_end(self, batch, logs=None):
+        self._steps_done = batch + 1
+        if batch < self._resume_steps:
+            # A skipped batch: the weights are those of the backup already.
+            self._last_batch_seen = batch
+            return
+        super().on_train_batch_end(batch, logs)
+
+    def on_epoch_end(self, epoch, logs=None):
+        self._steps_done = 0
+        self._resume_steps = 0
+        super().on_epoch_end(epoch, logs)
+
+    def _save_model(self):
+        os.makedirs(self.backup_dir, exist_ok=True)
+        if self.double_checkpoint and os.path.exists(self._weights_path):
+            shutil.copyfile(self._weights_path, self._prev_weights_path)
+        temporary = self._weights_path + ".tmp.weights.h5"
+        self.model.save_weights(temporary, overwrite=True)
+        optimizer = self.model.optimizer
+        position = {
+            "epoch": self._current_epoch,
+            "steps": self._steps_done,
+            "iterations": (int(optimizer.iterations.numpy())
+                           if optimizer is not None else None),
+        }
+        with h5py.File(temporary, "a") as f:
+            f.attrs[_ATTRIBUTE] = json.dumps(position)
+        os.replace(temporary, self._weights_path)
+        # Keras' own metadata file, read by the stock restore.
+        if self.double_checkpoint and os.path.exists(
+                self._training_metadata_path):
+            shutil.copyfile(self._training_metadata_path,
+                            self._prev_training_metadata_path)
+        with open(temporary, "w") as f:
+            json.dump({"epoch": self._current_epoch,
+                       "batch": self._last_batch_seen}, f)
+        os.replace(temporary, self._training_metadata_path)
