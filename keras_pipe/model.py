@@ -144,6 +144,20 @@ def _mismatch_message(stages, j, spec, exc):
             f"{j - 1}'s output. Error: {exc}")
 
 
+def _finish_mini_batch(stage):
+    """Calls `finish_mini_batch()` on each layer of `stage` that has it.
+
+    The hook runs once per training step, after the state of every
+    micro-batch has been assigned: a layer that accumulates statistics over
+    micro-batches (`keras_pipe.layers.DeferredBatchNormalization`) applies
+    them here, once per mini-batch.
+    """
+    for layer in stage._flatten_layers():
+        finish = getattr(layer, "finish_mini_batch", None)
+        if callable(finish):
+            finish()
+
+
 def _layer_losses(runs, micro_batches, dtype):
     """The losses layers added (`add_loss`) during the pipelined forward pass.
 
@@ -476,6 +490,8 @@ class PipelineModel(keras.Model):
                                                  values, flags):
                     if flag:
                         variable.assign(value)
+                if training:
+                    _finish_mini_batch(runner.layer)
         with tf.device(self._runners[-1].device):
             outputs = microbatch.gather([run[-1].outputs for run in runs],
                                         micro_batches)

@@ -104,3 +104,29 @@ def test_training_keyword_reaches_rematerialized_stages(devices):
     # d/dw of mean((sum_k w_k * 1)^2) = 2 * 3 * 1 for each weight.
     np.testing.assert_allclose(grads[0], np.full((3, 1), 6.0), rtol=1e-6)
     np.testing.assert_allclose(pipe.predict(x, verbose=0), np.zeros((4, 1)))
+
+
+def test_batch_smaller_than_num_micro_batches_with_batchnorm(devices):
+    # A dataset's last batch (2 rows) is smaller than M = 4: the step must
+    # run 2 micro-batches of 1 row, never an empty one (BatchNormalization
+    # would put NaN into its moving statistics).
+    momentum = 0.5
+    norm = keras.layers.BatchNormalization(momentum=momentum)
+    pipe = keras_pipe.PipelineModel(
+        [keras.Sequential([norm]), keras.Sequential([keras.layers.Dense(2)])],
+        devices=devices[:2], num_micro_batches=4, remat="always")
+    pipe.compile("sgd", "mse")
+    rng = np.random.default_rng(5)
+    x = rng.normal(1.0, 2.0, size=(10, 3)).astype("float32")
+    dataset = tf.data.Dataset.from_tensor_slices(
+        (x, np.zeros((10, 2), "float32"))).batch(8)  # batches of 8 and 2
+    history = pipe.fit(dataset, epochs=1, verbose=0)
+    assert np.isfinite(history.history["loss"][0])
+
+    mean, var = np.zeros(3), np.ones(3)
+    for part in np.split(x[:8].astype("float64"), 4) + [x[8:9], x[9:10]]:
+        mean = momentum * mean + (1 - momentum) * part.mean(0)
+        var = momentum * var + (1 - momentum) * part.var(0)
+    np.testing.assert_allclose(norm.moving_mean.numpy(), mean, rtol=1e-5)
+    np.testing.assert_allclose(norm.moving_variance.numpy(), var, rtol=1e-5,
+                               atol=1e-6)
