@@ -17,6 +17,10 @@ setup(
     ],
     extras_require={
         "tests": ["pytest>=8,<10", "pytest-timeout>=2.3"],
-        "examples": ["tensorflow-datasets==4.9.*", "matplotlib>=3.8"],
+        # keras-hub's WordPiece tokenizer runs on tensorflow-text, pinned to
+        # the TensorFlow release above.
+        "examples": ["tensorflow-datasets==4.9.*", "matplotlib>=3.8",
+                     "keras-hub==0.32.*", "tensorflow-text==2.21.*",
+                     "sacrebleu>=2.4,<3"],
     },
 )
