@@ -1,12 +1,22 @@
 """keras_pipe: GPipe pipeline parallelism for Keras 3 on TensorFlow."""
 
-import keras
+import os
 
-if keras.backend.backend() != "tensorflow":
-    raise ImportError(
-        "keras_pipe needs the TensorFlow backend of Keras, but the backend "
-        f"is {keras.backend.backend()!r}. Set KERAS_BACKEND=tensorflow "
-        "before importing keras.")
+
+def _check_backend(backend):
+    if backend != "tensorflow":
+        raise ImportError(
+            "keras_pipe needs the TensorFlow backend of Keras, but the "
+            f"backend is {backend!r}. Set KERAS_BACKEND=tensorflow before "
+            "importing keras.")
+
+
+# Checked before importing keras too: another backend may fail to import.
+_check_backend(os.environ.get("KERAS_BACKEND", "tensorflow"))
+
+import keras  # noqa: E402
+
+_check_backend(keras.backend.backend())
 
 from keras_pipe import layers  # noqa: E402
 from keras_pipe import schedule  # noqa: E402

@@ -58,6 +58,7 @@ class Stage:
     def __init__(self, layer, device):
         self.layer = layer
         self.device = device
+        self._functions = {}
 
     @property
     def trainable_variables(self):
@@ -90,9 +91,48 @@ class Stage:
     def call(self, inputs, params, state, training):
         """Runs the layer statelessly: returns (outputs, new_state, losses).
 
-        `new_state[k]` is `None` where the call left state variable `k`
+        The stage is traced once per `training` flag and input structure
+        (batch size left open) into a function, and every micro-batch calls
+        it: the graph grows with `M + K` traced stages, not `M * K`, and the
+        gradient of the call is the function's gradient, built once.
+        `new_state[k]` is `None` where the call leaves state variable `k`
         unchanged.
         """
+        function, changed = self._traced(inputs, params, state, training)
+        outputs, new_state, losses = function(inputs, params, state)
+        new_state = [new if c else None for new, c in zip(new_state, changed)]
+        return outputs, new_state, losses
+
+    def _traced(self, inputs, params, state, training):
+        signature = (
+            keras.tree.map_structure(
+                lambda t: tf.TensorSpec((None,) + tuple(t.shape[1:]),
+                                        t.dtype), inputs),
+            [tf.TensorSpec.from_tensor(p) for p in params],
+            [tf.TensorSpec.from_tensor(s) for s in state])
+        key = (bool(training), repr(signature))
+        if key not in self._functions:
+            changed = []
+
+            def run(inputs, params, state):
+                outputs, new_state, losses = self.call_inline(
+                    inputs, params, state, training)
+                changed[:] = [new is not None for new in new_state]
+                return outputs, [old if new is None else new
+                                 for new, old in zip(new_state, state)], losses
+
+            # Not inlined: the call is one op that ends when the whole stage
+            # has run, which is what the schedule's control dependencies
+            # wait for (inlined, they would only wait for its first ops).
+            function = tf.function(
+                run, autograph=False,
+                experimental_attributes={"_noinline": True},
+                ).get_concrete_function(*signature)
+            self._functions[key] = (function, list(changed))
+        return self._functions[key]
+
+    def call_inline(self, inputs, params, state, training):
+        """`call` without the traced function: the layer's ops, in place."""
         mapping = list(zip(self.trainable_variables, params))
         mapping += list(zip(self.state_variables, state))
         with keras.StatelessScope(state_mapping=mapping,
@@ -122,6 +162,12 @@ class Stage:
                     lambda t: None if t is None else tf.identity(t), inputs)
                 outputs, new_state, losses = self.call(
                     inputs, params, state, training)
+            # Fresh tensors for the next stage and the loss: `tf.gradients`
+            # from them then stops here instead of walking back into the
+            # call (its state output feeds the next micro-batch's call).
+            outputs = keras.tree.map_structure(
+                lambda t: None if t is None else tf.identity(t), outputs)
+            losses = [tf.identity(l) for l in losses]
         run = StageRun(inputs, params, state, outputs, losses, remat)
         return run, new_state
 

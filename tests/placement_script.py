@@ -21,11 +21,17 @@ remat = sys.argv[1]
 devices = keras_pipe.logical_cpu_devices(2)
 # Must be set before TF initializes to reach the placer of tf.functions.
 tf.debugging.set_log_device_placement(True)
+# Layer names start with "s{j}_": the ops inside stage j's traced function
+# are named after its layers, so the test can tell the stages apart.
 stages = [
-    keras.Sequential([keras.layers.Dense(8), keras.layers.BatchNormalization(),
-                      keras.layers.Dropout(0.5)]),
-    keras.Sequential([keras.layers.Dense(8, activation="relu"),
-                      keras.layers.Dense(2)]),
+    keras.Sequential([keras.layers.Dense(8, name="s0_dense"),
+                      keras.layers.BatchNormalization(name="s0_norm"),
+                      keras.layers.Dropout(0.5, name="s0_dropout")],
+                     name="s0_stage"),
+    keras.Sequential([keras.layers.Dense(8, activation="relu",
+                                         name="s1_dense"),
+                      keras.layers.Dense(2, name="s1_logits")],
+                     name="s1_stage"),
 ]
 model = keras_pipe.PipelineModel(stages, devices=devices,
                                  num_micro_batches=2, remat=remat)

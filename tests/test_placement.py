@@ -60,16 +60,28 @@ def test_optimizer_slots_live_with_their_variable(placement):
 def test_forward_backward_and_recompute_ops_run_on_the_stage_device(
         placement):
     remat, _, ops = placement
-    kinds = {"forward": 0, "backward": 0, "recompute": 0}
+    # Ops of the step's graph: stage{j}/mb{i}/forward|backward[/recompute].
+    calls = {"forward": 0, "backward": 0, "recompute": 0}
     for name, op_type, device in ops:
         match = re.match(r"stage(\d+)/mb\d+/(forward|backward)", name)
         if not match:
             continue
         assert device == cpu(int(match.group(1))), (name, op_type, device)
         kind = "recompute" if "/recompute/" in name else match.group(2)
-        kinds[kind] += 1
-    assert kinds["forward"] > 0 and kinds["backward"] > 0
-    assert (kinds["recompute"] > 0) == (remat == "always")
+        calls[kind] += 1
+    assert calls["forward"] > 0 and calls["backward"] > 0
+    assert (calls["recompute"] > 0) == (remat == "always")
+    # Ops inside the traced stage functions and their gradient functions,
+    # named after the stage's layers ("s{j}_..."): forward and backward math.
+    inside = {"forward": 0, "backward": 0}
+    for name, op_type, device in ops:
+        match = re.search(r"(?:^|/)s(\d)_(?:dense|norm|dropout|logits)\w*/",
+                          name)
+        if not match or op_type == "NoOp":
+            continue
+        assert device == cpu(int(match.group(1))), (name, op_type, device)
+        inside["backward" if "gradients/" in name else "forward"] += 1
+    assert inside["forward"] > 10 and inside["backward"] > 10, inside
 
 
 def test_optimizer_update_math_runs_on_each_variables_device(placement):
