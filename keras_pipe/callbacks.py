@@ -83,9 +83,12 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
                 f"{position['iterations']} optimizer steps, but its optimizer "
                 f"state holds {int(optimizer.iterations.numpy())}. Delete "
                 f"{self.backup_dir!r} to train from the start.")
-        self.model._initial_epoch = position["epoch"]
-        self._current_epoch = position["epoch"]
-        self._skip = position["steps"]
+        epoch, steps = position["epoch"], position["steps"]
+        if steps and steps == (self.params or {}).get("steps"):
+            epoch, steps = epoch + 1, 0  # Saved after the epoch's last batch.
+        self.model._initial_epoch = epoch
+        self._current_epoch = epoch
+        self._skip = steps
 
     def on_train_begin(self, logs=None):
         super().on_train_begin(logs)
@@ -105,7 +108,7 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
             self._skip -= min(steps, self._skip)
             if not self._skip:
                 self.model.train_function = original
-            return self.model.get_metrics_result()
+            return {}  # No metric has seen these batches.
 
         self.model.train_function = skipping
 

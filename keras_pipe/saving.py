@@ -396,16 +396,23 @@ def load_weights(model, filepath, load, skip_mismatch=False):
     values they had, and the error names the file.
     """
     path = os.fspath(filepath)
-    if not skip_mismatch and (path.endswith(".weights.h5")
-                              or path.endswith(".keras")):
+    optimizer = getattr(model, "optimizer", None)
+    if path.endswith(".weights.h5") or path.endswith(".keras"):
         h5 = _open_weights(path)
         try:
-            check_weights(model, h5, repr(path))
+            if not skip_mismatch:
+                check_weights(model, h5, repr(path))
+            with_optimizer = "optimizer" in h5
         finally:
             h5.close()
+        if (with_optimizer and optimizer is not None and not optimizer.built
+                and model.built):
+            # Keras would skip the optimizer state of the file (with a
+            # warning): create the slots so that training resumes exactly.
+            optimizer.build(model.trainable_variables)
     variables = list(model.variables)
-    if getattr(model, "optimizer", None) is not None:
-        variables += list(model.optimizer.variables)
+    if optimizer is not None:
+        variables += list(optimizer.variables)
     snapshot = [(v, np.array(v.numpy())) for v in variables]
     try:
         load()
