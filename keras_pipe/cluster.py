@@ -1,0 +1,318 @@
+"""Remote workers: connect to a TensorFlow cluster, fail fast when a worker is gone.
+
+Stages run on remote devices through TensorFlow's own distributed runtime
+(`tf.distribute.Server` workers, `tf.config.experimental_connect_to_cluster`):
+after `connect`, a device such as `/job:worker/replica:0/task:1/device:CPU:0`
+is an ordinary stage device, and the whole training step stays one
+`tf.function` whose cross-worker edges TF turns into gRPC transfers.
+
+Why a wrapper around `experimental_connect_to_cluster`: TF connects lazily,
+so a worker that is down makes the *first* use of the cluster (listing
+devices, creating a variable) block with no deadline. `connect` first probes
+every task with a gRPC channel-readiness check under a deadline and names
+the tasks it cannot reach. During `fit`/`evaluate`/`predict`, `watch` probes
+the workers of the model's devices once a second; when one stops answering,
+it cancels the running step (a TF `CancellationManager`) so the call ends
+with a `WorkerUnavailableError` naming the lost task instead of waiting
+forever.
+
+Security: TF's gRPC runtime has no authentication and no encryption; anyone
+who can reach a worker's port can run arbitrary ops in it. Use a trusted
+network. `python -m keras_pipe.worker` listens on loopback by default.
+"""
+
+import contextlib
+import json
+import os
+import threading
+import time
+
+import tensorflow as tf
+from tensorflow.python.eager import cancellation
+from tensorflow.python.eager import context as context_lib
+
+__all__ = ["WorkerUnavailableError", "cluster_spec", "connect", "probe",
+           "watch"]
+
+
+class WorkerUnavailableError(ConnectionError):
+    """A task of the cluster cannot be reached (down, or lost during a call).
+
+    Attributes:
+        tasks: `{task name: address}` of the unreachable tasks, e.g.
+            `{"/job:worker/replica:0/task:1": "127.0.0.1:2223"}`.
+    """
+
+    def __init__(self, message, tasks):
+        super().__init__(message)
+        self.tasks = dict(tasks)
+
+
+def cluster_spec(cluster=None):
+    """Reads a cluster given as a ClusterSpec, a dict or a TF_CONFIG.
+
+    Args:
+        cluster: a `tf.train.ClusterSpec`; a dict `{job: [address, ...]}`
+            (or `{job: {index: address}}`); a TF_CONFIG dict or JSON string
+            (`{"cluster": {...}, "task": {...}}`). Defaults to `None`: the
+            `TF_CONFIG` environment variable.
+
+    Returns:
+        A `tf.train.ClusterSpec`.
+
+    Raises:
+        TypeError: for another kind of object.
+        ValueError: for an empty cluster or a malformed TF_CONFIG.
+    """
+    if cluster is None:
+        cluster = os.environ.get("TF_CONFIG")
+        if not cluster:
+            raise ValueError(
+                "cluster=None reads the TF_CONFIG environment variable, which "
+                "is unset. Pass a ClusterSpec or a dict such as "
+                "{'worker': ['127.0.0.1:2222', '127.0.0.1:2223']}.")
+    if isinstance(cluster, str):
+        try:
+            cluster = json.loads(cluster)
+        except json.JSONDecodeError as exc:
+            raise ValueError(
+                f"A cluster string must be a TF_CONFIG JSON document. "
+                f"Received: {cluster!r}") from exc
+    if isinstance(cluster, tf.train.ClusterSpec):
+        spec = cluster
+    elif isinstance(cluster, dict):
+        spec = tf.train.ClusterSpec(cluster.get("cluster", cluster))
+    else:
+        raise TypeError(
+            "cluster must be a tf.train.ClusterSpec, a dict {job: [address, "
+            "...]} or a TF_CONFIG. Received: "
+            f"{cluster!r} of type {type(cluster).__name__}")
+    if not any(spec.task_indices(job) for job in spec.jobs):
+        raise ValueError(f"The cluster has no task. Received: {cluster!r}")
+    return spec
+
+
+def _tasks(spec):
+    """`{"/job:j/replica:0/task:t": address}` for every task of `spec`."""
+    return {f"/job:{job}/replica:0/task:{t}": spec.task_address(job, t)
+            for job in spec.jobs for t in spec.task_indices(job)}
+
+
+def probe(address, timeout=1.0):
+    """Whether a gRPC server answers at `address` within `timeout` seconds.
+
+    A TCP connect alone is not enough: the kernel accepts connections for
+    a stopped (hung) process. This waits for the HTTP/2 handshake.
+    """
+    import grpc  # A TensorFlow dependency.
+
+    channel = grpc.insecure_channel(address)
+    try:
+        grpc.channel_ready_future(channel).result(timeout=timeout)
+        return True
+    except grpc.FutureTimeoutError:
+        return False
+    finally:
+        channel.close()
+
+
+def _unreachable(tasks, timeout):
+    """The subset of `tasks` that does not answer before `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    pending = dict(tasks)
+    while pending:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            break
+        results = {}
+        threads = [threading.Thread(
+            target=lambda n=name, a=address: results.__setitem__(
+                n, probe(a, min(left, 1.0))), daemon=True)
+            for name, address in pending.items()]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        pending = {n: a for n, a in pending.items() if not results.get(n)}
+        if pending:
+            time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
+    return pending
+
+
+def _describe_tasks(tasks):
+    return ", ".join(f"{name} at {address}" for name, address in tasks.items())
+
+
+def connect(cluster=None, timeout=30.0, job_name="localhost"):
+    """Connects this process to a cluster of TF workers and lists their devices.
+
+    Every task must answer within `timeout` seconds, else nothing is
+    connected and the error names the tasks that did not. Afterwards stage
+    devices may name remote devices.
+
+    ```python
+    devices = keras_pipe.connect(
+        {"worker": ["127.0.0.1:2222", "127.0.0.1:2223"]})
+    # {'/job:worker/replica:0/task:0': ['/job:worker/replica:0/task:0/device:CPU:0'],
+    #  '/job:worker/replica:0/task:1': ['/job:worker/replica:0/task:1/device:CPU:0']}
+    model = keras_pipe.PipelineModel(
+        stages, devices=[devices[t][0] for t in devices])
+    ```
+
+    Args:
+        cluster: a `tf.train.ClusterSpec`, a dict `{job: [address, ...]}` or
+            a TF_CONFIG (dict or JSON string). Defaults to `None`: the
+            `TF_CONFIG` environment variable.
+        timeout: seconds to wait for every task to answer, and then for
+            the device listing. Defaults to `30.0`.
+        job_name: the job name of this (client) process; TF adds it to the
+            cluster on a free local port unless the cluster names it.
+            Defaults to `"localhost"`.
+
+    Returns:
+        `{task name: [device names]}` for every task of the cluster, task
+        names like `"/job:worker/replica:0/task:1"`.
+
+    Raises:
+        TypeError, ValueError: for a malformed `cluster` or `timeout`.
+        WorkerUnavailableError: if a task does not answer within `timeout`
+            seconds; the message names each such task and its address.
+    """
+    spec = cluster_spec(cluster)
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) \
+            or timeout <= 0:
+        raise ValueError(f"timeout must be a number of seconds > 0. "
+                         f"Received: timeout={timeout!r}")
+    tasks = {n: a for n, a in _tasks(spec).items()
+             if not n.startswith(f"/job:{job_name}/")}
+    down = _unreachable(tasks, timeout)
+    if down:
+        raise WorkerUnavailableError(
+            f"Cannot reach {_describe_tasks(down)} within {timeout:g} s. "
+            "Start the worker (python -m keras_pipe.worker --task N "
+            "--cluster ...), check its address, or raise `timeout`.", down)
+    tf.config.experimental_connect_to_cluster(spec, job_name=job_name)
+    listing = {}
+    thread = threading.Thread(
+        target=lambda: listing.update(
+            names=[d.name for d in tf.config.list_logical_devices()]),
+        daemon=True)
+    thread.start()
+    thread.join(timeout)
+    if "names" not in listing:
+        down = _unreachable(tasks, 1.0) or tasks
+        raise WorkerUnavailableError(
+            f"Connected, but listing the devices of {_describe_tasks(down)} "
+            f"did not finish within {timeout:g} s.", down)
+    return {name: [d for d in listing["names"]
+                   if d.startswith(name + "/")] for name in tasks}
+
+
+def _remote_tasks(devices):
+    """`{task: address}` of the cluster tasks that `devices` live on."""
+    server_def = context_lib.get_server_def()
+    if server_def is None:
+        return {}
+    local = f"/job:{server_def.job_name}/replica:0/task:{server_def.task_index}"
+    addresses = {}
+    for job in server_def.cluster.job:
+        for index, address in job.tasks.items():
+            addresses[f"/job:{job.name}/replica:0/task:{index}"] = address
+    found = {}
+    for device in devices:
+        spec = tf.DeviceSpec.from_string(device)
+        if spec.job is None:
+            continue
+        name = f"/job:{spec.job}/replica:0/task:{spec.task or 0}"
+        if name != local and name in addresses:
+            found[name] = addresses[name]
+    return found
+
+
+class _Watch:
+    """The running watchdog: one per outermost `watch` block."""
+
+    depth = 0
+    current = None
+
+    def __init__(self, tasks, interval, misses):
+        self.tasks = tasks
+        self.interval = interval
+        self.misses = misses
+        self.lost = {}
+        self.manager = cancellation.CancellationManager()
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True,
+                                       name="keras_pipe-watch")
+
+    def _run(self):
+        failures = dict.fromkeys(self.tasks, 0)
+        while not self.stop.wait(self.interval):
+            for name, address in self.tasks.items():
+                if self.stop.is_set():
+                    return
+                ok = probe(address, self.interval)
+                failures[name] = 0 if ok else failures[name] + 1
+                if failures[name] >= self.misses:
+                    self.lost[name] = address
+            if self.lost:
+                self.manager.start_cancel()
+                return
+
+
+@contextlib.contextmanager
+def watch(devices, interval=1.0, misses=2, action="the call"):
+    """Ends a blocked TF call when a worker holding one of `devices` is lost.
+
+    A no-op when no device lives on a remote task. Otherwise a thread
+    probes each such task every `interval` seconds; after `misses` failed
+    probes in a row it cancels every `tf.function` call running under this
+    block. A TF error raised in the block (cancelled, or the transfer error
+    TF raises by itself when a peer closes its connection) becomes a
+    `WorkerUnavailableError` naming the lost tasks. A worker that hangs is
+    thus detected within about `interval * (misses + 1)` seconds. Nested
+    blocks share the outermost watchdog.
+
+    Args:
+        devices: device names, e.g. a model's stage devices.
+        interval: seconds between probes (and probe deadline). Defaults to
+            `1.0`.
+        misses: failed probes in a row that mark a task lost. Defaults to
+            `2`.
+        action: what runs, for the error message. Defaults to
+            `"the call"`.
+
+    Raises:
+        WorkerUnavailableError: if a watched task is lost.
+    """
+    tasks = _remote_tasks(devices)
+    nested = _Watch.depth > 0
+    if nested or not tasks:
+        _Watch.depth += nested
+        try:
+            yield
+        finally:
+            _Watch.depth -= nested
+        return
+    watchdog = _Watch(tasks, interval, misses)
+    _Watch.depth, _Watch.current = 1, watchdog
+    watchdog.thread.start()
+    try:
+        with cancellation.CancellationManagerContext(watchdog.manager):
+            yield
+    except (tf.errors.OpError, WorkerUnavailableError) as exc:
+        lost = dict(watchdog.lost)
+        if not lost:
+            lost = _unreachable(tasks, interval * misses)
+        if not lost:
+            raise
+        raise WorkerUnavailableError(
+            f"Lost {_describe_tasks(lost)} during {action}. Restart the "
+            "worker, call keras_pipe.connect() again and rebuild the model; "
+            "with keras.callbacks.BackupAndRestore, fit() resumes from the "
+            f"last backup. TF error: {type(exc).__name__}: "
+            f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''}",
+            lost) from exc
+    finally:
+        watchdog.stop.set()
+        _Watch.depth, _Watch.current = 0, None

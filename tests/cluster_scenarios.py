@@ -1,0 +1,200 @@
+"""Cluster scenarios run as a client process by tests/test_cluster.py.
+
+A client must connect before TensorFlow is initialized otherwise (the test
+process already has 4 logical CPUs), so each scenario runs here, in its own
+process, against worker processes that the test started. The last stdout
+line is a JSON object with the measurements.
+
+    python tests/cluster_scenarios.py remote --cluster A0,A1
+    python tests/cluster_scenarios.py resume --cluster A0,A1 --kill-pid PID \
+        --backup DIR    # waits for "go" on stdin after the worker is lost
+"""
+
+import argparse
+import json
+import os
+import signal
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+
+import keras_pipe  # noqa: E402
+from keras_pipe.cluster import WorkerUnavailableError  # noqa: E402
+
+LOCAL = "/job:localhost/replica:0/task:0/device:CPU:0"
+
+
+def remote_devices(num_tasks):
+    return [f"/job:worker/replica:0/task:{t}/device:CPU:0"
+            for t in range(num_tasks)]
+
+
+def make_model(devices, seed=7):
+    """An MLP with BatchNorm and Dropout, one stage per device."""
+    keras.utils.set_random_seed(seed)
+    stages = [keras.Sequential([keras.layers.Dense(16, activation="relu"),
+                                keras.layers.BatchNormalization()]),
+              keras.Sequential([keras.layers.Dropout(0.25),
+                                keras.layers.Dense(3)])]
+    model = keras_pipe.PipelineModel(stages, devices=devices,
+                                      num_micro_batches=2)
+    model.build((None, 8))
+    model.compile(keras.optimizers.Adam(0.01),
+                  keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=["accuracy"])
+    return model
+
+
+def data():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 8)).astype("float32")
+    y = rng.integers(0, 3, size=(64,)).astype("int32")
+    return x, y
+
+
+def copy_variables(source, target):
+    for a, b in zip(target.variables, source.variables):
+        a.assign(b.numpy())
+
+
+def max_diff(a, b):
+    return max(float(np.max(np.abs(np.asarray(u) - np.asarray(v))))
+               for u, v in zip(a, b))
+
+
+def values(model):
+    return [v.numpy() for v in model.variables] + [
+        v.numpy() for v in model.optimizer.variables]
+
+
+def run_remote(args):
+    """fit / evaluate / predict / save on 2 workers vs. one local device."""
+    devices_per_task = keras_pipe.connect(args.cluster, timeout=30.0)
+    x, y = data()
+    remote = make_model(remote_devices(len(args.cluster["worker"])))
+    local = make_model([LOCAL, LOCAL])
+    copy_variables(remote, local)
+    placed = sorted({v.value.device for v in remote.variables})
+    results = {}
+    for name, model in (("remote", remote), ("local", local)):
+        history = model.fit(x, y, batch_size=16, epochs=2, shuffle=False,
+                            verbose=0)
+        results[name] = {
+            "loss": history.history["loss"],
+            "evaluate": model.evaluate(x, y, batch_size=16, verbose=0),
+            "predict": model.predict(x, batch_size=16, verbose=0),
+            "values": values(model)}
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "model.keras")
+        remote.save(path)
+        loaded = keras.models.load_model(path)
+        reloaded_devices = sorted({v.value.device for v in loaded.variables})
+        reloaded_diff = max_diff(
+            loaded.predict(x, batch_size=16, verbose=0)[None],
+            results["remote"]["predict"][None])
+    r, l = results["remote"], results["local"]
+    print(json.dumps({
+        "devices_per_task": devices_per_task,
+        "variable_devices": placed,
+        "weights_max_diff": max_diff(r["values"], l["values"]),
+        "num_values": len(r["values"]),
+        "loss_remote": r["loss"], "loss_local": l["loss"],
+        "evaluate_remote": r["evaluate"], "evaluate_local": l["evaluate"],
+        "predict_max_diff": max_diff([r["predict"]], [l["predict"]]),
+        "reloaded_devices": reloaded_devices,
+        "reloaded_predict_max_diff": reloaded_diff,
+    }))
+
+
+class _KillAt(keras.callbacks.Callback):
+    """Kills a worker process (SIGKILL) before a given batch of an epoch."""
+
+    def __init__(self, pid, epoch, batch):
+        super().__init__()
+        self.pid, self.epoch, self.batch = pid, epoch, batch
+        self.current = None
+        self.killed_at = None
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.current = epoch
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if (self.current, batch) == (self.epoch, self.batch):
+            os.kill(self.pid, signal.SIGKILL)
+            self.killed_at = time.monotonic()
+
+
+class _Epochs(keras.callbacks.Callback):
+    def __init__(self):
+        super().__init__()
+        self.epochs = []
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epochs.append(epoch)
+
+
+def run_resume(args):
+    """Kill a worker mid-fit; after its restart, fit again from the backup."""
+    epochs = 4
+    x, y = data()
+    keras_pipe.connect(args.cluster, timeout=30.0)
+    devices = remote_devices(len(args.cluster["worker"]))
+    # The uninterrupted run, on the same workers.
+    reference = make_model(devices)
+    reference.fit(x, y, batch_size=16, epochs=epochs, shuffle=False,
+                  verbose=0)
+    expected = values(reference)
+    del reference
+
+    model = make_model(devices)
+    killer = _KillAt(args.kill_pid, epoch=2, batch=1)
+    backup = keras.callbacks.BackupAndRestore(args.backup)
+    error = None
+    try:
+        model.fit(x, y, batch_size=16, epochs=epochs, shuffle=False,
+                  verbose=0, callbacks=[backup, killer])
+    except WorkerUnavailableError as exc:
+        error = exc
+    seconds = (time.monotonic() - killer.killed_at
+               if killer.killed_at is not None else None)
+    lost = {"error": type(error).__name__ if error else None,
+            "message": str(error) if error else None,
+            "tasks": error.tasks if error else None,
+            "seconds_to_error": seconds}
+    print("LOST " + json.dumps(lost), flush=True)
+    if error is None:
+        return
+    if sys.stdin.readline().strip() != "go":
+        return
+    start = time.monotonic()
+    keras_pipe.connect(args.cluster, timeout=30.0)
+    reconnect = time.monotonic() - start
+    model = make_model(devices, seed=99)  # Weights come from the backup.
+    seen = _Epochs()
+    model.fit(x, y, batch_size=16, epochs=epochs, shuffle=False, verbose=0,
+              callbacks=[keras.callbacks.BackupAndRestore(args.backup), seen])
+    print(json.dumps({"lost": lost, "reconnect_seconds": reconnect,
+                      "resumed_epochs": seen.epochs,
+                      "weights_max_diff": max_diff(values(model), expected),
+                      "num_values": len(expected)}))
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("scenario", choices=["remote", "resume"])
+    parser.add_argument("--cluster", required=True,
+                        type=lambda s: {"worker": s.split(",")})
+    parser.add_argument("--kill-pid", type=int)
+    parser.add_argument("--backup")
+    args = parser.parse_args()
+    {"remote": run_remote, "resume": run_resume}[args.scenario](args)
+
+
+if __name__ == "__main__":
+    main()
