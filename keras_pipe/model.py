@@ -407,6 +407,18 @@ class PipelineModel(keras.Model):
                 placement.place_variables(stage, device)
                 spec = out
         self.built = True
+        self._build_optimizer()
+
+    def _build_optimizer(self):
+        """Creates the optimizer's slots now, each on its variable's device.
+
+        Left to the first training step, slot creation inside the traced
+        step makes TensorFlow trace the whole step a second time.
+        """
+        optimizer = getattr(self, "optimizer", None)
+        if self.built and optimizer is not None and not optimizer.built:
+            with _eager_scope():
+                optimizer.build(self.trainable_variables)
 
     def _ensure_built(self, x):
         """Builds from a batch (Keras' TF trainer builds on first trace)."""
@@ -447,6 +459,7 @@ class PipelineModel(keras.Model):
         super().compile(*args, jit_compile=False, run_eagerly=False, **kwargs)
         if self.optimizer is not None:
             placement.colocate_optimizer(self.optimizer)
+            self._build_optimizer()
 
     # --------------------------------------------------------------- execute
 

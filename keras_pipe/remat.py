@@ -19,13 +19,15 @@ it saw in the forward pass, so it draws the same dropout mask and computes
 the same batch statistics, and its own `new_state` is thrown away.
 `training` is bound in Python, never passed through a custom gradient.
 
-The backward pass of a stage is computed with `tf.gradients` under the
-stage's `tf.device`, so gradient and recompute ops run on the stage's device
-(a `tf.GradientTape` over the whole step would put them on one device). The
+The backward pass of a stage is taken from a `tf.GradientTape` of that one
+stage call, under the stage's `tf.device`, so gradient and recompute ops run
+on the stage's device (a tape over the whole step would put them all on one
+device). The
 recompute waits for the incoming gradient (a control dependency), so it runs
 in the backward pass and not eagerly next to the forward pass.
 """
 
+import contextlib
 import dataclasses
 
 import keras
@@ -40,6 +42,10 @@ def _is_float(t):
     return t is not None and t.dtype.is_floating
 
 
+def _float_leaves(structure):
+    return [t for t in keras.tree.flatten(structure) if _is_float(t)]
+
+
 @dataclasses.dataclass
 class StageRun:
     """What the forward pass of one (micro-batch, stage) left for backward."""
@@ -50,6 +56,7 @@ class StageRun:
     outputs: object     # nested structure
     losses: list        # scalar losses added by the stage's layers
     remat: bool
+    tape: object = None  # records the forward call when remat is off
 
 
 class Stage:
@@ -149,8 +156,10 @@ class Stage:
 
         `control_inputs` make this micro-batch wait for the previous one on
         the same stage. With `differentiable=False`, gradients do not flow
-        through `inputs`: `backward` computes them stage by stage.
+        through `inputs`: `backward` computes them stage by stage, from a
+        tape that records this call alone (`remat=False`) or the recompute.
         """
+        tape = None
         with tf.device(self.device), tf.name_scope(name):
             if not differentiable:
                 inputs = keras.tree.map_structure(
@@ -160,20 +169,27 @@ class Stage:
             with tf.control_dependencies(list(control_inputs)):
                 inputs = keras.tree.map_structure(
                     lambda t: None if t is None else tf.identity(t), inputs)
+            if not differentiable and not remat:
+                tape = tf.GradientTape(watch_accessed_variables=False)
+            with tape or contextlib.nullcontext():
+                if tape is not None:
+                    tape.watch(_float_leaves(inputs) + list(params))
                 outputs, new_state, losses = self.call(
                     inputs, params, state, training)
-            # Fresh tensors for the next stage and the loss: `tf.gradients`
-            # from them then stops here instead of walking back into the
-            # call (its state output feeds the next micro-batch's call).
-            outputs = keras.tree.map_structure(
-                lambda t: None if t is None else tf.identity(t), outputs)
-            losses = [tf.identity(l) for l in losses]
-        run = StageRun(inputs, params, state, outputs, losses, remat)
+                outputs = keras.tree.map_structure(
+                    lambda t: None if t is None else tf.identity(t), outputs)
+                losses = [tf.identity(l) for l in losses]
+        run = StageRun(inputs, params, state, outputs, losses, remat, tape)
         return run, new_state
 
     def backward(self, run, output_grads, loss_grads, training,
                  name="backward"):
-        """Backward pass of one micro-batch.
+        """Backward pass of one micro-batch, on the stage's device.
+
+        Gradients come from a `tf.GradientTape` of this one stage call,
+        taken under the stage's `tf.device`, so the gradient ops run there.
+        (A tape over the whole pipeline would put them all on one device,
+        and `tf.gradients` would search the whole graph for every call.)
 
         Args:
             run: the `StageRun` of the forward pass.
@@ -189,27 +205,32 @@ class Stage:
         """
         with tf.device(self.device), tf.name_scope(name):
             inputs, params = run.inputs, run.params
-            outputs, losses = run.outputs, run.losses
+            outputs, losses, tape = run.outputs, run.losses, run.tape
+            flat_inputs = keras.tree.flatten(inputs)
             seeds = [g for g in output_grads + loss_grads if g is not None]
+            if not seeds:
+                return [None] * len(flat_inputs), [None] * len(params)
             if run.remat:
                 with tf.control_dependencies(seeds), tf.name_scope("recompute"):
                     inputs = keras.tree.map_structure(
                         lambda t: None if t is None else tf.identity(t),
                         inputs)
-                    outputs, _, losses = self.call(
-                        inputs, params, run.state, training)
+                    flat_inputs = keras.tree.flatten(inputs)
+                    with tf.GradientTape(
+                            watch_accessed_variables=False) as tape:
+                        tape.watch(_float_leaves(inputs) + list(params))
+                        outputs, _, losses = self.call(
+                            inputs, params, run.state, training)
             ys, grad_ys = [], []
             for y, g in zip(keras.tree.flatten(outputs) + losses,
                             output_grads + loss_grads):
                 if g is not None and _is_float(y):
                     ys.append(y)
                     grad_ys.append(g)
-            flat_inputs = keras.tree.flatten(inputs)
-            float_inputs = [t for t in flat_inputs if _is_float(t)]
-            if not ys:
-                return [None] * len(flat_inputs), [None] * len(params)
-            grads = tf.gradients(ys, float_inputs + params, grad_ys=grad_ys,
-                                 unconnected_gradients="none")
+            float_inputs = _float_leaves(inputs)
+            grads = tape.gradient(
+                ys, float_inputs + list(params), output_gradients=grad_ys,
+                unconnected_gradients=tf.UnconnectedGradients.NONE)
             input_grads = iter(grads[:len(float_inputs)])
             return ([next(input_grads) if _is_float(t) else None
                      for t in flat_inputs], grads[len(float_inputs):])

@@ -94,16 +94,3 @@ def test_optimizer_update_math_runs_on_each_variables_device(placement):
         assert device == cpu(int(match.group(2))), (name, op_type, device)
         per_device[device] += 1
     assert all(count > 10 for count in per_device.values()), per_device
-
-
-def test_remat_keeps_no_forward_activation_for_backward(placement):
-    # With remat="always" every gradient is taken through the recompute;
-    # a gradient op of a forward op would keep forward activations alive.
-    remat, _, ops = placement
-    grads_of_forward = [name for name, _, _ in ops
-                        if re.search(r"gradients/stage\d+/mb\d+/forward/",
-                                     name)]
-    if remat == "always":
-        assert grads_of_forward == []
-    else:
-        assert grads_of_forward  # "never" differentiates the forward ops

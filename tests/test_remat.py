@@ -5,6 +5,8 @@ average update and draw a new Dropout mask in the recompute; these tests
 fail for any remat that does.
 """
 
+import re
+
 import keras
 import numpy as np
 import pytest
@@ -130,3 +132,33 @@ def test_batch_smaller_than_num_micro_batches_with_batchnorm(devices):
     np.testing.assert_allclose(norm.moving_mean.numpy(), mean, rtol=1e-5)
     np.testing.assert_allclose(norm.moving_variance.numpy(), var, rtol=1e-5,
                                atol=1e-6)
+
+
+@pytest.mark.parametrize("remat", ["always", "never"])
+def test_backward_reads_forward_activations_only_without_remat(devices,
+                                                               remat):
+    # Remat is real: with remat="always", no backward call consumes an
+    # output (activation) of a forward stage call; it consumes the
+    # recompute's. With remat="never", the backward consumes the forward's.
+    pipe = keras_pipe.PipelineModel(
+        helpers.dense_stages(2, dropout=0.2), devices=devices[:2],
+        num_micro_batches=2, remat=remat)
+    pipe.build((None, helpers.IN_DIM))
+    pipe.compile("sgd", keras.losses.SparseCategoricalCrossentropy(
+        from_logits=True))
+    step = tf.function(pipe.compute_loss_and_gradients)
+    graph = step.get_concrete_function(
+        tf.TensorSpec((8, helpers.IN_DIM)), tf.TensorSpec((8,), tf.int32),
+    ).graph
+    backward_calls = [
+        op for op in graph.get_operations()
+        if re.fullmatch(r"stage\d/mb\d/backward/PartitionedCall(_\d+)?",
+                        op.name)]
+    assert len(backward_calls) == 4  # 2 stages x 2 micro-batches
+    from_forward = [
+        (op.name, t.op.name) for op in backward_calls for t in op.inputs
+        if t.op.type == "PartitionedCall" and "/forward/" in t.op.name]
+    if remat == "always":
+        assert from_forward == []
+    else:
+        assert len({name for name, _ in from_forward}) == 4
