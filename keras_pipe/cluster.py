@@ -24,6 +24,7 @@ network. `python -m keras_pipe.worker` listens on loopback by default.
 import contextlib
 import json
 import os
+import socket
 import threading
 import time
 
@@ -191,7 +192,8 @@ def connect(cluster=None, timeout=30.0, job_name="localhost"):
             f"Cannot reach {_describe_tasks(down)} within {timeout:g} s. "
             "Start the worker (python -m keras_pipe.worker --task N "
             "--cluster ...), check its address, or raise `timeout`.", down)
-    tf.config.experimental_connect_to_cluster(spec, job_name=job_name)
+    tf.config.experimental_connect_to_cluster(
+        _with_local_job(spec, job_name), job_name=job_name)
     listing = {}
     thread = threading.Thread(
         target=lambda: listing.update(
@@ -206,6 +208,28 @@ def connect(cluster=None, timeout=30.0, job_name="localhost"):
             f"did not finish within {timeout:g} s.", down)
     return {name: [d for d in listing["names"]
                    if d.startswith(name + "/")] for name in tasks}
+
+
+def _with_local_job(spec, job_name):
+    """Adds this process's job to `spec`, at the same address as before.
+
+    Left to TF, every connect puts the local job on a new port, while the
+    local server keeps its first one: after a reconnect (a worker was
+    restarted) the workers would call back to a port nobody listens on.
+    """
+    if job_name in spec.jobs:
+        return spec
+    address = None
+    server_def = context_lib.get_server_def()
+    if server_def is not None and server_def.job_name == job_name:
+        for job in server_def.cluster.job:
+            if job.name == job_name:
+                address = job.tasks.get(server_def.task_index)
+    if address is None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            address = f"127.0.0.1:{s.getsockname()[1]}"
+    return tf.train.ClusterSpec({**spec.as_dict(), job_name: [address]})
 
 
 def _remote_tasks(devices):

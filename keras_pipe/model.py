@@ -7,6 +7,7 @@ import tensorflow as tf
 from keras.src.backend.common import global_state
 from keras.src.trainers.data_adapters import data_adapter_utils
 
+from keras_pipe import cluster
 from keras_pipe import export as export_lib
 from keras_pipe import microbatch
 from keras_pipe import placement
@@ -615,3 +616,18 @@ class PipelineModel(keras.Model):
     def predict_step(self, data):
         self._ensure_built(data_adapter_utils.unpack_x_y_sample_weight(data)[0])
         return super().predict_step(data)
+
+    # A worker lost mid-call ends it with an error naming the task
+    # (`keras_pipe.cluster.watch`); a no-op when every stage is local.
+
+    def fit(self, *args, **kwargs):
+        with cluster.watch(self._resolved_devices, action="fit"):
+            return super().fit(*args, **kwargs)
+
+    def evaluate(self, *args, **kwargs):
+        with cluster.watch(self._resolved_devices, action="evaluate"):
+            return super().evaluate(*args, **kwargs)
+
+    def predict(self, *args, **kwargs):
+        with cluster.watch(self._resolved_devices, action="predict"):
+            return super().predict(*args, **kwargs)

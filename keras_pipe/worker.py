@@ -95,12 +95,10 @@ def bind_shim_path():
 def _decode_address(hex_address):
     """Decodes an address of /proc/net/tcp{,6} into text."""
     import ipaddress
-    import socket
     import struct
-    raw = bytes.fromhex(hex_address)
-    # The kernel prints each 32-bit word in host byte order.
-    words = struct.unpack(f"={len(raw) // 4}I", raw)
-    packed = b"".join(struct.pack("!I", socket.ntohl(w)) for w in words)
+    # The kernel prints the address as 32-bit words in host byte order.
+    packed = b"".join(struct.pack("=I", int(hex_address[k:k + 8], 16))
+                      for k in range(0, len(hex_address), 8))
     address = ipaddress.ip_address(packed)
     if address.version == 6 and address.ipv4_mapped is not None:
         return str(address.ipv4_mapped)

@@ -1,0 +1,217 @@
+"""Remote stages on worker processes (loopback only), connect errors, faults."""
+
+import json
+import os
+import pathlib
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import tensorflow as tf
+from tensorflow.python.eager import context
+
+import keras_pipe
+from keras_pipe import cluster as cluster_lib
+from keras_pipe import worker as worker_lib
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+SCENARIOS = str(ROOT / "tests" / "cluster_scenarios.py")
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env():
+    """Worker and client env: TF quiet, the bind shim already loaded.
+
+    With the shim in LD_PRELOAD the worker does not re-execute itself, and
+    the client's own TF port stays on loopback too.
+    """
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", KERAS_BACKEND="tensorflow",
+               KERAS_PIPE_BIND_HOST="127.0.0.1",
+               LD_PRELOAD=worker_lib.bind_shim_path(),
+               PYTHONPATH=str(ROOT))
+    env.pop("TF_CONFIG", None)
+    return env
+
+
+class Cluster:
+    """Worker processes on free loopback ports, killed by PID at the end."""
+
+    def __init__(self, num_tasks, tmp_path):
+        self.addresses = [f"127.0.0.1:{_free_port()}" for _ in range(num_tasks)]
+        self.tmp_path = tmp_path
+        self.procs = {}
+        self.all_procs = []
+
+    @property
+    def spec(self):
+        return ",".join(self.addresses)
+
+    def start(self, task):
+        log = open(self.tmp_path / f"worker{task}-{len(self.all_procs)}.log",
+                   "w")
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "keras_pipe.worker", "--task", str(task),
+             "--cluster", self.spec, "--intra-op-threads", "1",
+             "--inter-op-threads", "4"],
+            env=_env(), stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+        log.close()
+        self.procs[task] = proc
+        self.all_procs.append(proc)
+        return proc
+
+    def wait_ready(self, timeout=90.0):
+        deadline = time.monotonic() + timeout
+        for task, proc in self.procs.items():
+            while not cluster_lib.probe(self.addresses[task], 1.0):
+                assert proc.poll() is None, self.log(task)
+                assert time.monotonic() < deadline, self.log(task)
+                time.sleep(0.2)
+
+    def log(self, task):
+        logs = sorted(self.tmp_path.glob(f"worker{task}-*.log"))
+        return logs[-1].read_text() if logs else ""
+
+    def kill_all(self):
+        for proc in self.all_procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def workers(tmp_path_factory):
+    cluster = Cluster(2, tmp_path_factory.mktemp("workers"))
+    try:
+        for task in range(2):
+            cluster.start(task)
+        cluster.wait_ready()
+        yield cluster
+    finally:
+        cluster.kill_all()
+
+
+def _scenario(*args, timeout=240):
+    result = subprocess.run([sys.executable, SCENARIOS, *args], env=_env(),
+                            capture_output=True, text=True, timeout=timeout,
+                            cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+# ----------------------------------------------------------- in this process
+
+
+def test_cluster_spec_forms(monkeypatch):
+    addresses = ["127.0.0.1:1", "127.0.0.1:2"]
+    expected = {"worker": addresses}
+    config = {"cluster": expected, "task": {"type": "worker", "index": 0}}
+    for given in (tf.train.ClusterSpec(expected), expected, config,
+                  json.dumps(config)):
+        assert cluster_lib.cluster_spec(given).as_dict() == expected
+    monkeypatch.setenv("TF_CONFIG", json.dumps(config))
+    assert cluster_lib.cluster_spec().as_dict() == expected
+    monkeypatch.delenv("TF_CONFIG")
+    with pytest.raises(ValueError, match="TF_CONFIG environment variable"):
+        cluster_lib.cluster_spec()
+    with pytest.raises(TypeError, match="must be a tf.train.ClusterSpec"):
+        cluster_lib.cluster_spec(["127.0.0.1:1"])
+    with pytest.raises(ValueError, match="TF_CONFIG JSON"):
+        cluster_lib.cluster_spec("127.0.0.1:1")
+    with pytest.raises(ValueError, match="timeout must be"):
+        keras_pipe.connect(expected, timeout=0)
+
+
+def test_connect_names_down_and_hung_workers_in_bounded_time():
+    down = f"127.0.0.1:{_free_port()}"  # Nothing listens there.
+    # A hung worker: the kernel accepts TCP connections, nobody answers.
+    with socket.socket() as hung_socket:
+        hung_socket.bind(("127.0.0.1", 0))
+        hung_socket.listen()
+        hung = f"127.0.0.1:{hung_socket.getsockname()[1]}"
+        start = time.monotonic()
+        with pytest.raises(cluster_lib.WorkerUnavailableError) as info:
+            keras_pipe.connect({"worker": [down, hung]}, timeout=2.0)
+        seconds = time.monotonic() - start
+    message = str(info.value)
+    assert f"/job:worker/replica:0/task:0 at {down}" in message
+    assert f"/job:worker/replica:0/task:1 at {hung}" in message
+    assert "within 2 s" in message
+    assert info.value.tasks == {"/job:worker/replica:0/task:0": down,
+                                "/job:worker/replica:0/task:1": hung}
+    assert 2.0 <= seconds < 5.0, seconds
+    # Nothing was connected: the test process is still a local-only runtime.
+    assert context.get_server_def() is None
+
+
+def test_watch_is_a_no_op_for_local_devices(devices):
+    with cluster_lib.watch(devices):
+        assert cluster_lib._Watch.current is None
+    assert cluster_lib._Watch.depth == 0
+
+
+# ------------------------------------------------------- with worker processes
+
+
+def test_workers_listen_on_loopback_only(workers):
+    for address in workers.addresses:
+        port = int(address.rsplit(":", 1)[1])
+        assert worker_lib.listening_hosts(port) == ["127.0.0.1"]
+
+
+def test_remote_stages_match_single_process(workers):
+    result = _scenario("remote", "--cluster", workers.spec)
+    assert result["devices_per_task"] == {
+        f"/job:worker/replica:0/task:{t}":
+            [f"/job:worker/replica:0/task:{t}/device:CPU:0"]
+        for t in range(2)}
+    assert result["variable_devices"] == [
+        f"/job:worker/replica:0/task:{t}/device:CPU:0" for t in range(2)]
+    # Same ops on the same CPU kernels: bit-identical, weights and Adam slots.
+    assert result["num_values"] > 10
+    assert result["weights_max_diff"] == 0.0
+    assert result["loss_remote"] == result["loss_local"]
+    assert result["evaluate_remote"] == result["evaluate_local"]
+    assert result["predict_max_diff"] == 0.0
+    # A .keras file saved from remote stages reloads onto the same workers.
+    assert result["reloaded_devices"] == result["variable_devices"]
+    assert result["reloaded_predict_max_diff"] == 0.0
+
+
+def test_worker_killed_during_fit_then_resume(workers, tmp_path):
+    """Kill task 1 by PID mid-fit; restart it; fit again resumes exactly."""
+    victim = workers.procs[1]
+    proc = subprocess.Popen(
+        [sys.executable, SCENARIOS, "resume", "--cluster", workers.spec,
+         "--kill-pid", str(victim.pid), "--backup", str(tmp_path / "backup")],
+        env=_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("LOST "), line + proc.stderr.read()[-3000:]
+        lost = json.loads(line[len("LOST "):])
+        assert victim.wait(timeout=30) == -signal.SIGKILL
+        assert lost["error"] == "WorkerUnavailableError"
+        assert lost["tasks"] == {
+            "/job:worker/replica:0/task:1": workers.addresses[1]}
+        assert (f"Lost /job:worker/replica:0/task:1 at {workers.addresses[1]}"
+                " during fit") in lost["message"]
+        assert lost["seconds_to_error"] < 15.0, lost
+        workers.start(1)
+        workers.wait_ready()
+        out, err = proc.communicate("go\n", timeout=240)
+        assert proc.returncode == 0, err[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result["resumed_epochs"] == [2, 3]
+    assert result["weights_max_diff"] == 0.0, result
