@@ -175,7 +175,8 @@ def read_graph(model):
                 continue
             op = node.operation
             seen[id(op)] = seen.get(id(op), 0) + 1
-            name = op.name if seen[id(op)] == 1 else f"{op.name}#{seen[id(op)]}"
+            count = seen[id(op)]
+            name = op.name if count == 1 else f"{op.name}#{count}"
             calls.append(Call(len(calls), name, op, node))
     _check_order(functional, calls)
     return Graph(model, functional, calls, list(functional.inputs),

@@ -70,7 +70,7 @@ class GraphStage(keras.layers.Layer):
 
     @property
     def input_tensors(self):
-        """The KerasTensors of the input boundary (model inputs for stage 0)."""
+        """The KerasTensors of the input boundary (model inputs if first)."""
         return list(self._input_tensors)
 
     @property
@@ -108,6 +108,7 @@ class GraphStage(keras.layers.Layer):
 
 
 def _unique_layers(calls):
+    """The Keras layers the calls run, each once (ops have no weights)."""
     seen, layers = set(), []
     for call in calls:
         op = call.operation
@@ -173,7 +174,11 @@ def _stage_of_calls(sizes):
 
 
 def _variable_users(graph):
-    """{id(variable): (variable, is_state, [call indices])} over all calls."""
+    """`[(is_state, call indices)]`, one entry per variable of the model.
+
+    A state variable is one the pipeline threads through micro-batches
+    rather than differentiates: `layer.non_trainable_variables`.
+    """
     users = {}
     for call in graph.calls:
         op = call.operation
@@ -181,10 +186,10 @@ def _variable_users(graph):
             continue
         state = {id(v) for v in op.non_trainable_variables}
         for v in op.variables:
-            entry = users.setdefault(id(v), (v, id(v) in state, []))
-            if call.index not in entry[2]:
-                entry[2].append(call.index)
-    return users
+            entry = users.setdefault(id(v), (id(v) in state, []))
+            if call.index not in entry[1]:
+                entry[1].append(call.index)
+    return list(users.values())
 
 
 def _owner(graph, indices):
@@ -200,8 +205,8 @@ def _owner(graph, indices):
 def _state_spans(graph):
     """(first call, last call, layer names) of each state variable's users."""
     spans = []
-    for variable, is_state, indices in _variable_users(graph).values():
-        if is_state and len(indices) > 1 and min(indices) != max(indices):
+    for is_state, indices in _variable_users(graph):
+        if is_state and len(indices) > 1:
             spans.append((min(indices), max(indices), _owner(graph, indices)))
     return spans
 
@@ -238,7 +243,7 @@ def _tied(graph, sizes):
     """(layer names, stages) for trainable variables used in several stages."""
     stage = _stage_of_calls(sizes)
     result = []
-    for variable, is_state, indices in _variable_users(graph).values():
+    for is_state, indices in _variable_users(graph):
         stages = sorted({stage[i] for i in indices})
         if not is_state and len(stages) > 1:
             entry = (_owner(graph, indices), stages)

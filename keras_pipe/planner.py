@@ -1,4 +1,4 @@
-"""A dry run of `PipelineModel.from_model`: where the cuts fall, and what it costs.
+"""A dry run of `PipelineModel.from_model`: where it cuts, what it costs.
 
 `plan` reads the model's graph, cuts it as `from_model` would, and estimates
 per stage the parameters, forward FLOPs, boundary bytes and peak training

@@ -99,12 +99,13 @@ def _unet():
     return keras.Model(inputs, {"seg": seg, "cls": cls}, name="unet")
 
 
-def _transformer(vocab=24, width=16, heads=2, source_len=7, target_len=5):
+def _transformer(vocab=24, width=16, heads=2, source_len=7, target_len=5,
+                 num_blocks=1):
     """Encoder-decoder with residuals, cross-attention and two inputs."""
     source = keras.Input((source_len,), dtype="int32", name="source")
     target = keras.Input((target_len,), dtype="int32", name="target")
     x = layers.Embedding(vocab, width, name="source_embed")(source)
-    for i in range(2):
+    for i in range(num_blocks):
         a = layers.MultiHeadAttention(heads, width // heads,
                                       name=f"enc{i}_self")(x, x)
         x = layers.LayerNormalization(name=f"enc{i}_ln1")(x + a)
@@ -113,7 +114,7 @@ def _transformer(vocab=24, width=16, heads=2, source_len=7, target_len=5):
         x = layers.LayerNormalization(name=f"enc{i}_ln2")(
             layers.Add(name=f"enc{i}_res")([x, f]))
     y = layers.Embedding(vocab, width, name="target_embed")(target)
-    for i in range(2):
+    for i in range(num_blocks):
         a = layers.MultiHeadAttention(heads, width // heads,
                                       name=f"dec{i}_self")(
             y, y, use_causal_mask=True)
@@ -290,11 +291,12 @@ def test_tied_embedding_and_projection(devices):
     model = _tied_embedding()
     x = np.random.randint(0, 11, size=(6, 5))
     y = np.random.randint(0, 11, size=(6, 5))
-    _assert_step_matches(model, x, y, keras.losses.SparseCategoricalCrossentropy(
-        from_logits=True), devices, 3, 3, balance=[1, 1, 1])
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    _assert_step_matches(model, x, y, loss, devices, 3, 3, balance=[1, 1, 1])
     p = keras_pipe.plan(model, 3, 3, balance=[1, 1, 1])
     assert p.tied == [("'embed' and 'project'", [0, 2])]
-    assert "tied weights: 'embed' and 'project' shared by stages [0, 2]" in str(p)
+    assert ("tied weights: 'embed' and 'project' shared by stages [0, 2]"
+            in str(p))
 
 
 def _shared_batch_norm():

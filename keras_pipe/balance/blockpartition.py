@@ -90,7 +90,7 @@ def _sizes(choices, n):
 
 
 def block_partition(costs, num_blocks, allowed_cuts=None, tie_costs=None):
-    """Cuts `costs` into `num_blocks` contiguous blocks, minimizing the max sum.
+    """Cuts `costs` into `num_blocks` blocks, minimizing the largest sum.
 
     ```python
     >>> block_partition([1, 2, 3, 4, 5, 6, 7, 8, 9], 3)
