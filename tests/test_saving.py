@@ -391,6 +391,11 @@ def test_bad_files_name_the_file_and_the_problem(saved, tmp_path):
                                  r"zip archive; this one starts with b'not ")
     (tmp_path / "truncated.keras").write_bytes(raw[:len(raw) // 2])
     cases["truncated.keras"] = (None, r"the .keras zip archive is truncated")
+    at = raw.find(b'"class_name"')  # .keras members are stored, not deflated
+    (tmp_path / "damaged.keras").write_bytes(
+        raw[:at] + b"'" + raw[at + 1:])
+    cases["damaged.keras"] = (None, r"the member 'config.json' of the archive "
+                                    r"is damaged \(CRC mismatch\)")
     keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)]).save(
         str(tmp_path / "sequential.keras"))
     cases["sequential.keras"] = (None, r"it holds a 'Sequential' model, not a "
