@@ -11,6 +11,7 @@ from keras_pipe import cluster
 from keras_pipe import export as export_lib
 from keras_pipe import microbatch
 from keras_pipe import placement
+from keras_pipe import replicas as replicas_lib
 from keras_pipe import saving
 from keras_pipe import schedule as schedule_lib
 from keras_pipe.remat import REMAT_MODES, Stage
@@ -243,6 +244,7 @@ class PipelineModel(keras.Model):
         self._num_micro_batches = num_micro_batches
         self._remat = remat
         self._runners = [Stage(s, d) for s, d in zip(stages, resolved)]
+        self._replicas = [self._runners]
         for stage, device in zip(stages, resolved):
             if stage.built:
                 placement.place_variables(stage, device)
@@ -472,21 +474,24 @@ class PipelineModel(keras.Model):
             stage, `runs[i][j]` the `StageRun` of micro-batch `i` on stage
             `j`, and the micro-batches.
         """
-        micro_batches = microbatch.scatter(inputs, self.num_micro_batches)
+        micro_batches = microbatch.scatter(
+            inputs, self.num_micro_batches * self.num_replicas)
         m, k = len(micro_batches), self.num_stages
-        params = [r.read_params(differentiable) for r in self._runners]
+        params = {id(r): r.read_params(differentiable)
+                  for replica in self._replicas for r in replica}
         state = [r.read_state() for r in self._runners]
         changed = [[False] * len(s) for s in state]
         runs = [[None] * k for _ in range(m)]
         for tick in schedule_lib.gpipe(m, k):
             for i, j in tick:
-                runner = self._runners[j]
+                runner = self._runner(i, j, m)
                 x = micro_batches[i].inputs if j == 0 else runs[i][j - 1].outputs
-                after = keras.tree.flatten(runs[i - 1][j].outputs)[:1] if i else []
+                after = keras.tree.flatten(runs[i - 1][j].outputs)[:1] if i \
+                    and self._runner(i - 1, j, m) is runner else []
                 use_remat = remat == "always" or (
                     remat == "except_last" and i < m - 1)
                 run, new_state = runner.forward(
-                    x, params[j], state[j], training, use_remat, after,
+                    x, params[id(runner)], state[j], training, use_remat, after,
                     differentiable, name=f"stage{j}/mb{i}/forward")
                 valid = micro_batches[i].valid
                 for s, new in enumerate(new_state):
@@ -547,7 +552,7 @@ class PipelineModel(keras.Model):
                     per_variable[id(variable)].append(g)
         for tick in reversed(schedule_lib.gpipe(m, k)):
             for i, j in reversed(tick):
-                runner, run = self._runners[j], runs[i][j]
+                runner, run = self._runner(i, j, m), runs[i][j]
                 input_grads, param_grads = runner.backward(
                     run, output_grads.pop((i, j)),
                     [loss_grads[id(l)] for l in run.losses], training=True,
@@ -616,6 +621,39 @@ class PipelineModel(keras.Model):
     def predict_step(self, data):
         self._ensure_built(data_adapter_utils.unpack_x_y_sample_weight(data)[0])
         return super().predict_step(data)
+
+    # ------------------------------------------------- data parallel replicas
+
+    @property
+    def num_replicas(self):
+        return len(self._replicas)
+
+    def replicate(self, devices):
+        """Runs R copies of the pipeline on `R * K` devices, data parallel.
+
+        Replica `r` runs stage `j` on `devices[r * K + j]` on its shard of
+        each global batch (`M` micro-batches of `R * M`); gradients are
+        summed over replicas on each variable's device before the one
+        optimizer step (see `keras_pipe.replicas`). The first `K` devices
+        must be the model's own. `replicate(model.devices)` undoes it.
+
+        ```python
+        model = keras_pipe.PipelineModel(stages, devices=devices[:2],
+                                         num_micro_batches=4)
+        model.replicate(devices[:4])    # 2 replicas x 2 stages
+        ```
+
+        Raises:
+            TypeError, ValueError: see `keras_pipe.replicas.make_runners`.
+        """
+        self._replicas = replicas_lib.make_runners(self, devices)
+        self.train_function = self.test_function = None
+        self.predict_function = None
+
+    def _runner(self, i, j, m):
+        """The runner of micro-batch `i` (of `m`) on stage `j`."""
+        replica = replicas_lib.replica_of(i, m, self.num_replicas)
+        return self._replicas[replica][j]
 
     # A worker lost mid-call ends it with an error naming the task
     # (`keras_pipe.cluster.watch`); a no-op when every stage is local.
