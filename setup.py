@@ -21,6 +21,6 @@ setup(
         # the TensorFlow release above.
         "examples": ["tensorflow-datasets==4.9.*", "matplotlib>=3.8",
                      "keras-hub==0.32.*", "tensorflow-text==2.21.*",
-                     "sacrebleu>=2.4,<3"],
+                     "sacrebleu>=2.4,<3", "tensorboard==2.21.*"],
     },
 )

@@ -9,6 +9,13 @@ import argparse
 import os
 import time
 
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import keras  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import keras_pipe  # noqa: E402
+
 REMAT_MODES = ("always", "except_last", "never")
 BALANCE_MODES = ("params", "flops", "time", "memory")
 
@@ -69,10 +76,7 @@ def setup_devices(args):
     stages) but share the host's cores, so they show correctness, not
     speed-up.
     """
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    import tensorflow as tf
 
-    import keras_pipe
 
     if args.devices != "auto":
         devices = args.devices.split(",")
@@ -89,8 +93,6 @@ def setup_devices(args):
 
 def make_pipeline(model, args, devices):
     """Cuts `model` into `args.num_stages` stages with `from_model`."""
-    import keras_pipe
-
     return keras_pipe.PipelineModel.from_model(
         model, num_stages=args.num_stages, devices=devices,
         num_micro_batches=args.num_micro_batches, remat=args.remat,
@@ -99,8 +101,6 @@ def make_pipeline(model, args, devices):
 
 def make_callbacks(args, throughput):
     """Progress bar (fit's own), TensorBoard, checkpoints, throughput."""
-    import keras
-
     callbacks = [throughput]
     if args.model_dir:
         callbacks.append(keras.callbacks.TensorBoard(
@@ -111,47 +111,56 @@ def make_callbacks(args, throughput):
     return callbacks
 
 
-def throughput_callback(batch_size, skip=1):
-    """A callback measuring examples per second after `skip` warm-up steps."""
-    import keras
+class Throughput(keras.callbacks.Callback):
+    """Examples per second of training steps, after `skip` warm-up steps.
 
-    class Throughput(keras.callbacks.Callback):
-        """Times training steps; the first `skip` ones trace and are left out."""
+    The first step traces and builds the pipeline's graph: it is left out.
+    """
 
-        def __init__(self):
-            super().__init__()
-            self.durations = []
-            self._start = None
-            self._seen = 0
+    def __init__(self, batch_size, skip=1):
+        super().__init__()
+        self.batch_size = batch_size
+        self.skip = skip
+        self.durations = []
+        self._start = None
+        self._seen = 0
 
-        def on_train_batch_begin(self, batch, logs=None):
-            self._start = time.perf_counter()
+    def on_train_batch_begin(self, batch, logs=None):
+        self._start = time.perf_counter()
 
-        def on_train_batch_end(self, batch, logs=None):
-            self._seen += 1
-            if self._seen > skip:
-                self.durations.append(time.perf_counter() - self._start)
+    def on_train_batch_end(self, batch, logs=None):
+        self._seen += 1
+        if self._seen > self.skip:
+            self.durations.append(time.perf_counter() - self._start)
 
-        @property
-        def examples_per_second(self):
-            if not self.durations:
-                return None
-            return batch_size * len(self.durations) / sum(self.durations)
+    @property
+    def examples_per_second(self):
+        if not self.durations:
+            return None
+        return self.batch_size * len(self.durations) / sum(self.durations)
 
-        def on_train_end(self, logs=None):
-            rate = self.examples_per_second
-            if rate is not None:
-                print(f"throughput: {rate:.1f} examples/s over "
-                      f"{len(self.durations)} steps (first {skip} left out)")
+    def on_train_end(self, logs=None):
+        rate = self.examples_per_second
+        if rate is not None:
+            print(f"throughput: {rate:.1f} examples/s over "
+                  f"{len(self.durations)} steps (first {self.skip} left out)")
 
-    return Throughput()
+
+def boundaries(pipe):
+    """Per cut, the names of the layers whose outputs cross it."""
+    cuts = []
+    for stage in pipe.stages[:-1]:
+        names = [x._keras_history.operation.name
+                 for x in getattr(stage, "output_tensors", [])]
+        cuts.append(names)
+    return cuts
 
 
 def describe(pipe, args, devices):
-    """Prints the cut, the devices and the schedule."""
-    import keras_pipe
-
+    """Prints the cut, what crosses each boundary, and the schedule."""
     print(pipe.summary_table())
+    for j, names in enumerate(boundaries(pipe)):
+        print(f"stage {j} -> {j + 1} sends the outputs of: {', '.join(names)}")
     print(f"devices: {', '.join(devices)}; num_micro_batches="
           f"{args.num_micro_batches}, remat={args.remat!r}, bubble "
           f"{keras_pipe.schedule.bubble_fraction(args.num_micro_batches, args.num_stages):.0%}")

@@ -20,7 +20,12 @@ import argparse
 import os
 import sys
 
-import common
+import common  # First: quiets TensorFlow's start-up logs.
+import keras
+import tensorflow as tf
+import tensorflow_datasets as tfds
+
+from keras_pipe.layers import defer_batch_norm
 
 # AmoebaNet-D genotype (Real et al. 2019, as used by GPipe): pairs of
 # (input state, operation); each pair's two results are added into a new
@@ -94,7 +99,6 @@ def parse_args(argv):
 
 
 def _relu_conv_bn(x, filters, kernel_size=1, strides=1, name=None):
-    import keras
 
     x = keras.layers.ReLU(name=f"{name}_relu")(x)
     x = keras.layers.Conv2D(filters, kernel_size, strides=strides,
@@ -105,8 +109,6 @@ def _relu_conv_bn(x, filters, kernel_size=1, strides=1, name=None):
 
 def _factorized_reduce(x, filters, name):
     """Halves height and width with two offset stride-2 1x1 convolutions."""
-    import keras
-
     x = keras.layers.ReLU(name=f"{name}_relu")(x)
     a = keras.layers.Conv2D(filters // 2, 1, strides=2, use_bias=False,
                             name=f"{name}_conv1")(x)
@@ -121,7 +123,6 @@ def _factorized_reduce(x, filters, name):
 
 
 def _operation(x, kind, filters, strides, name):
-    import keras
 
     if kind == "none":
         return x if strides == 1 else _factorized_reduce(x, filters, name)
@@ -146,8 +147,6 @@ def _operation(x, kind, filters, strides, name):
 
 def _cell(prev, prev_prev, filters, reduction, reduction_prev, name):
     """One AmoebaNet cell: (output, prev) from the two previous outputs."""
-    import keras
-
     s1 = _relu_conv_bn(prev, filters, name=f"{name}_in1")
     if reduction_prev:
         s0 = _factorized_reduce(prev_prev, filters, name=f"{name}_in0")
@@ -181,8 +180,6 @@ def amoebanet_d(num_classes, num_layers=18, filters=256, image_size=224,
     `num_stem_cells` shrink it for smoke tests (`--mock-data`: one stem
     reduction cell and one normal cell, ~100 layers instead of ~330).
     """
-    import keras
-
     inputs = keras.Input((image_size, image_size, 3), name="images")
     x = keras.layers.Normalization(
         mean=MEAN_RGB, variance=[s * s for s in STDDEV_RGB],
@@ -214,8 +211,6 @@ def amoebanet_d(num_classes, num_layers=18, filters=256, image_size=224,
 
 def resnet50(num_classes, image_size=224):
     """keras.applications.ResNet50 (random weights) behind our normalization."""
-    import keras
-
     inputs = keras.Input((image_size, image_size, 3), name="images")
     x = keras.layers.Normalization(
         mean=MEAN_RGB, variance=[s * s for s in STDDEV_RGB],
@@ -230,8 +225,6 @@ def add_weight_decay(model, weight_decay):
 
     Set on the variables, so that it also covers keras.applications models.
     """
-    import keras
-
     if not weight_decay:
         return
     for layer in model._flatten_layers():
@@ -244,8 +237,6 @@ def add_weight_decay(model, weight_decay):
 
 def _center_crop_window(height, width, image_size):
     """The standard eval crop: image_size / (image_size + 32) of the short side."""
-    import tensorflow as tf
-
     ratio = image_size / (image_size + 32)
     side = tf.cast(ratio * tf.cast(tf.minimum(height, width), tf.float32),
                    tf.int32)
@@ -261,8 +252,6 @@ def preprocess_encoded(encoded, image_size, training, is_jpeg=True):
     area, aspect 3/4 - 4/3) and a random horizontal flip. Evaluation: the
     central crop, resized.
     """
-    import tensorflow as tf
-
     if is_jpeg:
         shape = tf.image.extract_jpeg_shape(encoded)
     else:
@@ -294,8 +283,6 @@ def preprocess_encoded(encoded, image_size, training, is_jpeg=True):
 
 def preprocess_decoded(images, image_size):
     """A uint8 batch of any size -> the evaluation crop, float32 0..255."""
-    import tensorflow as tf
-
     shape = tf.shape(images)
     top, left, h, w = _center_crop_window(shape[1], shape[2], image_size)
     images = images[:, top:top + h, left:left + w, :]
@@ -317,9 +304,6 @@ def _splits(info):
 
 def load_data(args):
     """(train dataset, eval dataset, num_classes, train examples)."""
-    import tensorflow as tf
-    import tensorflow_datasets as tfds
-
     builder = tfds.builder(args.dataset, data_dir=args.data_dir)
     info = builder.info
     train_split, eval_split = _splits(info)
@@ -371,9 +355,6 @@ def export(pipe, path, image_size):
     sharing the trained weights, traced without device scopes, so the
     SavedModel loads on any single device.
     """
-    import keras
-    import tensorflow as tf
-
     model = pipe.to_model()
 
     def probabilities(images):
@@ -406,10 +387,7 @@ def export(pipe, path, image_size):
 def main(argv=None):
     args = parse_args(sys.argv[1:] if argv is None else argv)
     devices = common.setup_devices(args)
-    import keras
-    import tensorflow_datasets as tfds
 
-    from keras_pipe.layers import defer_batch_norm
 
     keras.utils.set_random_seed(args.seed)
     if args.mock_data:
@@ -451,7 +429,7 @@ def main(argv=None):
             from_logits=True, label_smoothing=args.label_smoothing),
         metrics=[keras.metrics.CategoricalAccuracy(name="top1"),
                  keras.metrics.TopKCategoricalAccuracy(5, name="top5")])
-    throughput = common.throughput_callback(args.batch_size)
+    throughput = common.Throughput(args.batch_size)
     pipe.fit(train, epochs=args.epochs, steps_per_epoch=steps,
              validation_data=evaluation, validation_steps=args.eval_steps,
              callbacks=common.make_callbacks(args, throughput), shuffle=False,
