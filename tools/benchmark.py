@@ -1,0 +1,964 @@
+"""Benchmark of keras_pipe: speedup, overhead, memory, build time, schedule.
+
+```
+python tools/benchmark.py [--quick] [--out DIR] [--only a,b,c,d,e]
+```
+
+measures in one run, and prints as tables of ratios (absolute times are
+context only: the machine may be shared and noisy):
+
+  (a) training throughput vs M for K=2 stages on 2 worker processes
+      (`python -m keras_pipe.worker`), each pinned to its own core, against
+      the same plain Keras model in 1 process pinned to 1 core, and against
+      the ideal 2M/(M+1);
+  (b) the overhead of a PipelineModel with K=1, M=1 against the same plain
+      Keras model (`fit` step time, warm, interleaved);
+  (c) peak memory per remat mode and M for a deep model at K=4
+      (`tf.config.experimental.get_memory_info`, process-wide on CPU);
+  (d) time to build the training step (first call minus a warm call) vs M
+      and K;
+  (e) schedule fidelity: stages that sleep a fixed time (one at a time per
+      stage, as one device runs one op at a time) against (M+K-1) stage
+      times, for a forward pass and a training step;
+
+and writes `benchmark.json` (every number) and `benchmark.png` to `--out`.
+
+Why subprocesses: logical CPU devices and thread pools are fixed when
+TensorFlow starts, and a process pinned to one core must be pinned before
+TensorFlow is imported, so every part runs in its own child process
+(`--child NAME`); the parent only starts processes, collects JSON and
+prints. The helpers at the top (ideal speedup, ratios, tables, goals) are
+plain Python and imported by `tests/test_benchmark.py`.
+"""
+
+import argparse
+import json
+import os
+import pathlib
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+# Goals of issue 6 (reported, never asserted).
+GOALS = {
+    "a": ("best-M speedup of K=2 on 2 pinned workers over 1 process on 1 core",
+          ">=", 1.6),
+    "b": ("step time of PipelineModel(K=1, M=1) / plain Keras model",
+          "<=", 1.05),
+    "c": ('peak memory remat="always" / "never", K=4, M=8', "<=", 0.5),
+    "d": ("build time of the training step, K=8 M=32 / K=8 M=4", "<=", 2.0),
+    "e": ("step time / (M+K-1) stage times, worst configuration "
+          "(|ratio - 1|)", "<=", 0.05),
+}
+
+# ---------------------------------------------------------------- helpers
+
+
+def ideal_speedup(num_micro_batches, num_stages=2):
+    """GPipe's bound on speedup over one device: `K M / (M + K - 1)`.
+
+    With `M` micro-batches on `K` equal stages, a step takes `M + K - 1`
+    stage-times of one micro-batch instead of `M K`.
+    """
+    for name, value in (("num_micro_batches", num_micro_batches),
+                        ("num_stages", num_stages)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1. Received: "
+                             f"{name}={value!r}")
+    m, k = num_micro_batches, num_stages
+    return k * m / (m + k - 1)
+
+
+def ratio(numerator, denominator):
+    """`numerator / denominator`, `None` when either is missing or zero."""
+    if numerator is None or denominator is None or denominator == 0:
+        return None
+    return numerator / denominator
+
+
+def median(values):
+    """The median of the numbers in `values`, `None` if there are none."""
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def fmt(value, digits=2, suffix=""):
+    """A table cell: a rounded number, `-` for `None`, text as it is."""
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, (int, float)):
+        return f"{value:.{digits}f}{suffix}"
+    return str(value)
+
+
+def format_table(headers, rows):
+    """A plain-text table, one column per header, numbers right-aligned."""
+    cells = [[str(h) for h in headers]] + [[str(c) for c in r] for r in rows]
+    widths = [max(len(r[c]) for r in cells) for c in range(len(headers))]
+    lines = []
+    for n, row in enumerate(cells):
+        lines.append("  ".join(c.rjust(w) if n and _numeric(c) else
+                               c.ljust(w) for c, w in zip(row, widths))
+                     .rstrip())
+        if n == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def markdown_table(headers, rows):
+    """The same table in Markdown (for the README)."""
+    lines = ["| " + " | ".join(str(h) for h in headers) + " |",
+             "|" + "|".join("---" for _ in headers) + "|"]
+    lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def _numeric(text):
+    try:
+        float(text.rstrip("x%"))
+        return True
+    except ValueError:
+        return False
+
+
+def check_goal(key, measured):
+    """`{"goal", "bound", "measured", "met"}` for the goal `key` of GOALS."""
+    text, op, bound = GOALS[key]
+    met = None
+    if measured is not None:
+        met = measured >= bound if op == ">=" else measured <= bound
+    return {"goal": text, "bound": f"{op} {bound:g}", "measured": measured,
+            "met": met}
+
+
+def throughput_rows(result):
+    """Rows of table (a) from the JSON of the throughput part."""
+    base = result["baseline_1core"]["step_seconds"]
+    worker1 = result.get("one_worker", {}).get("step_seconds")
+    rows = []
+    for entry in result["pipeline"]:
+        m, step = entry["num_micro_batches"], entry["step_seconds"]
+        speedup = ratio(base, step)
+        ideal = ideal_speedup(m, 2)
+        rows.append({
+            "M": m, "ideal": ideal, "speedup": speedup,
+            "speedup_vs_one_worker": ratio(worker1, step),
+            "efficiency": ratio(speedup, ideal),
+            "ms_per_step": step * 1e3,
+            "worker_cpu": entry.get("worker_cpu_utilisation")})
+    return rows
+
+
+def fidelity_rows(result):
+    """Rows of table (e): measured time over the schedule's prediction."""
+    rows = []
+    for entry in result["runs"]:
+        m, k, t = entry["M"], entry["K"], entry["stage_seconds"]
+        expected = entry["stage_times"] * t
+        rows.append({**entry, "expected_seconds": expected,
+                     "ratio": ratio(entry["seconds"], expected)})
+    return rows
+
+
+def summarize(results):
+    """Tables (text) and goal checks from the parts' JSON."""
+    tables, goals = [], {}
+    a = results.get("a")
+    if a and "error" not in a:
+        rows = throughput_rows(a)
+        tables.append((
+            "(a) Training throughput, K=2 stages on 2 single-core worker "
+            f"processes, {a['model']}, remat={a['remat']!r}: speedup = 1-core "
+            "step time / pipeline step time",
+            ["M", "ideal 2M/(M+1)", "speedup vs 1 core", "vs 1 worker K=1",
+             "speedup/ideal", "ms/step", "worker CPU use"],
+            [[r["M"], fmt(r["ideal"]), fmt(r["speedup"], suffix="x"),
+              fmt(r["speedup_vs_one_worker"], suffix="x"),
+              fmt(r["efficiency"]), fmt(r["ms_per_step"], 0),
+              "/".join(fmt(u * 100, 0, "%") for u in r["worker_cpu"] or [])
+              or "-"] for r in rows]))
+        context = [["1 process, 1 core (baseline)",
+                    fmt(a["baseline_1core"]["step_seconds"] * 1e3, 0)]]
+        if "one_worker" in a:
+            context.append(["1 worker process, K=1, M=1",
+                            fmt(a["one_worker"]["step_seconds"] * 1e3, 0)])
+        if "baseline_2cores" in a:
+            context.append(["1 process, 2 cores (plain Keras)",
+                            fmt(a["baseline_2cores"]["step_seconds"] * 1e3,
+                                0)])
+        tables.append(("(a) references", ["run", "ms/step"], context))
+        best = max((r["speedup"] for r in rows if r["speedup"]), default=None)
+        goals["a"] = check_goal("a", best)
+    b = results.get("b")
+    if b and "error" not in b:
+        rows = [[e["model"], fmt(e["ratio"], 3, "x"),
+                 fmt(e["plain_seconds"] * 1e3, 1),
+                 fmt(e["pipeline_seconds"] * 1e3, 1)] for e in b["models"]]
+        tables.append(("(b) Overhead of PipelineModel(K=1, M=1) over plain "
+                       "Keras, warm fit steps (step-time ratio)",
+                       ["model", "pipeline/plain", "plain ms", "pipeline ms"],
+                       rows))
+        goals["b"] = check_goal("b", b["models"][0]["ratio"])
+        goals["b"]["note"] = b["models"][0]["model"]
+    c = results.get("c")
+    if c and "error" not in c:
+        by_m = {}
+        for e in c["runs"]:
+            by_m.setdefault(e["M"], {})[e["remat"]] = e
+        rows = []
+        for m in sorted(by_m):
+            runs = by_m[m]
+            never = runs.get("never", {})
+            row = [m]
+            for mode in ("always", "except_last", "never"):
+                e = runs.get(mode)
+                row.append(fmt(e["peak_bytes"] / 2**20, 0) if e else "-")
+            for mode in ("always", "except_last"):
+                e = runs.get(mode)
+                row.append(fmt(ratio(e and e["peak_bytes"],
+                                     never.get("peak_bytes")), suffix="x"))
+            row.append(fmt(ratio(runs.get("always", {}).get("step_bytes"),
+                                 never.get("step_bytes")), suffix="x"))
+            rows.append(row)
+        tables.append((
+            f"(c) Peak memory (MiB, {c['measure']}), {c['model']}, K=4",
+            ["M", "always", "except_last", "never", "always/never",
+             "except_last/never", "step increment always/never"], rows))
+        m8 = by_m.get(8, {})
+        goals["c"] = check_goal("c", ratio(
+            m8.get("always", {}).get("peak_bytes"),
+            m8.get("never", {}).get("peak_bytes")))
+    d = results.get("d")
+    if d and "error" not in d:
+        ms = sorted({e["M"] for e in d["runs"]})
+        ks = sorted({e["K"] for e in d["runs"]})
+        cell = {(e["K"], e["M"]): e["build_seconds"] for e in d["runs"]}
+        rows = []
+        for k in ks:
+            first = next((cell[(k, m)] for m in ms if (k, m) in cell), None)
+            rows.append([k] + [
+                (fmt(cell[(k, m)], 1, " s") + " (" +
+                 fmt(ratio(cell[(k, m)], first), 2, "x") + ")")
+                if (k, m) in cell else "-" for m in ms])
+        tables.append((
+            f"(d) Time to build the training step (first train_on_batch "
+            f"minus a warm one), {d['model']}; (ratio to the smallest M)",
+            ["K \\ M"] + ms, rows))
+        goals["d"] = check_goal("d", ratio(cell.get((8, 32)),
+                                           cell.get((8, 4))))
+    e = results.get("e")
+    if e and "error" not in e:
+        rows = fidelity_rows(e)
+        tables.append((
+            "(e) Schedule fidelity: stages sleeping t s each (one op at a "
+            "time per stage) vs (M+K-1) stage times",
+            ["run", "K", "M", "t", "expected s", "measured s",
+             "measured/expected", "bubble measured", "bubble theory"],
+            [[r["run"], r["K"], r["M"], fmt(r["stage_seconds"], 3),
+              fmt(r["expected_seconds"], 3), fmt(r["seconds"], 3),
+              fmt(r["ratio"], 3), fmt(r.get("bubble_measured"), 3),
+              fmt(r.get("bubble_theory"), 3)] for r in rows]))
+        worst = max((abs(r["ratio"] - 1) for r in rows if r["ratio"]),
+                    default=None)
+        goals["e"] = check_goal("e", worst)
+    goal_rows = [[key, g["goal"], g["bound"], fmt(g["measured"], 3),
+                  fmt(g["met"]) if g["met"] is not None else "not measured"]
+                 for key, g in sorted(goals.items())]
+    tables.append(("Goals", ["part", "goal", "bound", "measured", "met"],
+                   goal_rows))
+    return tables, goals
+
+
+# --------------------------------------------------------- child processes
+# Each child prints one JSON object as its last line of stdout.
+
+
+def _tf_env(threads=None):
+    """Imports TF/Keras (after pinning) and sets the thread pools."""
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+    import tensorflow as tf
+    if threads:
+        intra, inter = threads
+        tf.config.threading.set_intra_op_parallelism_threads(intra)
+        tf.config.threading.set_inter_op_parallelism_threads(inter)
+    import keras
+    return tf, keras
+
+
+def _mlp(keras, num_layers, width, name, last_linear=True):
+    """`num_layers` Dense layers of `width` units, ReLU but the last."""
+    layers = [keras.layers.Dense(
+        width, activation=None if last_linear and n == num_layers - 1
+        else "relu", name=f"{name}_dense{n}") for n in range(num_layers)]
+    return keras.Sequential(layers, name=name)
+
+
+def _split(keras, num_layers, width, num_stages, last_linear=True):
+    """The same MLP cut into `num_stages` Sequential stages."""
+    per = num_layers // num_stages
+    stages = []
+    for j in range(num_stages):
+        layers = [keras.layers.Dense(
+            width, activation=None if last_linear and j * per + n ==
+            num_layers - 1 else "relu") for n in range(per)]
+        stages.append(keras.Sequential(layers, name=f"stage{j}"))
+    return stages
+
+
+class _StepClock:
+    """Per-step wall times of `fit`, each taken after the step finished."""
+
+    def __init__(self, keras):
+        import numpy as np
+        times = self.times = []
+
+        class Clock(keras.callbacks.Callback):
+            def on_train_batch_end(self, batch, logs=None):
+                # Reading the loss waits for the step to end.
+                np.asarray((logs or {}).get("loss", 0.0))
+                times.append(time.perf_counter())
+
+        self.callback = Clock()
+
+    def steps(self):
+        return [b - a for a, b in zip(self.times, self.times[1:])]
+
+
+def _fit_steps(keras, model, x, y, batch_size):
+    """Durations of the steps of one `fit` epoch (the first step excluded)."""
+    clock = _StepClock(keras)
+    model.fit(x, y, batch_size=batch_size, epochs=1, verbose=0, shuffle=False,
+              callbacks=[clock.callback])
+    return clock.steps()
+
+
+def _cpu_seconds(pid):
+    """User + system CPU seconds of a process, from /proc."""
+    try:
+        fields = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(
+            ")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _throughput_data(np, steps, batch, width):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(steps * batch, width)).astype("float32")
+    y = rng.normal(size=(steps * batch, width)).astype("float32")
+    return x, y
+
+
+def child_baseline(p):
+    """Plain Keras model in this process (pinned by the parent): step time."""
+    tf, keras = _tf_env(p.get("threads"))
+    import numpy as np
+    keras.utils.set_random_seed(0)
+    x, y = _throughput_data(np, p["steps"], p["batch"], p["width"])
+    model = _mlp(keras, p["layers"], p["width"], "plain")
+    model.compile(keras.optimizers.Adam(1e-4), "mse", jit_compile=False)
+    _fit_steps(keras, model, x[:3 * p["batch"]], y[:3 * p["batch"]],
+               p["batch"])
+    steps = []
+    for _ in range(p["rounds"]):
+        steps += _fit_steps(keras, model, x, y, p["batch"])
+    return {"step_seconds": median(steps), "steps": steps,
+            "affinity": sorted(os.sched_getaffinity(0))}
+
+
+def child_throughput(p):
+    """Client of 2 workers: K=2 pipelines for each M, and K=1 on 1 worker."""
+    tf, keras = _tf_env()
+    import numpy as np
+
+    import keras_pipe
+    devices = keras_pipe.connect({"worker": p["cluster"]}, timeout=60.0)
+    remote = [names[0] for _, names in sorted(devices.items())]
+    x, y = _throughput_data(np, p["steps"], p["batch"], p["width"])
+    models = {}
+    for m in [None] + p["micro_batches"]:  # None: K=1 on worker 0.
+        keras.utils.set_random_seed(0)
+        if m is None:
+            model = keras_pipe.PipelineModel(
+                [_mlp(keras, p["layers"], p["width"], "whole")],
+                devices=remote[:1], num_micro_batches=1, remat="never")
+        else:
+            model = keras_pipe.PipelineModel(
+                _split(keras, p["layers"], p["width"], 2),
+                devices=remote, num_micro_batches=m, remat=p["remat"])
+        model.build((None, p["width"]))
+        model.compile(keras.optimizers.Adam(1e-4), "mse")
+        start = time.perf_counter()
+        _fit_steps(keras, model, x[:3 * p["batch"]], y[:3 * p["batch"]],
+                   p["batch"])
+        models[m] = (model, time.perf_counter() - start)
+    steps = {m: [] for m in models}
+    cpu = {m: [] for m in models}
+    for _ in range(p["rounds"]):  # Interleaved: noise hits every M alike.
+        for m, (model, _) in models.items():
+            before = [_cpu_seconds(pid) for pid in p["worker_pids"]]
+            start = time.perf_counter()
+            steps[m] += _fit_steps(keras, model, x, y, p["batch"])
+            wall = time.perf_counter() - start
+            after = [_cpu_seconds(pid) for pid in p["worker_pids"]]
+            cpu[m].append([None if a is None or b is None else (b - a) / wall
+                           for a, b in zip(before, after)])
+    result = {"pipeline": [], "devices": remote}
+    for m in models:
+        use = [median([row[w] for row in cpu[m]])
+               for w in range(len(p["worker_pids"]))]
+        entry = {"num_micro_batches": m, "step_seconds": median(steps[m]),
+                 "steps": steps[m], "first_fit_seconds": models[m][1],
+                 "worker_cpu_utilisation": use}
+        if m is None:
+            result["one_worker"] = entry
+        else:
+            result["pipeline"].append(entry)
+    return result
+
+
+def child_overhead(p):
+    """PipelineModel(K=1, M=1) vs the same plain Keras model, interleaved."""
+    tf, keras = _tf_env()
+    import numpy as np
+
+    import keras_pipe
+    out = []
+    for spec in p["models"]:
+        width, layers, batch = spec["width"], spec["layers"], spec["batch"]
+        x, y = _throughput_data(np, p["steps"], batch, width)
+        keras.utils.set_random_seed(0)
+        plain = _mlp(keras, layers, width, "plain")
+        plain.build((None, width))
+        twin = _mlp(keras, layers, width, "twin")
+        twin.build((None, width))
+        twin.set_weights(plain.get_weights())
+        pipe = keras_pipe.PipelineModel([twin], devices=["/device:CPU:0"],
+                                         num_micro_batches=1)
+        plain.compile(keras.optimizers.Adam(1e-4), "mse", jit_compile=False)
+        pipe.compile(keras.optimizers.Adam(1e-4), "mse")
+        for model in (plain, pipe):
+            _fit_steps(keras, model, x[:3 * batch], y[:3 * batch], batch)
+        times = {"plain": [], "pipeline": []}
+        for _ in range(p["rounds"]):
+            for name, model in (("plain", plain), ("pipeline", pipe)):
+                times[name] += _fit_steps(keras, model, x, y, batch)
+        plain_s, pipe_s = median(times["plain"]), median(times["pipeline"])
+        out.append({"model": f"{layers} x Dense({width}), batch {batch}",
+                    "plain_seconds": plain_s, "pipeline_seconds": pipe_s,
+                    "ratio": ratio(pipe_s, plain_s), "steps": times})
+    return {"models": out}
+
+
+def child_memory(p):
+    """Peak memory of one training step for one (remat, M), K=4."""
+    import resource
+    tf, keras = _tf_env()
+    import numpy as np
+
+    import keras_pipe
+    devices = keras_pipe.logical_cpu_devices(4)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(p["batch"], p["width"])).astype("float32")
+    y = rng.normal(size=(p["batch"], p["width"])).astype("float32")
+    keras.utils.set_random_seed(0)
+    model = keras_pipe.PipelineModel(
+        _split(keras, p["layers"], p["width"], 4), devices=devices,
+        num_micro_batches=p["M"], remat=p["remat"])
+    model.build((None, p["width"]))
+    model.compile(keras.optimizers.Adam(1e-4), "mse")
+    model.train_on_batch(x, y)  # trace and warm up
+    info = tf.config.experimental.get_memory_info
+    # Process-wide: every logical CPU device reports the same allocator.
+    tf.config.experimental.reset_memory_stats("CPU:0")
+    resting = info("CPU:0")["current"]
+    model.train_on_batch(x, y)
+    peak = info("CPU:0")["peak"]
+    same = info("CPU:3")["peak"] == peak
+    return {"M": p["M"], "remat": p["remat"], "peak_bytes": peak,
+            "resting_bytes": resting, "step_bytes": peak - resting,
+            "all_devices_report_same_peak": same,
+            "maxrss_bytes": resource.getrusage(
+                resource.RUSAGE_SELF).ru_maxrss * 1024}
+
+
+def child_build(p):
+    """Build time of the training step for each (K, M) in one process."""
+    tf, keras = _tf_env()
+    import numpy as np
+
+    import keras_pipe
+    devices = keras_pipe.logical_cpu_devices(max(k for k, _ in p["grid"]))
+
+    def build_seconds(k, m):
+        keras.utils.set_random_seed(0)
+        stages = [keras.Sequential([
+            keras.layers.Dense(p["width"], activation="relu"),
+            keras.layers.Dense(p["width"])]) for _ in range(k)]
+        model = keras_pipe.PipelineModel(stages, devices=devices[:k],
+                                          num_micro_batches=m,
+                                          remat="except_last")
+        model.build((None, p["width"]))
+        model.compile("adam", "mse")
+        x = np.ones((2 * m, p["width"]), "float32")
+        calls = []
+        for _ in range(3):
+            start = time.perf_counter()
+            model.train_on_batch(x, x)
+            calls.append(time.perf_counter() - start)
+        return calls[0] - min(calls[1:]), calls
+
+    build_seconds(2, 2)  # one-time costs of the first traced function
+    runs = []
+    for k, m in p["grid"]:
+        seconds, calls = build_seconds(k, m)
+        runs.append({"K": k, "M": m, "build_seconds": seconds,
+                     "calls": calls})
+    return {"runs": runs}
+
+
+def child_fidelity(p):
+    """Stages that sleep `t` s per op vs the schedule's (M+K-1) ticks."""
+    import threading
+    tf, keras = _tf_env()
+    import numpy as np
+
+    import keras_pipe
+    devices = keras_pipe.logical_cpu_devices(
+        max(k for k, _ in p["grid"]), inter_op_threads=p["inter_op_threads"])
+    t = p["stage_seconds"]
+    log = []
+    locks = {}
+
+    def sleeper(stage, phase):
+        lock = locks.setdefault(stage, threading.Lock())
+
+        def wait(value):
+            # One op at a time per stage, as on a real device.
+            with lock:
+                start = time.perf_counter()
+                time.sleep(t)
+                log.append((stage, phase, start, time.perf_counter()))
+            return value
+        return wait
+
+    class Sleep(keras.layers.Layer):
+        """Identity that takes `t` s forward and `t` s backward."""
+
+        def __init__(self, stage, **kwargs):
+            super().__init__(**kwargs)
+            self.stage = stage
+
+        def build(self, shape):
+            self.scale = self.add_weight(shape=(), initializer="ones")
+
+        def call(self, inputs):
+            forward = sleeper(self.stage, "forward")
+            backward = sleeper(self.stage, "backward")
+
+            @tf.custom_gradient
+            def op(x):
+                y = tf.numpy_function(forward, [x], tf.float32,
+                                      stateful=False)
+                y = tf.ensure_shape(y, x.shape)
+
+                def grad(dy):
+                    dx = tf.numpy_function(backward, [dy], tf.float32,
+                                           stateful=False)
+                    return tf.ensure_shape(dx, dy.shape)
+                return y, grad
+
+            # Scaled first: the weight's gradient then needs the op's
+            # backward on every stage, the first one included.
+            return op(inputs * self.scale)
+
+    def bubble(elapsed, k):
+        busy = sum(e - s for _, _, s, e in log)
+        return 1 - busy / (k * elapsed)
+
+    runs = []
+    for k, m in p["grid"]:
+        for run in p["runs"]:
+            remat = {"train": "never", "train_remat": "always"}.get(run,
+                                                                  "never")
+            model = keras_pipe.PipelineModel(
+                [Sleep(j) for j in range(k)], devices=devices[:k],
+                num_micro_batches=m, remat=remat)
+            model.build((None, 3))
+            x = np.ones((2 * m, 3), "float32")
+            if run == "forward":
+                step = tf.function(lambda v: model(v))
+                call = lambda: step(x).numpy()  # noqa: E731
+                ticks = m + k - 1
+            else:
+                model.compile(keras.optimizers.SGD(0.0), "mse")
+                call = lambda: model.train_on_batch(x, x)  # noqa: E731
+                # Forward, then backward (with its recompute first under
+                # remat="always"): each (M+K-1) ticks of t.
+                ticks = (2 if run == "train" else 3) * (m + k - 1)
+            call()
+            best = None
+            for _ in range(p["repeats"]):
+                log.clear()
+                start = time.perf_counter()
+                call()
+                elapsed = time.perf_counter() - start
+                if best is None or elapsed < best[0]:
+                    best = (elapsed, bubble(elapsed, k), len(log))
+            runs.append({"run": run, "K": k, "M": m, "stage_seconds": t,
+                         "stage_times": ticks, "seconds": best[0],
+                         "bubble_measured": best[1],
+                         "bubble_theory": (k - 1) / (m + k - 1),
+                         "ops_logged": best[2],
+                         "ops_expected": ticks // (m + k - 1) * m * k})
+    return {"runs": runs}
+
+
+CHILDREN = {"baseline": child_baseline, "throughput": child_throughput,
+            "overhead": child_overhead, "memory": child_memory,
+            "build": child_build, "fidelity": child_fidelity}
+
+
+def _child_main(name, params):
+    cpus = params.pop("cpus", None)
+    if cpus is not None:  # Before TensorFlow is imported.
+        os.sched_setaffinity(0, set(cpus))
+    result = CHILDREN[name](params)
+    print(json.dumps(result), flush=True)
+
+
+# ------------------------------------------------------------ orchestration
+
+
+def _env(shim=None):
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3",
+               KERAS_BACKEND="tensorflow",
+               PYTHONPATH=os.pathsep.join(
+                   p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
+    env.pop("TF_CONFIG", None)
+    if shim:  # Keeps a client's own TF gRPC port on loopback too.
+        env["LD_PRELOAD"] = shim
+        env["KERAS_PIPE_BIND_HOST"] = "127.0.0.1"
+    return env
+
+
+def run_child(name, params, timeout, shim=None, log=print):
+    """Runs `--child name` in a fresh process; returns its JSON or an error."""
+    start = time.perf_counter()
+    try:
+        proc = subprocess.run(
+            [sys.executable, __file__, "--child", name, "--params",
+             json.dumps(params)], env=_env(shim), capture_output=True,
+            text=True, timeout=timeout, cwd=ROOT)
+    except subprocess.TimeoutExpired:
+        return {"error": f"{name}: no answer within {timeout} s"}
+    seconds = time.perf_counter() - start
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode or not lines:
+        log(f"  {name} failed (exit {proc.returncode}):\n"
+            f"{proc.stderr[-2000:]}")
+        return {"error": f"{name} exited {proc.returncode}: "
+                         f"{proc.stderr.strip().splitlines()[-1:]}"}
+    result = json.loads(lines[-1])
+    result["child_seconds"] = seconds
+    return result
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Workers:
+    """`python -m keras_pipe.worker` processes, one pinned core each."""
+
+    def __init__(self, num_tasks, logdir, inter_op_threads=2):
+        self.addresses = [f"127.0.0.1:{_free_port()}"
+                          for _ in range(num_tasks)]
+        self.logdir = pathlib.Path(logdir)
+        self.inter_op_threads = inter_op_threads
+        self.procs = []
+
+    def __enter__(self):
+        cores = sorted(os.sched_getaffinity(0))
+        for task in range(len(self.addresses)):
+            log = open(self.logdir / f"worker{task}.log", "w")
+            self.procs.append(subprocess.Popen(
+                [sys.executable, "-m", "keras_pipe.worker", "--task",
+                 str(task), "--cluster", ",".join(self.addresses),
+                 "--intra-op-threads", "1", "--inter-op-threads",
+                 str(self.inter_op_threads), "--cpu-affinity",
+                 str(cores[task % len(cores)])],
+                env=_env(), stdout=log, stderr=subprocess.STDOUT, cwd=ROOT))
+            log.close()
+        deadline = time.monotonic() + 180
+        for task, proc in enumerate(self.procs):
+            path = self.logdir / f"worker{task}.log"
+            while "serving" not in path.read_text():
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    self.__exit__()
+                    raise RuntimeError(f"worker {task} did not start:\n"
+                                       f"{path.read_text()[-2000:]}")
+                time.sleep(0.2)
+        return self
+
+    @property
+    def pids(self):
+        return [p.pid for p in self.procs]
+
+    def __exit__(self, *exc):
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait(timeout=30)
+
+
+def settings(quick):
+    """The parameters of every part; `quick` is a smaller, faster run."""
+    model = {"layers": 8, "width": 1024, "batch": 512}
+    return {
+        "a": {**model, "micro_batches": [1, 2, 4, 8, 16], "remat": "never",
+              "steps": 6 if quick else 12, "rounds": 2 if quick else 4},
+        "b": {"models": [model, {"layers": 4, "width": 128, "batch": 64}],
+              "steps": 8 if quick else 20, "rounds": 3 if quick else 6},
+        "c": {"layers": 32, "width": 256, "batch": 2048,
+              "micro_batches": [8] if quick else [1, 2, 4, 8, 16],
+              "modes": ["always", "except_last", "never"]},
+        "d": {"width": 32, "grid": [(8, 4), (8, 32), (4, 4), (4, 16)]
+              if quick else [(k, m) for k in (2, 4, 8)
+                             for m in (1, 4, 8, 16, 32)]},
+        "e": {"stage_seconds": 0.03 if quick else 0.05,
+              "grid": [(4, 4), (4, 8)] if quick else
+              [(4, 1), (4, 4), (4, 8), (4, 16), (2, 8), (8, 8)],
+              "runs": ["forward", "train"] if quick else
+              ["forward", "train", "train_remat"],
+              "repeats": 2 if quick else 3, "inter_op_threads": 64},
+    }
+
+
+def run_throughput(p, outdir, log):
+    """Part (a): 1-core baseline, 2 pinned workers + client, baseline again."""
+    from keras_pipe.worker import bind_shim_path  # imports TF, here only
+    shim = bind_shim_path()
+    core = sorted(os.sched_getaffinity(0))[0]
+    base = {k: p[k] for k in ("layers", "width", "batch", "steps", "rounds")}
+    one_core = dict(base, cpus=[core], threads=[1, 2])
+    log("  1 process pinned to 1 core ...")
+    before = run_child("baseline", dict(one_core), 900, log=log)
+    log("  2 worker processes, 1 core each; client drives fit ...")
+    with Workers(2, outdir) as workers:
+        result = run_child(
+            "throughput", dict(p, cluster=workers.addresses,
+                               worker_pids=workers.pids), 3600, shim=shim,
+            log=log)
+    if "error" in result:
+        return result
+    log("  1 process pinned to 1 core, again; 1 process on 2 cores ...")
+    after = run_child("baseline", dict(one_core), 900, log=log)
+    two = run_child("baseline", dict(base), 900, log=log)
+    steps = before.get("steps", []) + after.get("steps", [])
+    result["baseline_1core"] = {"step_seconds": median(steps),
+                                "before": before, "after": after}
+    if "error" not in two:
+        result["baseline_2cores"] = two
+    result["model"] = (f"{p['layers']} x Dense({p['width']}), batch "
+                       f"{p['batch']}")
+    result["remat"] = p["remat"]
+    return result
+
+
+def run_parts(parts, quick, outdir, log=print):
+    """Runs the chosen parts, each in child processes; returns their JSON."""
+    s = settings(quick)
+    results = {}
+    if "a" in parts:
+        log("(a) throughput vs M on 2 pinned workers")
+        results["a"] = run_throughput(s["a"], outdir, log)
+    if "b" in parts:
+        log("(b) overhead of K=1, M=1")
+        results["b"] = run_child("overhead", s["b"], 1800, log=log)
+    if "c" in parts:
+        log("(c) peak memory per remat mode and M")
+        c = s["c"]
+        runs = []
+        for m in c["micro_batches"]:
+            for mode in c["modes"]:
+                r = run_child("memory", {"layers": c["layers"],
+                                         "width": c["width"],
+                                         "batch": c["batch"], "M": m,
+                                         "remat": mode}, 900, log=log)
+                if "error" not in r:
+                    runs.append(r)
+        results["c"] = {"runs": runs, "model": (
+            f"{c['layers']} x Dense({c['width']}), batch {c['batch']}, Adam"),
+            "measure": "tf.config.experimental.get_memory_info('CPU:0')"
+                       "['peak'] over one warm training step"}
+        if not runs:
+            results["c"]["error"] = "every configuration failed"
+    if "d" in parts:
+        log("(d) build time of the training step vs M and K")
+        results["d"] = run_child("build", s["d"], 3600, log=log)
+        results["d"]["model"] = (
+            f"2 x Dense({s['d']['width']}) per stage, batch 2M, "
+            "remat='except_last'")
+    if "e" in parts:
+        log("(e) schedule fidelity with fixed-duration stages")
+        results["e"] = run_child("fidelity", s["e"], 3600, log=log)
+    return results
+
+
+def plot(results, goals, path):
+    """Writes a 2 x 2 figure: speedup, memory, build time, fidelity."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(2, 2, figsize=(10, 7), dpi=80)
+    ax = axes[0][0]
+    a = results.get("a")
+    if a and "error" not in a:
+        rows = throughput_rows(a)
+        ms = [r["M"] for r in rows]
+        fine = [m / 4 for m in range(4, 4 * max(ms) + 1)]
+        ax.plot(fine, [2 * m / (m + 1) for m in fine], "k--",
+                label="ideal 2M/(M+1)")
+        ax.plot(ms, [r["speedup"] for r in rows], "o-",
+                label="measured vs 1 core")
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.axhline(GOALS["a"][2], color="tab:green", lw=0.8, ls=":",
+                   label="goal")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(ms, [str(m) for m in ms])
+        ax.legend(fontsize=8)
+    ax.set_title("(a) speedup, K=2 on 2 single-core workers", fontsize=10)
+    ax.set_xlabel("micro-batches M")
+    ax = axes[0][1]
+    c = results.get("c")
+    if c and "error" not in c:
+        for mode in ("always", "except_last", "never"):
+            pts = sorted((e["M"], e["peak_bytes"] / 2**20)
+                         for e in c["runs"] if e["remat"] == mode)
+            if pts:
+                ax.plot(*zip(*pts), "o-", label=f"remat={mode!r}")
+        ax.set_xscale("log", base=2)
+        ax.set_ylabel("peak MiB")
+        ax.legend(fontsize=8)
+    ax.set_title("(c) peak memory of a training step, K=4", fontsize=10)
+    ax.set_xlabel("micro-batches M")
+    ax = axes[1][0]
+    d = results.get("d")
+    if d and "error" not in d:
+        for k in sorted({e["K"] for e in d["runs"]}):
+            pts = sorted((e["M"], e["build_seconds"]) for e in d["runs"]
+                         if e["K"] == k)
+            ax.plot(*zip(*pts), "o-", label=f"K={k}")
+        ax.set_xscale("log", base=2)
+        ax.set_ylabel("seconds")
+        ax.legend(fontsize=8)
+    ax.set_title("(d) time to build the training step", fontsize=10)
+    ax.set_xlabel("micro-batches M")
+    ax = axes[1][1]
+    e = results.get("e")
+    if e and "error" not in e:
+        rows = fidelity_rows(e)
+        labels = [f"{r['run']}\nK={r['K']} M={r['M']}" for r in rows]
+        ax.bar(range(len(rows)), [r["ratio"] for r in rows])
+        ax.axhspan(0.95, 1.05, color="tab:green", alpha=0.2,
+                   label="goal: within 5%")
+        ax.set_xticks(range(len(rows)), labels, fontsize=6, rotation=90)
+        ax.set_ylabel("measured / (M+K-1) stage times")
+        ax.legend(fontsize=8)
+    ax.set_title("(e) schedule fidelity", fontsize=10)
+    b = results.get("b")
+    note = ""
+    if b and "error" not in b:
+        note = "   (b) overhead K=1,M=1: " + ", ".join(
+            f"{fmt(m['ratio'], 3)}x ({m['model']})" for m in b["models"])
+    fig.suptitle("keras_pipe benchmark" + note, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def environment():
+    """What the numbers were measured on."""
+    def git(*args):
+        try:
+            return subprocess.run(["git", *args], cwd=ROOT, text=True,
+                                  capture_output=True).stdout
+        except OSError:
+            return 
+    versions = {}
+    for name in ("tensorflow", "keras"):
+        try:
+            from importlib.metadata import version
+            versions[name] = version(name)
+        except Exception:  # noqa: BLE001 - reported as unknown
+            versions[name] = None
+    return {"python": platform.python_version(), "machine": platform.machine(),
+            "cpus": os.cpu_count(),
+            "affinity": sorted(os.sched_getaffinity(0)),
+            "load_average": os.getloadavg(), **versions,
+            "commit": git("rev-parse", "HEAD").strip(),
+            "uncommitted_files": git("status", "--porcelain",
+                                     "-uno").splitlines(),
+            "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(
+        prog="python tools/benchmark.py",
+        description="Measure keras_pipe: speedup on 2 pinned workers, "
+        "overhead, peak memory per remat mode, build time, schedule "
+        "fidelity. Prints tables of ratios, writes JSON and a PNG.")
+    parser.add_argument("--quick", action="store_true",
+                        help="fewer configurations and steps (minutes)")
+    parser.add_argument("--out", default="benchmark_out",
+                        help="folder for benchmark.json, benchmark.png and "
+                        "worker logs (default: benchmark_out)")
+    parser.add_argument("--only", default="a,b,c,d,e",
+                        help="comma-separated parts to run (default: all)")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--params", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        _child_main(args.child, json.loads(args.params))
+        return
+    parts = [p.strip() for p in args.only.split(",") if p.strip()]
+    unknown = sorted(set(parts) - set(GOALS))
+    if unknown:
+        parser.error(f"--only takes parts among a,b,c,d,e. Received: "
+                     f"{unknown}")
+    outdir = pathlib.Path(args.out)
+    outdir.mkdir(parents=True, exist_ok=True)
+    env = environment()
+    start = time.perf_counter()
+    results = run_parts(parts, args.quick, outdir)
+    env["load_average_end"] = os.getloadavg()
+    tables, goals = summarize(results)
+    for title, headers, rows in tables:
+        print(f"\n{title}\n{format_table(headers, rows)}")
+    document = {"command": " ".join(["python", "tools/benchmark.py",
+                                     *(argv if argv is not None
+                                       else sys.argv[1:])]),
+                "quick": args.quick, "environment": env,
+                "seconds": time.perf_counter() - start, "results": results,
+                "goals": goals,
+                "tables": [{"title": t, "headers": h, "rows": r}
+                           for t, h, r in tables]}
+    (outdir / "benchmark.json").write_text(json.dumps(document, indent=1))
+    plot(results, goals, outdir / "benchmark.png")
+    print(f"\nWrote {outdir / 'benchmark.json'} and "
+          f"{outdir / 'benchmark.png'} ({document['seconds']:.0f} s).")
+
+
+if __name__ == "__main__":
+    main()
