@@ -14,6 +14,7 @@ from keras_pipe import placement
 from keras_pipe import replicas as replicas_lib
 from keras_pipe import saving
 from keras_pipe import schedule as schedule_lib
+from keras_pipe import timeline as timeline_lib
 from keras_pipe.remat import REMAT_MODES, Stage
 
 __all__ = ["PipelineModel"]
@@ -141,9 +142,10 @@ def _check_known_shapes(stages):
 def _mismatch_message(stages, j, spec, exc):
     source = (f"the output of stages[{j - 1}] ({stages[j - 1].name!r})"
               if j else "the model input")
+    fix = (f"Make stage {j}'s input match stage {j - 1}'s output" if j
+           else "Make stage 0 accept the model input")
     return (f"stages[{j}] ({stages[j].name!r}) cannot take {source}: "
-            f"{_describe(spec)}. Make stage {j}'s input match stage "
-            f"{j - 1}'s output. Error: {exc}")
+            f"{_describe(spec)}. {fix}. Error: {exc}")
 
 
 def _finish_mini_batch(stage):
@@ -550,13 +552,17 @@ class PipelineModel(keras.Model):
             for variable, g in zip(variables, direct):
                 if g is not None:
                     per_variable[id(variable)].append(g)
+        previous = {}  # the last backward pass on each stage runner
         for tick in reversed(schedule_lib.gpipe(m, k)):
             for i, j in reversed(tick):
                 runner, run = self._runner(i, j, m), runs[i][j]
                 input_grads, param_grads = runner.backward(
                     run, output_grads.pop((i, j)),
                     [loss_grads[id(l)] for l in run.losses], training=True,
-                    name=f"stage{j}/mb{i}/backward")
+                    name=f"stage{j}/mb{i}/backward",
+                    control_inputs=previous.get(id(runner), []))
+                previous[id(runner)] = [
+                    g for g in input_grads + param_grads if g is not None][:1]
                 if j:
                     output_grads[(i, j - 1)] = input_grads
                 for variable, g in zip(runner.trainable_variables,
@@ -604,8 +610,20 @@ class PipelineModel(keras.Model):
     def train_step(self, data):
         x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
         self._ensure_built(x)
-        loss, y_pred, gradients = self.compute_loss_and_gradients(
-            x, y, sample_weight)
+        buffer = getattr(self, "_timeline_buffer", None)
+        recorder = None
+        if buffer is not None:  # keras_pipe.timeline.Timeline is recording
+            recorder = timeline_lib.Recorder(buffer.shape[1], buffer.shape[2])
+        for runner in self._runners:
+            runner.recorder = recorder
+        try:
+            loss, y_pred, gradients = self.compute_loss_and_gradients(
+                x, y, sample_weight)
+        finally:
+            for runner in self._runners:
+                runner.recorder = None
+        if recorder is not None:
+            buffer.assign(recorder.stacked())
         batch_size = tf.shape(
             next(t for t in keras.tree.flatten(x) if t is not None))[0]
         self._loss_tracker.update_state(loss, sample_weight=batch_size)

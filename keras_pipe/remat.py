@@ -66,6 +66,9 @@ class Stage:
         self.layer = layer
         self.device = device
         self._functions = {}
+        # A `keras_pipe.timeline.Recorder` while a step is traced for the
+        # Timeline callback, else None.
+        self.recorder = None
 
     @property
     def trainable_variables(self):
@@ -166,7 +169,11 @@ class Stage:
                     lambda t: None if t is None else tf.stop_gradient(t),
                     inputs)
             state = [tf.stop_gradient(s) for s in state]
-            with tf.control_dependencies(list(control_inputs)):
+            control_inputs = list(control_inputs)
+            if self.recorder is not None:
+                control_inputs = [self.recorder.start(
+                    name, keras.tree.flatten(inputs) + control_inputs)]
+            with tf.control_dependencies(control_inputs):
                 inputs = keras.tree.map_structure(
                     lambda t: None if t is None else tf.identity(t), inputs)
             if not differentiable and not remat:
@@ -179,11 +186,13 @@ class Stage:
                 outputs = keras.tree.map_structure(
                     lambda t: None if t is None else tf.identity(t), outputs)
                 losses = [tf.identity(l) for l in losses]
+            if self.recorder is not None:
+                self.recorder.end(name, keras.tree.flatten(outputs) + losses)
         run = StageRun(inputs, params, state, outputs, losses, remat, tape)
         return run, new_state
 
     def backward(self, run, output_grads, loss_grads, training,
-                 name="backward"):
+                 name="backward", control_inputs=()):
         """Backward pass of one micro-batch, on the stage's device.
 
         Gradients come from a `tf.GradientTape` of this one stage call,
@@ -197,6 +206,10 @@ class Stage:
                 where an output does not reach the loss.
             loss_grads: gradients for `run.losses`.
             training: the `training` flag of the forward pass.
+            name: the name scope.
+            control_inputs: tensors to wait for: the previous backward pass
+                on this stage, so that micro-batches run (and hold their
+                recomputed activations) one at a time.
 
         Returns:
             `(input_grads, param_grads)`: gradients for
@@ -210,7 +223,11 @@ class Stage:
             seeds = [g for g in output_grads + loss_grads if g is not None]
             if not seeds:
                 return [None] * len(flat_inputs), [None] * len(params)
+            seeds += list(control_inputs)
+            recorder = self.recorder
             if run.remat:
+                if recorder is not None:
+                    seeds = [recorder.start(name + "/recompute", seeds)]
                 with tf.control_dependencies(seeds), tf.name_scope("recompute"):
                     inputs = keras.tree.map_structure(
                         lambda t: None if t is None else tf.identity(t),
@@ -221,6 +238,9 @@ class Stage:
                         tape.watch(_float_leaves(inputs) + list(params))
                         outputs, _, losses = self.call(
                             inputs, params, run.state, training)
+                if recorder is not None:
+                    recorder.end(name + "/recompute",
+                                 keras.tree.flatten(outputs) + losses)
             ys, grad_ys = [], []
             for y, g in zip(keras.tree.flatten(outputs) + losses,
                             output_grads + loss_grads):
@@ -228,9 +248,15 @@ class Stage:
                     ys.append(y)
                     grad_ys.append(g)
             float_inputs = _float_leaves(inputs)
-            grads = tape.gradient(
-                ys, float_inputs + list(params), output_gradients=grad_ys,
-                unconnected_gradients=tf.UnconnectedGradients.NONE)
+            after = list(control_inputs)
+            if recorder is not None:
+                after = [recorder.start(name, grad_ys + ys + after)]
+            with tf.control_dependencies(after):
+                grads = tape.gradient(
+                    ys, float_inputs + list(params), output_gradients=grad_ys,
+                    unconnected_gradients=tf.UnconnectedGradients.NONE)
+            if recorder is not None:
+                recorder.end(name, [g for g in grads if g is not None])
             input_grads = iter(grads[:len(float_inputs)])
             return ([next(input_grads) if _is_float(t) else None
                      for t in flat_inputs], grads[len(float_inputs):])

@@ -1,0 +1,85 @@
+"""The Timeline callback records the schedule that actually ran."""
+
+import json
+import os
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import keras_pipe
+from keras_pipe import timeline
+
+
+class SlowDense(keras.layers.Layer):
+    """Dense whose forward also sleeps `seconds` (not differentiated)."""
+
+    def __init__(self, seconds, **kwargs):
+        super().__init__(**kwargs)
+        self.seconds = seconds
+        self.dense = keras.layers.Dense(3)
+
+    def call(self, inputs):
+        def wait(x):
+            import time
+
+            time.sleep(self.seconds)
+            return x
+
+        slept = tf.ensure_shape(tf.numpy_function(
+            wait, [inputs], tf.float32, stateful=False), inputs.shape)
+        return self.dense(inputs + 0.0 * tf.stop_gradient(slept))
+
+
+def test_timeline_writes_trace_png_and_bubble(devices, tmp_path):
+    k, m, t = 2, 4, 0.04
+    model = keras_pipe.PipelineModel(
+        [SlowDense(t) for _ in range(k)], devices=devices[:k],
+        num_micro_batches=m, remat="except_last")
+    model.compile("sgd", "mse")
+    recorder = timeline.Timeline(str(tmp_path), steps=(1,), verbose=False)
+    x = np.ones((16, 3), "float32")
+    model.fit(x, x, batch_size=8, epochs=1, callbacks=[recorder], verbose=0)
+
+    (result,) = recorder.results
+    events = result["events"]
+    count = {kind: sum(e["kind"] == kind for e in events)
+             for kind in timeline.KINDS}
+    # except_last: every micro-batch but the last is recomputed.
+    assert count == {"forward": m * k, "recompute": (m - 1) * k,
+                     "backward": m * k}
+    forward = sorted((e for e in events if e["kind"] == "forward"),
+                     key=lambda e: (e["stage"], e["micro_batch"]))
+    for e in forward:
+        assert e["end"] - e["start"] >= 0.9 * t  # the stage's sleep
+    for a, b in zip(forward, forward[1:]):
+        if a["stage"] == b["stage"]:  # micro-batches in order on a stage
+            # b's start and a's end stamp wait for the same tensor, so
+            # they race: 5 ms of slack, far below the 40 ms stage time.
+            assert b["start"] >= a["end"] - 0.005
+    # Forward phase: about (M + K - 1) stage-times, not M K.
+    span = max(e["end"] for e in forward) - min(e["start"] for e in forward)
+    assert (m + k - 1) * t * 0.9 <= span <= (m + k - 1) * t * 1.5 + 0.05
+    assert 0.0 < result["measured_bubble"] < 1.0
+    assert result["theoretical_bubble"] == pytest.approx((k - 1) / (m + k - 1))
+
+    trace = json.loads((tmp_path / "step1.trace.json").read_text())
+    names = [e["name"] for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert sorted(n for n in names if n.startswith("F")) == sorted(
+        f"F{i}" for i in range(m) for _ in range(k))
+    assert os.path.getsize(tmp_path / "step1.png") > 1000
+    # Steps that are not recorded run the ordinary step function.
+    assert model._timeline_buffer is None
+
+
+def test_timeline_rejects_bad_steps():
+    with pytest.raises(ValueError, match=r"steps must be non-empty step "
+                       r"indices >= 0. Received: steps=\(-1,\)"):
+        timeline.Timeline("/tmp/x", steps=(-1,))
+
+
+def test_bubble_of_counts_idle_time():
+    events = [dict(stage=0, start=0.0, end=1.0), dict(stage=1, start=1.0,
+                                                      end=2.0)]
+    assert timeline.bubble_of(events, 2) == pytest.approx(0.5)
