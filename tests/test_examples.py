@@ -1,0 +1,111 @@
+"""The examples run end to end offline, and their SavedModels serve elsewhere.
+
+Each example trains two steps on `tfds.testing.mock_data` with tiny sizes in
+a subprocess (it needs its own logical CPU devices), evaluates, exports, and
+a second, fresh process loads the SavedModel and calls its signature: no
+keras_pipe, no example code and one CPU device there.
+"""
+
+import argparse
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLES = os.path.join(ROOT, "examples")
+sys.path.insert(0, EXAMPLES)
+
+import common  # noqa: E402
+
+
+def _env():
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", KERAS_BACKEND="tensorflow")
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    return env
+
+
+def _run(args, cwd, timeout=240):
+    result = subprocess.run([sys.executable] + args, cwd=cwd, env=_env(),
+                            capture_output=True, text=True, timeout=timeout)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    return result.stdout
+
+
+SERVE_IMAGES = """
+import sys
+import numpy as np
+import tensorflow as tf
+loaded = tf.saved_model.load(sys.argv[1])
+images = np.random.default_rng(0).integers(0, 256, (2, 50, 40, 3), np.uint8)
+probs = loaded.signatures["serving_default"](images=tf.constant(images))
+png = [tf.io.encode_png(image).numpy() for image in images]
+probs_png = loaded.signatures["classify_jpeg"](jpeg=tf.constant(png))
+jpeg = tf.io.encode_jpeg(images[0]).numpy()
+probs_jpeg = loaded.signatures["classify_jpeg"](jpeg=tf.constant([jpeg]))
+np.save(sys.argv[2], np.stack([probs["probabilities"].numpy(),
+                               probs_png["probabilities"].numpy(),
+                               np.repeat(probs_jpeg["probabilities"], 2, 0)]))
+print(sorted(loaded.signatures))
+"""
+
+SERVE_TEXT = """
+import sys
+import tensorflow as tf
+import tensorflow_text  # noqa: F401  (registers the tokenizer's ops)
+loaded = tf.saved_model.load(sys.argv[1])
+out = loaded.signatures["serving_default"](
+    source=tf.constant(["gebc ahg", "d a gegbf", ""]))["translation"]
+print(out.dtype.name, out.shape.as_list(), sorted(loaded.signatures))
+"""
+
+
+def test_imagenet_example_trains_exports_and_serves(tmp_path):
+    export = str(tmp_path / "amoebanet")
+    out = _run([os.path.join(EXAMPLES, "imagenet.py"), "--mock-data",
+                "--steps", "2", "--num-stages", "2",
+                "--num-micro-batches", "2", "--export", export,
+                "--model-dir", str(tmp_path / "run")], cwd=tmp_path)
+    assert "amoebanet_d_1_16_stage1" in out
+    assert "stage 0 -> 1 sends the outputs of: cell1_normal1" in out
+    assert "evaluation: loss=" in out and "top5=" in out
+    assert "throughput: " in out
+    assert os.path.exists(tmp_path / "run" / "ckpt-001.weights.h5")
+    assert os.listdir(tmp_path / "run" / "logs" / "train")
+
+    probs_file = str(tmp_path / "probs.npy")
+    out = _run(["-c", SERVE_IMAGES, export, probs_file], cwd=tmp_path)
+    assert "['classify_jpeg', 'serving_default']" in out
+    batch, png, jpeg = np.load(probs_file)
+    assert batch.shape == (2, 1000)  # imagenet2012's classes.
+    np.testing.assert_allclose(batch.sum(axis=1), 1.0, atol=1e-5)
+    # A PNG of the same pixels gives the same answer as the raw batch; JPEG
+    # is lossy.
+    np.testing.assert_allclose(png, batch, atol=1e-6)
+    np.testing.assert_allclose(jpeg[0], batch[0], atol=1e-2)
+
+
+def test_translate_example_trains_exports_and_serves(tmp_path):
+    export = str(tmp_path / "transformer")
+    out = _run([os.path.join(EXAMPLES, "translate.py"), "--mock-data",
+                "--steps", "2", "--num-stages", "3",
+                "--num-micro-batches", "2", "--export", export,
+                "--balance", "params"], cwd=tmp_path)
+    # The cut inside the decoder carries the encoder output and its mask.
+    cut = next(line for line in out.splitlines()
+               if line.startswith("stage 1 -> 2 sends"))
+    assert "encoder_norm" in cut and "source_mask" in cut
+    assert "WordPiece vocabulary: " in out
+    assert "BLEU (greedy, wmt14_translate/de-en validation): " in out
+    out = _run(["-c", SERVE_TEXT, export], cwd=tmp_path)
+    assert "string [3] ['serving_default']" in out
+
+
+def test_balance_flag():
+    assert common.parse_balance("flops") == "flops"
+    assert common.parse_balance("3,4,5") == [3, 4, 5]
+    with pytest.raises(argparse.ArgumentTypeError,
+                       match="--balance must be one of"):
+        common.parse_balance("fast")
