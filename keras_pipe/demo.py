@@ -88,7 +88,7 @@ def main(argv=None):
     print(f"\nGPipe schedule, {args.num_micro_batches} micro-batches on "
           f"{args.num_stages} stages (bubble "
           f"{keras_pipe.schedule.bubble_fraction(args.num_micro_batches, args.num_stages):.0%}):")
-    print(keras_pipe.schedule.format_schedule(model.schedule()))
+    print(keras_pipe.schedule.format_schedule(model.clock_ticks()))
     print(f"\nremat={args.remat!r}; training on {split} samples, "
           f"batch size {args.batch_size}\n")
     model.fit(train, epochs=args.epochs, validation_data=test, shuffle=False,

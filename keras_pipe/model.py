@@ -1,6 +1,7 @@
 """PipelineModel: a Keras model whose stages run as a GPipe pipeline."""
 
 import contextlib
+import dataclasses
 
 import keras
 import tensorflow as tf
@@ -75,7 +76,7 @@ def _known_input_spec(layer):
     return inputs
 
 
-def _validate(stages, devices, num_micro_batches, remat):
+def _validate(stages, devices, num_micro_batches, remat, schedule="gpipe"):
     """Checks the arguments; returns (stages, resolved devices)."""
     if isinstance(stages, keras.layers.Layer) or not isinstance(
             stages, (list, tuple)):
@@ -106,6 +107,10 @@ def _validate(stages, devices, num_micro_batches, remat):
         raise ValueError(
             "num_micro_batches must be >= 1. Received: "
             f"num_micro_batches={num_micro_batches}")
+    if schedule not in schedule_lib.SCHEDULES:
+        raise ValueError(
+            f"schedule must be one of {schedule_lib.SCHEDULES}. Received: "
+            f"schedule={schedule!r}")
     if remat not in REMAT_MODES:
         raise ValueError(
             f"remat must be one of {REMAT_MODES}. Received: remat={remat!r}")
@@ -146,6 +151,43 @@ def _mismatch_message(stages, j, spec, exc):
            else "Make stage 0 accept the model input")
     return (f"stages[{j}] ({stages[j].name!r}) cannot take {source}: "
             f"{_describe(spec)}. {fix}. Error: {exc}")
+
+
+@dataclasses.dataclass
+class _Step:
+    """What one pipelined step has issued so far (see `PipelineModel`)."""
+
+    micro_batches: list
+    training: bool
+    remat: str
+    differentiable: bool
+    params: dict        # id(runner) -> trainable values
+    state: list         # per stage: current state values
+    changed: list       # per stage: which state variables were updated
+    runs: list          # runs[i][j]: StageRun of micro-batch i on stage j
+    previous: dict = dataclasses.field(default_factory=dict)
+    output_grads: dict = dataclasses.field(default_factory=dict)
+    loss_grads: dict = dataclasses.field(default_factory=dict)
+    per_variable: dict = dataclasses.field(default_factory=dict)
+
+
+def _is_float(t):
+    return t is not None and t.dtype.is_floating
+
+
+def _alone(outputs, sizes, i, micro_batch):
+    """Micro-batch `i`'s outputs at their rows of a batch of zeros."""
+    before, after = sum(sizes[:i]), sum(sizes[i + 1:])
+
+    def place(t):
+        if micro_batch.padded:
+            t = t[:micro_batch.size]
+        rest = tf.shape(t)[1:]
+        zeros = [tf.zeros(tf.concat([[n], rest], 0), t.dtype)
+                 for n in (before, after)]
+        return tf.concat([zeros[0], t, zeros[1]], 0)
+
+    return keras.tree.map_structure(place, outputs)
 
 
 def _finish_mini_batch(stage):
@@ -223,6 +265,12 @@ class PipelineModel(keras.Model):
             backward pass instead of keeping them: `"always"`,
             `"except_last"` (all but the last micro-batch, whose backward
             follows at once) or `"never"`. Defaults to `"except_last"`.
+        schedule: `"gpipe"` (all forward passes, then all backward passes)
+            or `"1f1b"` (PipeDream-flush: after filling the pipeline each
+            stage alternates one forward and one backward pass, so it holds
+            the activations of at most `K` micro-batches instead of `M`;
+            needs a loss that is a sum over rows, as every Keras loss is).
+            Both give the same gradients. Defaults to `"gpipe"`.
         **kwargs: `keras.Model` arguments (`name`, `dtype`, `trainable`).
 
     Raises:
@@ -230,14 +278,15 @@ class PipelineModel(keras.Model):
             a string, or `num_micro_batches` is not an int.
         ValueError: if `stages` is empty or holds one layer twice, the
             number of devices differs from the number of stages, a device
-            does not exist, `num_micro_batches < 1`, `remat` is unknown, or a
-            built stage cannot take the previous stage's output.
+            does not exist, `num_micro_batches < 1`, `remat` or `schedule`
+            is unknown, or a built stage cannot take the previous stage's
+            output.
     """
 
     def __init__(self, stages, devices=None, num_micro_batches=1,
-                 remat="except_last", **kwargs):
+                 remat="except_last", schedule="gpipe", **kwargs):
         stages, resolved = _validate(stages, devices, num_micro_batches,
-                                     remat)
+                                     remat, schedule)
         super().__init__(**kwargs)
         self._stage_layers = stages
         self._given_devices = list(devices) if devices is not None else list(
@@ -245,6 +294,7 @@ class PipelineModel(keras.Model):
         self._resolved_devices = resolved
         self._num_micro_batches = num_micro_batches
         self._remat = remat
+        self._schedule = schedule
         self._runners = [Stage(s, d) for s, d in zip(stages, resolved)]
         self._replicas = [self._runners]
         for stage, device in zip(stages, resolved):
@@ -319,10 +369,17 @@ class PipelineModel(keras.Model):
     def num_stages(self):
         return len(self._stage_layers)
 
-    def schedule(self, num_micro_batches=None):
+    @property
+    def schedule(self):
+        """The schedule's name: `"gpipe"` or `"1f1b"`."""
+        return self._schedule
+
+    def clock_ticks(self, num_micro_batches=None):
         """The clock ticks this model follows (see `keras_pipe.schedule`)."""
-        return schedule_lib.gpipe(num_micro_batches or self.num_micro_batches,
-                                  self.num_stages)
+        build = (schedule_lib.one_f_one_b if self._schedule == "1f1b"
+                 else schedule_lib.gpipe)
+        return build(num_micro_batches or self.num_micro_batches,
+                     self.num_stages)
 
     def summary_table(self):
         """A text table: stage, device, layer name, parameter count."""
@@ -468,82 +525,121 @@ class PipelineModel(keras.Model):
 
     # --------------------------------------------------------------- execute
 
-    def _forward(self, inputs, training, remat, differentiable):
-        """Runs all micro-batches through all stages.
+    # The executor. A step is a list of stage calls, each issued by
+    # `_forward_op` or `_backward_op` in the order of the schedule, and
+    # chained on each stage runner so that it runs them in that order.
 
-        Returns:
-            `(outputs, runs, micro_batches)`: the merged outputs of the last
-            stage, `runs[i][j]` the `StageRun` of micro-batch `i` on stage
-            `j`, and the micro-batches.
-        """
+    def _start(self, inputs, training, remat, differentiable):
+        """Splits the batch and reads weights and state once per step."""
         micro_batches = microbatch.scatter(
             inputs, self.num_micro_batches * self.num_replicas)
-        m, k = len(micro_batches), self.num_stages
-        params = {id(r): r.read_params(differentiable)
-                  for replica in self._replicas for r in replica}
+        m = len(micro_batches)
         state = [r.read_state() for r in self._runners]
-        changed = [[False] * len(s) for s in state]
-        runs = [[None] * k for _ in range(m)]
-        for tick in schedule_lib.gpipe(m, k):
-            for i, j in tick:
-                runner = self._runner(i, j, m)
-                x = micro_batches[i].inputs if j == 0 else runs[i][j - 1].outputs
-                after = keras.tree.flatten(runs[i - 1][j].outputs)[:1] if i \
-                    and self._runner(i - 1, j, m) is runner else []
-                use_remat = remat == "always" or (
-                    remat == "except_last" and i < m - 1)
-                run, new_state = runner.forward(
-                    x, params[id(runner)], state[j], training, use_remat, after,
-                    differentiable, name=f"stage{j}/mb{i}/forward")
-                valid = micro_batches[i].valid
-                for s, new in enumerate(new_state):
-                    if new is None:
-                        continue
-                    if valid is not True:
-                        with tf.device(runner.device):
-                            new = tf.where(valid, new, state[j][s])
-                    state[j][s] = new
-                    changed[j][s] = True
-                runs[i][j] = run
-        for runner, values, flags in zip(self._runners, state, changed):
+        return _Step(
+            micro_batches=micro_batches, training=training, remat=remat,
+            differentiable=differentiable,
+            params={id(r): r.read_params(differentiable)
+                    for replica in self._replicas for r in replica},
+            state=state, changed=[[False] * len(s) for s in state],
+            runs=[[None] * self.num_stages for _ in range(m)])
+
+    def _forward_op(self, step, i, j):
+        """Issues the forward pass of micro-batch `i` on stage `j`."""
+        m = len(step.micro_batches)
+        runner = self._runner(i, j, m)
+        x = step.micro_batches[i].inputs if j == 0 else \
+            step.runs[i][j - 1].outputs
+        remat = step.remat == "always" or (
+            step.remat == "except_last" and i < m - 1)
+        run, new_state = runner.forward(
+            x, step.params[id(runner)], step.state[j], step.training, remat,
+            step.previous.get(id(runner), []), step.differentiable,
+            name=f"stage{j}/mb{i}/forward")
+        step.previous[id(runner)] = keras.tree.flatten(run.outputs)[:1]
+        valid = step.micro_batches[i].valid
+        for s, new in enumerate(new_state):
+            if new is None:
+                continue
+            if valid is not True:
+                with tf.device(runner.device):
+                    new = tf.where(valid, new, step.state[j][s])
+            step.state[j][s] = new
+            step.changed[j][s] = True
+        step.runs[i][j] = run
+
+    def _finish_forward(self, step):
+        """Assigns the final state; returns the merged last-stage outputs."""
+        for runner, values, flags in zip(self._runners, step.state,
+                                         step.changed):
             with tf.device(runner.device):
                 for variable, value, flag in zip(runner.state_variables,
                                                  values, flags):
                     if flag:
                         variable.assign(value)
-                if training:
+                if step.training:
                     _finish_mini_batch(runner.layer)
         with tf.device(self._runners[-1].device):
-            outputs = microbatch.gather([run[-1].outputs for run in runs],
-                                        micro_batches)
-        return outputs, runs, micro_batches
+            return microbatch.gather([run[-1].outputs for run in step.runs],
+                                     step.micro_batches)
 
-    def _backward(self, loss, runs, scale):
-        """Gradients of `loss` for `self.trainable_variables`, stage by stage.
+    def _backward_op(self, step, i, j):
+        """Issues the backward pass of micro-batch `i` on stage `j`."""
+        m = len(step.micro_batches)
+        runner, run = self._runner(i, j, m), step.runs[i][j]
+        input_grads, param_grads = runner.backward(
+            run, step.output_grads.pop((i, j)),
+            [step.loss_grads[id(l)] for l in run.losses], training=True,
+            name=f"stage{j}/mb{i}/backward",
+            control_inputs=step.previous.get(id(runner), []))
+        step.previous[id(runner)] = [
+            g for g in input_grads + param_grads if g is not None][:1]
+        if j:
+            step.output_grads[(i, j - 1)] = input_grads
+        for variable, g in zip(runner.trainable_variables, param_grads):
+            if g is not None:
+                step.per_variable.setdefault(id(variable), []).append(g)
 
-        `loss` is the scaled total loss. Only the loss head is differentiated
-        here; each stage's backward runs in `Stage.backward` on its device.
-        Regularization losses of weights (`self.losses`) reach the variables
-        directly and are differentiated on their own: asking `tf.gradients`
-        for the variables of `loss` would walk the whole forward graph again.
+    def _seed(self, step, loss, micro_batch_indices):
+        """Gradients of `loss` for the given micro-batches' stage outputs.
+
+        Only the loss head is differentiated here; each stage's backward
+        runs in `Stage.backward` on its device.
         """
-        m, k = len(runs), self.num_stages
-        variables = self.trainable_variables
-        last = self._runners[-1]
-        out_flat = [keras.tree.flatten(runs[i][-1].outputs) for i in range(m)]
-        stage_losses = [l for row in runs for run in row for l in run.losses]
-        with tf.device(last.device):
-            targets = [t for flat in out_flat for t in flat
-                       if t is not None and t.dtype.is_floating]
-            grads = iter(tf.gradients(loss, targets + stage_losses,
+        k = self.num_stages
+        outputs = [keras.tree.flatten(step.runs[i][-1].outputs)
+                   for i in micro_batch_indices]
+        targets = [t for flat in outputs for t in flat if _is_float(t)]
+        with tf.device(self._runners[-1].device):
+            grads = iter(tf.gradients(loss, targets,
                                       unconnected_gradients="none"))
-        output_grads = {}
-        for i in range(m):
-            output_grads[(i, k - 1)] = [
-                next(grads) if t is not None and t.dtype.is_floating else None
-                for t in out_flat[i]]
-        loss_grads = {id(l): next(grads) for l in stage_losses}
-        per_variable = {id(v): [] for v in variables}
+        for i, flat in zip(micro_batch_indices, outputs):
+            step.output_grads[(i, k - 1)] = [
+                next(grads) if _is_float(t) else None for t in flat]
+
+    def _seed_layer_losses(self, step, scale, micro_batch_indices):
+        """Gradients of the total loss for the stages' `add_loss` terms.
+
+        Each term enters the loss weighted by its micro-batch's share of
+        the batch (see `_layer_losses`).
+        """
+        sizes = [tf.cast(mb.size, tf.float32) for mb in step.micro_batches]
+        total = tf.add_n(sizes) if len(sizes) > 1 else sizes[0]
+        for i in micro_batch_indices:
+            for run in step.runs[i]:
+                for l in run.losses:
+                    weight = tf.cast(sizes[i] / total, l.dtype)
+                    step.loss_grads[id(l)] = scale(
+                        tf.ones_like(l) * weight)
+
+    def _collect_gradients(self, step, scale):
+        """Sums each variable's gradients; adds weight regularization.
+
+        Regularization losses of weights (`self.losses`) reach the
+        variables directly and are differentiated on their own: asking
+        `tf.gradients` for the variables of the total loss would walk the
+        whole forward graph again.
+        """
+        variables = self.trainable_variables
         weight_losses = [self._aggregate_additional_loss(l)
                          for l in self.losses]
         if weight_losses:
@@ -551,27 +647,10 @@ class PipelineModel(keras.Model):
                                   unconnected_gradients="none")
             for variable, g in zip(variables, direct):
                 if g is not None:
-                    per_variable[id(variable)].append(g)
-        previous = {}  # the last backward pass on each stage runner
-        for tick in reversed(schedule_lib.gpipe(m, k)):
-            for i, j in reversed(tick):
-                runner, run = self._runner(i, j, m), runs[i][j]
-                input_grads, param_grads = runner.backward(
-                    run, output_grads.pop((i, j)),
-                    [loss_grads[id(l)] for l in run.losses], training=True,
-                    name=f"stage{j}/mb{i}/backward",
-                    control_inputs=previous.get(id(runner), []))
-                previous[id(runner)] = [
-                    g for g in input_grads + param_grads if g is not None][:1]
-                if j:
-                    output_grads[(i, j - 1)] = input_grads
-                for variable, g in zip(runner.trainable_variables,
-                                       param_grads):
-                    if g is not None:
-                        per_variable.setdefault(id(variable), []).append(g)
+                    step.per_variable.setdefault(id(variable), []).append(g)
         result = []
         for variable in variables:
-            parts = per_variable.get(id(variable), [])
+            parts = step.per_variable.get(id(variable), [])
             if not parts:
                 result.append(None)
                 continue
@@ -579,33 +658,104 @@ class PipelineModel(keras.Model):
                 result.append(_sum_gradients(parts))
         return result
 
+    def _forward(self, inputs, training, remat, differentiable):
+        """Runs all micro-batches through all stages (GPipe forward).
+
+        Returns:
+            `(outputs, step)`: the merged outputs of the last stage and the
+            step, whose `runs[i][j]` is the `StageRun` of micro-batch `i`
+            on stage `j`.
+        """
+        step = self._start(inputs, training, remat, differentiable)
+        for tick in schedule_lib.gpipe(len(step.micro_batches),
+                                       self.num_stages):
+            for i, j in tick:
+                self._forward_op(step, i, j)
+        return self._finish_forward(step), step
+
     def call(self, inputs, training=False):
-        outputs, _, _ = self._forward(inputs, bool(training), remat="never",
-                                      differentiable=True)
+        outputs, _ = self._forward(inputs, bool(training), remat="never",
+                                   differentiable=True)
         return outputs
 
     def compute_loss_and_gradients(self, x, y=None, sample_weight=None,
                                    training=True):
         """One forward and backward pass, without an optimizer step.
 
-        Runs in graph mode (inside a `tf.function`), as `train_step` does.
+        Runs in graph mode (inside a `tf.function`), as `train_step` does,
+        with the model's `schedule`.
 
         Returns:
             `(loss, y_pred, gradients)`, gradients in the order of
             `self.trainable_variables`.
         """
-        y_pred, runs, micro_batches = self._forward(
-            x, training, remat=self.remat, differentiable=False)
+        scale = (self.optimizer.scale_loss if self.optimizer is not None
+                 else (lambda value: value))
+        if self.schedule == "1f1b":
+            step = self._one_f_one_b(x, y, sample_weight, training, scale)
+            y_pred = self._finish_forward(step)
+        else:
+            y_pred, step = self._forward(x, training, remat=self.remat,
+                                         differentiable=False)
         with tf.device(self._runners[-1].device):
             loss = self._compute_loss(x=x, y=y, y_pred=y_pred,
                                       sample_weight=sample_weight,
                                       training=training)
-            extra = _layer_losses(runs, micro_batches, loss.dtype)
+            extra = _layer_losses(step.runs, step.micro_batches, loss.dtype)
             if extra is not None:
                 loss = loss + extra
-        scale = (self.optimizer.scale_loss if self.optimizer is not None
-                 else (lambda value: value))
-        return loss, y_pred, self._backward(scale(loss), runs, scale)
+        if self.schedule == "gpipe":
+            m = len(step.micro_batches)
+            self._seed(step, scale(loss), range(m))
+            self._seed_layer_losses(step, scale, range(m))
+            for tick in reversed(schedule_lib.gpipe(m, self.num_stages)):
+                for i, j in reversed(tick):
+                    self._backward_op(step, i, j)
+        return loss, y_pred, self._collect_gradients(step, scale)
+
+    def _one_f_one_b(self, x, y, sample_weight, training, scale):
+        """Forward and backward passes interleaved as `schedule.one_f_one_b`.
+
+        The backward pass of micro-batch `i` starts before the forward pass
+        of later micro-batches, so it needs the gradient of the loss for
+        micro-batch `i` alone: the loss of the full batch in which every
+        other micro-batch's output is replaced by zeros. For a loss that is
+        a sum over rows with a normalizer that depends on shapes or sample
+        weights only (every Keras loss and reduction), that gradient is
+        exactly the full-batch one. These per-micro-batch losses run under
+        a `keras.StatelessScope`, so loss metrics are not updated by them.
+        """
+        step = self._start(x, training, self.remat, differentiable=False)
+        m, k = len(step.micro_batches), self.num_stages
+        self._build_compile_loss(x, y)
+        rows = [mb.size for mb in step.micro_batches]
+        for tick in schedule_lib.one_f_one_b(m, k):
+            for kind, i, j in tick:
+                if kind == "B":
+                    self._backward_op(step, i, j)
+                    continue
+                self._forward_op(step, i, j)
+                if j < k - 1:
+                    continue
+                with tf.device(self._runners[-1].device):
+                    alone = _alone(step.runs[i][-1].outputs, rows, i,
+                                   step.micro_batches[i])
+                    with keras.StatelessScope():
+                        loss_i = self._compute_loss(
+                            x=x, y=y, y_pred=alone,
+                            sample_weight=sample_weight, training=training)
+                self._seed(step, scale(loss_i), [i])
+                self._seed_layer_losses(step, scale, [i])
+        return step
+
+    def _build_compile_loss(self, x, y):
+        """Builds the compiled loss (its metrics) outside stateless scopes."""
+        compile_loss = getattr(self, "_compile_loss", None)
+        if compile_loss is not None and not compile_loss.built:
+            spec = self.compute_output_spec(keras.tree.map_structure(
+                lambda t: keras.KerasTensor(t.shape, t.dtype.name), x))
+            with _eager_scope():
+                compile_loss.build(y, spec)
 
     def train_step(self, data):
         x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)

@@ -169,7 +169,8 @@ def get_config(model, base_config):
     config = {**base_config,
               "devices": model.devices,
               "num_micro_batches": model.num_micro_batches,
-              "remat": model.remat}
+              "remat": model.remat,
+              "schedule": model.schedule}
     graph = _graph_of(model.stages)
     if graph is not None:
         config["source_model"] = keras.saving.serialize_keras_object(

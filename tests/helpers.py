@@ -28,12 +28,12 @@ def dense_stages(num_stages, batch_norm=False, dropout=0.0):
 
 
 def pipeline_and_reference(num_stages, num_micro_batches, remat, devices,
-                           **stage_kwargs):
+                           schedule="gpipe", **stage_kwargs):
     """A PipelineModel and a one-device Sequential with the same weights."""
     pipe = keras_pipe.PipelineModel(
         dense_stages(num_stages, **stage_kwargs),
         devices=devices[:num_stages], num_micro_batches=num_micro_batches,
-        remat=remat)
+        remat=remat, schedule=schedule)
     pipe.build((None, IN_DIM))
     with tf.device("/device:CPU:0"):
         reference = keras.Sequential(

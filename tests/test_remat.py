@@ -16,11 +16,12 @@ import keras_pipe
 from tests import helpers
 
 
-def train(devices, remat, steps=3):
+def train(devices, remat, steps=3, schedule="gpipe"):
     keras.utils.set_random_seed(7)
     pipe = keras_pipe.PipelineModel(
         helpers.dense_stages(3, batch_norm=True, dropout=0.4),
-        devices=devices[:3], num_micro_batches=4, remat=remat)
+        devices=devices[:3], num_micro_batches=4, remat=remat,
+        schedule=schedule)
     pipe.build((None, helpers.IN_DIM))
     pipe.compile(keras.optimizers.Adam(0.05),
                  keras.losses.SparseCategoricalCrossentropy(from_logits=True))
@@ -33,8 +34,9 @@ def train(devices, remat, steps=3):
 def test_all_remat_modes_train_identically_with_batchnorm_and_dropout(
         devices):
     never, never_loss = train(devices, "never")
-    for remat in ("always", "except_last"):
-        pipe, loss = train(devices, remat)
+    for remat, schedule in [("always", "gpipe"), ("except_last", "gpipe"),
+                            ("always", "1f1b"), ("never", "1f1b")]:
+        pipe, loss = train(devices, remat, schedule=schedule)
         np.testing.assert_allclose(loss, never_loss, rtol=1e-6)
         # Weights, BatchNorm moving statistics and dropout seed states.
         for v, ref in zip(pipe.variables, never.variables):

@@ -115,3 +115,43 @@ def test_stages_overlap_as_the_schedule_says(devices):
             assert start >= done[(j - 1, i)][1]
         if i:
             assert start >= done[(j, i - 1)][1]
+
+
+def test_one_f_one_b_clock_ticks_exactly():
+    assert schedule.one_f_one_b(2, 2) == [
+        [("F", 0, 0)],
+        [("F", 1, 0), ("F", 0, 1)],
+        [("B", 0, 1)],
+        [("B", 0, 0), ("F", 1, 1)],
+        [("B", 1, 1)],
+        [("B", 1, 0)],
+    ]
+    assert schedule.format_schedule(schedule.one_f_one_b(3, 2)) == (
+        "tick     0  1  2  3  4  5  6  7\n"
+        "stage 0 F0 F1  . B0 F2 B1  . B2\n"
+        "stage 1  . F0 B0 F1 B1 F2 B2  .")
+
+
+@pytest.mark.parametrize("m,k", [(1, 1), (1, 4), (3, 2), (8, 4), (16, 3)])
+def test_one_f_one_b_dependencies_and_memory_bound(m, k):
+    ticks = schedule.one_f_one_b(m, k)
+    assert len(ticks) == 2 * (m + k - 1)  # same makespan as GPipe's F + B
+    when = {op: t for t, tick in enumerate(ticks) for op in tick}
+    assert sorted(when) == sorted(
+        (kind, i, j) for kind in "FB" for i in range(m) for j in range(k))
+    for (kind, i, j), t in when.items():
+        if kind == "F" and j:
+            assert when[("F", i, j - 1)] < t
+        if kind == "B":
+            assert when[("F", i, j)] < t
+            if j < k - 1:
+                assert when[("B", i, j + 1)] < t
+    # At most K - j micro-batches in flight (forward done, backward not)
+    # on stage j: activations of K micro-batches, not M as in GPipe.
+    for j in range(k):
+        in_flight = 0
+        for tick in ticks:
+            for kind, _, jj in tick:
+                if jj == j:
+                    in_flight += 1 if kind == "F" else -1
+                    assert in_flight <= k - j

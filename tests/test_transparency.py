@@ -147,3 +147,40 @@ def test_regularization_losses_are_exact(devices):
     compile_both(pipe, reference)
     x, y, _ = helpers.data(10)
     check_one_step(pipe, reference, x, y)
+
+
+@pytest.mark.parametrize("num_stages,num_micro_batches",
+                         [(1, 2), (2, 3), (4, 3), (4, 8)])
+@pytest.mark.parametrize("remat", ["always", "except_last", "never"])
+def test_one_f_one_b_equals_unpipelined(devices, num_stages,
+                                        num_micro_batches, remat):
+    pipe, reference = helpers.pipeline_and_reference(
+        num_stages, num_micro_batches, remat, devices, schedule="1f1b")
+    compile_both(pipe, reference, optimizer="adam")
+    x, y, sample_weight = helpers.data(10)
+    check_one_step(pipe, reference, x, y, sample_weight)
+
+
+@pytest.mark.parametrize(
+    "reduction", ["sum_over_batch_size", "sum", "mean_with_sample_weight",
+                  "none"])
+def test_one_f_one_b_loss_reductions(devices, reduction):
+    pipe, reference = helpers.pipeline_and_reference(
+        2, 4, "always", devices, schedule="1f1b")
+    compile_both(pipe, reference, loss=keras.losses.SparseCategoricalCrossentropy(
+        from_logits=True, reduction=reduction), metrics=["accuracy"])
+    x, y, sample_weight = helpers.data(10)
+    check_one_step(pipe, reference, x, y, sample_weight)
+
+
+def test_one_f_one_b_fit_on_dataset_with_short_last_batch(devices):
+    pipe, reference = helpers.pipeline_and_reference(
+        3, 4, "except_last", devices, schedule="1f1b")
+    compile_both(pipe, reference, optimizer="adam")
+    x, y, _ = helpers.data(26)
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(8)
+    history = pipe.fit(dataset, epochs=2, verbose=0)
+    ref_history = reference.fit(dataset, epochs=2, verbose=0)
+    close(history.history["loss"], ref_history.history["loss"])
+    for w, ref_w in zip(pipe.get_weights(), reference.get_weights()):
+        close(w, ref_w)

@@ -35,6 +35,9 @@ def assert_nothing_built(stages):
     (dict(remat="sometimes"), ValueError,
      r"remat must be one of \('always', 'except_last', 'never'\). "
      r"Received: remat='sometimes'"),
+    (dict(schedule="interleaved"), ValueError,
+     r"schedule must be one of \('gpipe', '1f1b'\). "
+     r"Received: schedule='interleaved'"),
     (dict(devices=["/device:CPU:0"]), ValueError,
      r"one device per stage: got 1 devices for 2 stages"),
     (dict(devices="/device:CPU:0"), TypeError,
@@ -80,12 +83,19 @@ def test_partial_device_names_resolve(devices):
 def test_read_back_what_was_given(devices):
     stages = unbuilt_stages(3)
     model = keras_pipe.PipelineModel(stages, devices=devices[:3],
-                                     num_micro_batches=5, remat="never")
+                                     num_micro_batches=5, remat="never",
+                                     schedule="1f1b")
     assert model.stages == stages
     assert model.devices == devices[:3]
     assert model.num_micro_batches == 5
     assert model.remat == "never"
+    assert model.schedule == "1f1b"
     assert model.num_stages == 3
+    assert model.clock_ticks() == keras_pipe.schedule.one_f_one_b(5, 3)
+    model.build((None, 2))
+    again = keras_pipe.PipelineModel.from_config(model.get_config())
+    assert (again.num_micro_batches, again.remat, again.schedule) == (
+        5, "never", "1f1b")
 
 
 def test_built_stages_that_do_not_fit_together(devices):
