@@ -21,7 +21,9 @@ import shutil
 import h5py
 import keras
 
-__all__ = ["BackupAndRestore"]
+from keras_pipe.timeline import Timeline  # noqa: F401  (re-exported)
+
+__all__ = ["BackupAndRestore", "Timeline"]
 
 _ATTRIBUTE = "keras_pipe_resume"
 
