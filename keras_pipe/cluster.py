@@ -10,18 +10,17 @@ Why a wrapper around `experimental_connect_to_cluster`: TF connects lazily,
 so a worker that is down makes the *first* use of the cluster (listing
 devices, creating a variable) block with no deadline. `connect` first probes
 every task with a gRPC channel-readiness check under a deadline and names
-the tasks it cannot reach. During `fit`/`evaluate`/`predict`, `watch` probes
-the workers of the model's devices once a second; when one stops answering,
-it cancels the running step (a TF `CancellationManager`) so the call ends
-with a `WorkerUnavailableError` naming the lost task instead of waiting
-forever.
+the tasks it cannot reach. `fit`/`evaluate`/`predict` of a model with remote
+stages go through `run`, which probes those workers once a second; when one
+stops answering, the call ends with a `WorkerUnavailableError` naming the
+lost task instead of waiting forever (TF waits with no deadline on a worker
+that hangs, and reports a killed one as an anonymous `UnavailableError`).
 
 Security: TF's gRPC runtime has no authentication and no encryption; anyone
 who can reach a worker's port can run arbitrary ops in it. Use a trusted
 network. `python -m keras_pipe.worker` listens on loopback by default.
 """
 
-import contextlib
 import json
 import os
 import socket
@@ -30,10 +29,11 @@ import time
 
 import tensorflow as tf
 from tensorflow.python.eager import cancellation
+from keras.src.backend.common import global_state
 from tensorflow.python.eager import context as context_lib
 
 __all__ = ["WorkerUnavailableError", "cluster_spec", "connect", "probe",
-           "watch"]
+           "run"]
 
 
 class WorkerUnavailableError(ConnectionError):
@@ -254,16 +254,16 @@ def _remote_tasks(devices):
 
 
 class _Watch:
-    """The running watchdog: one per outermost `watch` block."""
+    """Probes tasks in a thread; on a loss, cancels the calls it guards."""
 
-    depth = 0
-    current = None
+    active = False  # One watchdog at a time: nested calls share it.
 
     def __init__(self, tasks, interval, misses):
         self.tasks = tasks
         self.interval = interval
         self.misses = misses
         self.lost = {}
+        self.lost_at = None
         self.manager = cancellation.CancellationManager()
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True,
@@ -273,70 +273,94 @@ class _Watch:
         failures = dict.fromkeys(self.tasks, 0)
         while not self.stop.wait(self.interval):
             for name, address in self.tasks.items():
-                if self.stop.is_set():
-                    return
                 ok = probe(address, self.interval)
                 failures[name] = 0 if ok else failures[name] + 1
                 if failures[name] >= self.misses:
                     self.lost[name] = address
             if self.lost:
+                self.lost_at = time.monotonic()
                 self.manager.start_cancel()
                 return
 
 
-@contextlib.contextmanager
-def watch(devices, interval=1.0, misses=2, action="the call"):
-    """Ends a blocked TF call when a worker holding one of `devices` is lost.
+def run(devices, action, function, *args, interval=1.0, misses=2,
+        grace=5.0, **kwargs):
+    """Calls `function(*args, **kwargs)`, ended early if a worker is lost.
 
-    A no-op when no device lives on a remote task. Otherwise a thread
-    probes each such task every `interval` seconds; after `misses` failed
-    probes in a row it cancels every `tf.function` call running under this
-    block. A TF error raised in the block (cancelled, or the transfer error
-    TF raises by itself when a peer closes its connection) becomes a
-    `WorkerUnavailableError` naming the lost tasks. A worker that hangs is
-    thus detected within about `interval * (misses + 1)` seconds. Nested
-    blocks share the outermost watchdog.
+    Without remote devices (or inside another `run`) this is a plain call.
+    Otherwise the call runs in a helper thread while a watchdog probes every
+    task holding one of `devices` each `interval` seconds. After `misses`
+    failed probes in a row the task is lost: the watchdog cancels the TF
+    calls (a `CancellationManager`), and if the call still has not returned
+    `grace` seconds later (TF does not cancel a remote call waiting on a
+    hung worker) it is left blocked in its thread and this function raises.
+    A TF error raised by the call while a task is unreachable (TF raises one
+    by itself when a killed worker's connection closes) is translated the
+    same way. So a lost worker ends the call within about
+    `interval * (misses + 1) + grace` seconds. Keras' thread-local state
+    (dtype policy, seed generator) is copied into the helper thread.
 
     Args:
         devices: device names, e.g. a model's stage devices.
+        action: what runs, for the error message (`"fit"`).
+        function: the call, e.g. `keras.Model.fit` bound to a model.
+        *args, **kwargs: its arguments.
         interval: seconds between probes (and probe deadline). Defaults to
             `1.0`.
         misses: failed probes in a row that mark a task lost. Defaults to
             `2`.
-        action: what runs, for the error message. Defaults to
-            `"the call"`.
+        grace: seconds a cancelled call gets to return. Defaults to `5.0`.
+
+    Returns:
+        What `function` returns.
 
     Raises:
-        WorkerUnavailableError: if a watched task is lost.
+        WorkerUnavailableError: naming each lost task and its address.
     """
     tasks = _remote_tasks(devices)
-    nested = _Watch.depth > 0
-    if nested or not tasks:
-        _Watch.depth += nested
-        try:
-            yield
-        finally:
-            _Watch.depth -= nested
-        return
+    if not tasks or _Watch.active:
+        return function(*args, **kwargs)
     watchdog = _Watch(tasks, interval, misses)
-    _Watch.depth, _Watch.current = 1, watchdog
-    watchdog.thread.start()
+    keras_state = dict(vars(global_state.GLOBAL_STATE_TRACKER))
+    outcome = {}
+
+    def call():
+        for name, value in keras_state.items():
+            global_state.set_global_attribute(name, value)
+        try:
+            with cancellation.CancellationManagerContext(watchdog.manager):
+                outcome["value"] = function(*args, **kwargs)
+        except BaseException as exc:  # Re-raised in the calling thread.
+            outcome["error"] = exc
+
+    caller = threading.Thread(target=call, daemon=True,
+                              name=f"keras_pipe-{action}")
+    _Watch.active = True
     try:
-        with cancellation.CancellationManagerContext(watchdog.manager):
-            yield
-    except (tf.errors.OpError, WorkerUnavailableError) as exc:
-        lost = dict(watchdog.lost)
-        if not lost:
-            lost = _unreachable(tasks, interval * misses)
-        if not lost:
-            raise
-        raise WorkerUnavailableError(
-            f"Lost {_describe_tasks(lost)} during {action}. Restart the "
-            "worker, call keras_pipe.connect() again and rebuild the model; "
-            "with keras.callbacks.BackupAndRestore, fit() resumes from the "
-            f"last backup. TF error: {type(exc).__name__}: "
-            f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''}",
-            lost) from exc
+        watchdog.thread.start()
+        caller.start()
+        while caller.is_alive():
+            caller.join(0.1)
+            if (watchdog.lost_at is not None
+                    and time.monotonic() - watchdog.lost_at > grace):
+                break
     finally:
         watchdog.stop.set()
-        _Watch.depth, _Watch.current = 0, None
+        _Watch.active = False
+    error = outcome.get("error")
+    if caller.is_alive() or isinstance(error, tf.errors.OpError):
+        lost = dict(watchdog.lost) or _unreachable(tasks, interval * misses)
+        if lost:
+            detail = (f"{type(error).__name__}: "
+                      f"{(str(error).strip().splitlines() or [''])[0]}"
+                      if error is not None else
+                      f"no answer {grace:g} s after cancelling; the call is "
+                      "left blocked in a daemon thread")
+            raise WorkerUnavailableError(
+                f"Lost {_describe_tasks(lost)} during {action}. Restart the "
+                "worker, call keras_pipe.connect() again and rebuild the "
+                "model; with keras.callbacks.BackupAndRestore, fit() "
+                f"resumes from the last backup. ({detail})", lost) from error
+    if error is not None:
+        raise error
+    return outcome["value"]

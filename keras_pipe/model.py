@@ -824,16 +824,16 @@ class PipelineModel(keras.Model):
         return self._replicas[replica][j]
 
     # A worker lost mid-call ends it with an error naming the task
-    # (`keras_pipe.cluster.watch`); a no-op when every stage is local.
+    # (`keras_pipe.cluster.run`); a plain call when every stage is local.
 
     def fit(self, *args, **kwargs):
-        with cluster.watch(self._resolved_devices, action="fit"):
-            return super().fit(*args, **kwargs)
+        return cluster.run(self._resolved_devices, "fit", super().fit, *args,
+                           **kwargs)
 
     def evaluate(self, *args, **kwargs):
-        with cluster.watch(self._resolved_devices, action="evaluate"):
-            return super().evaluate(*args, **kwargs)
+        return cluster.run(self._resolved_devices, "evaluate", super().evaluate, *args,
+                           **kwargs)
 
     def predict(self, *args, **kwargs):
-        with cluster.watch(self._resolved_devices, action="predict"):
-            return super().predict(*args, **kwargs)
+        return cluster.run(self._resolved_devices, "predict", super().predict, *args,
+                           **kwargs)

@@ -113,11 +113,11 @@ def run_remote(args):
 
 
 class _KillAt(keras.callbacks.Callback):
-    """Kills a worker process (SIGKILL) before a given batch of an epoch."""
+    """Signals a worker process (SIGKILL) before a given batch of an epoch."""
 
-    def __init__(self, pid, epoch, batch):
+    def __init__(self, pid, epoch, batch, sig=signal.SIGKILL):
         super().__init__()
-        self.pid, self.epoch, self.batch = pid, epoch, batch
+        self.pid, self.epoch, self.batch, self.sig = pid, epoch, batch, sig
         self.current = None
         self.killed_at = None
 
@@ -126,7 +126,7 @@ class _KillAt(keras.callbacks.Callback):
 
     def on_train_batch_begin(self, batch, logs=None):
         if (self.current, batch) == (self.epoch, self.batch):
-            os.kill(self.pid, signal.SIGKILL)
+            os.kill(self.pid, self.sig)
             self.killed_at = time.monotonic()
 
 
@@ -185,15 +185,36 @@ def run_resume(args):
                       "num_values": len(expected)}))
 
 
+def run_hang(args):
+    """Freeze a worker (SIGSTOP) mid-fit: the watchdog must end the fit."""
+    x, y = data()
+    keras_pipe.connect(args.cluster, timeout=30.0)
+    model = make_model(remote_devices(len(args.cluster["worker"])))
+    freezer = _KillAt(args.kill_pid, epoch=1, batch=1, sig=signal.SIGSTOP)
+    error = None
+    try:
+        model.fit(x, y, batch_size=16, epochs=50, shuffle=False, verbose=0,
+                  callbacks=[freezer])
+    except WorkerUnavailableError as exc:
+        error = exc
+    print(json.dumps({
+        "error": type(error).__name__ if error else None,
+        "message": str(error) if error else None,
+        "tasks": error.tasks if error else None,
+        "seconds_to_error": time.monotonic() - freezer.killed_at}))
+    sys.stdout.flush()
+    os._exit(0)  # The stopped worker's RPCs may never return: do not wait.
+
+
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("scenario", choices=["remote", "resume"])
+    parser.add_argument("scenario", choices=["remote", "resume", "hang"])
     parser.add_argument("--cluster", required=True,
                         type=lambda s: {"worker": s.split(",")})
     parser.add_argument("--kill-pid", type=int)
     parser.add_argument("--backup")
     args = parser.parse_args()
-    {"remote": run_remote, "resume": run_resume}[args.scenario](args)
+    {"remote": run_remote, "resume": run_resume, "hang": run_hang}[args.scenario](args)
 
 
 if __name__ == "__main__":

@@ -151,10 +151,12 @@ def test_connect_names_down_and_hung_workers_in_bounded_time():
     assert context.get_server_def() is None
 
 
-def test_watch_is_a_no_op_for_local_devices(devices):
-    with cluster_lib.watch(devices):
-        assert cluster_lib._Watch.current is None
-    assert cluster_lib._Watch.depth == 0
+def test_run_is_a_plain_call_for_local_devices(devices):
+    import threading
+    thread = cluster_lib.run(devices, "fit", threading.current_thread)
+    assert thread is threading.current_thread()
+    with pytest.raises(KeyError, match="raised"):
+        cluster_lib.run(devices, "fit", {}.__getitem__, "raised")
 
 
 # ------------------------------------------------------- with worker processes
@@ -183,6 +185,26 @@ def test_remote_stages_match_single_process(workers):
     # A .keras file saved from remote stages reloads onto the same workers.
     assert result["reloaded_devices"] == result["variable_devices"]
     assert result["reloaded_predict_max_diff"] == 0.0
+
+
+def test_hung_worker_ends_fit_in_bounded_time(workers):
+    """SIGSTOP task 1 mid-fit: TF would wait forever; the watchdog does not."""
+    victim = workers.procs[1]
+    try:
+        result = _scenario("hang", "--cluster", workers.spec, "--kill-pid",
+                           str(victim.pid))
+    finally:  # A stopped worker is useless to the next test: replace it.
+        victim.kill()
+        victim.wait(timeout=30)
+        workers.start(1)
+    assert result["error"] == "WorkerUnavailableError"
+    assert result["tasks"] == {
+        "/job:worker/replica:0/task:1": workers.addresses[1]}
+    assert (f"Lost /job:worker/replica:0/task:1 at {workers.addresses[1]} "
+            "during fit") in result["message"]
+    # Probes every 1 s, lost after 2 misses, then 5 s of grace.
+    assert result["seconds_to_error"] < 15.0, result
+    workers.wait_ready()
 
 
 def test_worker_killed_during_fit_then_resume(workers, tmp_path):
