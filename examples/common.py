@@ -21,7 +21,11 @@ BALANCE_MODES = ("params", "flops", "time", "memory")
 
 
 def add_pipeline_flags(parser, batch_size, num_stages=4, num_micro_batches=8):
-    """Adds the flags both examples take."""
+    """Adds the flags both examples take.
+
+    `--batch-size` defaults to `batch_size`, or 8 with `--mock-data`
+    (see `resolve_batch_size`).
+    """
     group = parser.add_argument_group("pipeline")
     group.add_argument("--num-stages", type=int, default=num_stages,
                        help="pipeline stages, one device each")
@@ -37,7 +41,10 @@ def add_pipeline_flags(parser, batch_size, num_stages=4, num_micro_batches=8):
                        help="comma-separated TF devices, one per stage; "
                        "'auto': one GPU per stage, else logical CPU devices")
     group = parser.add_argument_group("training")
-    group.add_argument("--batch-size", type=int, default=batch_size)
+    group.add_argument("--batch-size", type=int, default=None,
+                       help=f"mini-batch size (default {batch_size}, 8 with "
+                       "--mock-data)")
+    parser.set_defaults(default_batch_size=batch_size)
     group.add_argument("--epochs", type=int, default=1)
     group.add_argument("--steps", type=int, default=None,
                        help="training steps per epoch (default: one pass "
@@ -54,6 +61,13 @@ def add_pipeline_flags(parser, batch_size, num_stages=4, num_micro_batches=8):
     group.add_argument("--data-dir", default=None,
                        help="TFDS data directory (manual downloads too)")
     group.add_argument("--seed", type=int, default=0)
+
+
+def resolve_batch_size(args):
+    """The given --batch-size, else the example's default (8 on mock data)."""
+    if args.batch_size is None:
+        args.batch_size = 8 if args.mock_data else args.default_batch_size
+    return args.batch_size
 
 
 def parse_balance(text):
@@ -161,6 +175,8 @@ def describe(pipe, args, devices):
     print(pipe.summary_table())
     for j, names in enumerate(boundaries(pipe)):
         print(f"stage {j} -> {j + 1} sends the outputs of: {', '.join(names)}")
+    bubble = keras_pipe.schedule.bubble_fraction(args.num_micro_batches,
+                                                 args.num_stages)
     print(f"devices: {', '.join(devices)}; num_micro_batches="
           f"{args.num_micro_batches}, remat={args.remat!r}, bubble "
-          f"{keras_pipe.schedule.bubble_fraction(args.num_micro_batches, args.num_stages):.0%}")
+          f"{bubble:.0%}")

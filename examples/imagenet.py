@@ -81,13 +81,13 @@ def parse_args(argv):
                         "per_micro_batch: GPipe's plain BatchNormalization")
     common.add_pipeline_flags(parser, batch_size=256)
     args = parser.parse_args(argv)
+    common.resolve_batch_size(args)
     args.num_stacks, args.num_stem_cells = 3, 2
     if args.mock_data:
         # One reduction and one normal cell: the graph, and so the first
         # (tracing) step, stays small.
         args.num_layers, args.filters, args.image_size = 1, 16, 32
         args.num_stacks, args.num_stem_cells = 1, 1
-        args.batch_size = min(args.batch_size, 8)
         args.eval_steps = args.eval_steps or 1
     elif args.num_layers % 3:
         parser.error(f"--num-layers must be a multiple of 3, got "
@@ -210,7 +210,7 @@ def amoebanet_d(num_classes, num_layers=18, filters=256, image_size=224,
 
 
 def resnet50(num_classes, image_size=224):
-    """keras.applications.ResNet50 (random weights) behind our normalization."""
+    """keras.applications.ResNet50 (random weights) after normalization."""
     inputs = keras.Input((image_size, image_size, 3), name="images")
     x = keras.layers.Normalization(
         mean=MEAN_RGB, variance=[s * s for s in STDDEV_RGB],
@@ -236,7 +236,7 @@ def add_weight_decay(model, weight_decay):
 
 
 def _center_crop_window(height, width, image_size):
-    """The standard eval crop: image_size / (image_size + 32) of the short side."""
+    """The eval crop: image_size / (image_size + 32) of the short side."""
     ratio = image_size / (image_size + 32)
     side = tf.cast(ratio * tf.cast(tf.minimum(height, width), tf.float32),
                    tf.int32)
@@ -387,8 +387,6 @@ def export(pipe, path, image_size):
 def main(argv=None):
     args = parse_args(sys.argv[1:] if argv is None else argv)
     devices = common.setup_devices(args)
-
-
     keras.utils.set_random_seed(args.seed)
     if args.mock_data:
         with tfds.testing.mock_data(num_examples=4 * args.batch_size):
@@ -405,7 +403,8 @@ def main(argv=None):
     add_weight_decay(model, args.weight_decay)
     if args.batch_norm == "deferred":
         model = defer_batch_norm(model)
-    print(f"{model.name}: {model.count_params():,} parameters, "
+    trainable = sum(int(keras.ops.size(w)) for w in model.trainable_weights)
+    print(f"{model.name}: {trainable:,} trainable parameters, "
           f"{num_classes} classes, {args.image_size}px")
     pipe = common.make_pipeline(model, args, devices)
     common.describe(pipe, args, devices)
@@ -430,12 +429,14 @@ def main(argv=None):
         metrics=[keras.metrics.CategoricalAccuracy(name="top1"),
                  keras.metrics.TopKCategoricalAccuracy(5, name="top5")])
     throughput = common.Throughput(args.batch_size)
-    pipe.fit(train, epochs=args.epochs, steps_per_epoch=steps,
-             validation_data=evaluation, validation_steps=args.eval_steps,
-             callbacks=common.make_callbacks(args, throughput), shuffle=False,
-             verbose=1)
-    results = pipe.evaluate(evaluation, steps=args.eval_steps,
-                            return_dict=True, verbose=0)
+    history = pipe.fit(
+        train, epochs=args.epochs, steps_per_epoch=steps,
+        validation_data=evaluation, validation_steps=args.eval_steps,
+        callbacks=common.make_callbacks(args, throughput), shuffle=False,
+        verbose=1)
+    results = {name[len("val_"):]: values[-1]
+               for name, values in history.history.items()
+               if name.startswith("val_")}
     print("evaluation: " + ", ".join(
         f"{k}={v:.4f}" for k, v in sorted(results.items())))
     if args.export:

@@ -63,11 +63,11 @@ def parse_args(argv):
                         "(default: all)")
     common.add_pipeline_flags(parser, batch_size=256)
     args = parser.parse_args(argv)
+    common.resolve_batch_size(args)
     if args.mock_data:
         args.vocab_size, args.vocab_sample, args.max_length = 200, 64, 12
         args.num_layers, args.d_model, args.num_heads = 1, 16, 2
         args.ff_dim, args.warmup_steps = 32, 1
-        args.batch_size = min(args.batch_size, 8)
         args.eval_steps = args.eval_steps or 1
         args.bleu_examples = args.bleu_examples or 8
     return args
@@ -232,7 +232,7 @@ class InverseSqrt(keras.optimizers.schedules.LearningRateSchedule):
 
 
 def load_text(args):
-    """(train pairs, validation pairs): datasets of (source, target) strings."""
+    """(train, validation): datasets of (source, target) strings."""
     builder = tfds.builder(args.dataset, data_dir=args.data_dir)
     if not args.mock_data:
         builder.download_and_prepare()

@@ -14,10 +14,11 @@ training step, after the last micro-batch, which updates the moving averages
 once from the statistics of the whole mini-batch: the same moving mean and
 variance as one `BatchNormalization` step on the full batch.
 
-| mode | normalizes with | moving averages updated |
-|---|---|---|
-| `BatchNormalization` (per micro-batch) | micro-batch stats | `M` times a step, micro-batch stats |
-| `DeferredBatchNormalization` | micro-batch stats | once a step, mini-batch stats |
+    layer                        normalizes with    moving averages updated
+    BatchNormalization           micro-batch stats  M times a step, from
+      (per micro-batch, GPipe)                      micro-batch stats
+    DeferredBatchNormalization   micro-batch stats  once a step, from
+                                                    mini-batch stats
 
 The accumulators merge micro-batch means and sums of squared deviations
 (Chan et al.'s parallel variance) rather than raw sums of squares, which

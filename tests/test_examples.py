@@ -22,7 +22,8 @@ import common  # noqa: E402
 
 
 def _env():
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", KERAS_BACKEND="tensorflow")
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3",
+               KERAS_BACKEND="tensorflow")
     env.pop("CUDA_VISIBLE_DEVICES", None)
     return env
 
@@ -30,7 +31,8 @@ def _env():
 def _run(args, cwd, timeout=240):
     result = subprocess.run([sys.executable] + args, cwd=cwd, env=_env(),
                             capture_output=True, text=True, timeout=timeout)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    assert result.returncode == 0, (result.stdout[-3000:]
+                                    + result.stderr[-5000:])
     return result.stdout
 
 
