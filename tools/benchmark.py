@@ -21,7 +21,8 @@ context only: the machine may be shared and noisy):
       stage, as one device runs one op at a time) against (M+K-1) stage
       times, for a forward pass and a training step;
 
-and writes `benchmark.json` (every number) and `benchmark.png` to `--out`.
+and writes `benchmark.json` (every number), `benchmark.md` (the tables in
+Markdown) and `benchmark.png` to `--out`.
 
 Why subprocesses: logical CPU devices and thread pools are fixed when
 TensorFlow starts, and a process pinned to one core must be pinned before
@@ -130,6 +131,12 @@ def _numeric(text):
         return False
 
 
+def _percentages(values):
+    """`"41%/38%"` from fractions; `-` when there are none."""
+    return "/".join(fmt(v * 100 if v is not None else None, 0, "%")
+                    for v in values or []) or "-"
+
+
 def check_goal(key, measured):
     """`{"goal", "bound", "measured", "met"}` for the goal `key` of GOALS."""
     text, op, bound = GOALS[key]
@@ -154,7 +161,8 @@ def throughput_rows(result):
             "speedup_vs_one_worker": ratio(worker1, step),
             "efficiency": ratio(speedup, ideal),
             "ms_per_step": step * 1e3,
-            "worker_cpu": entry.get("worker_cpu_utilisation")})
+            "worker_cpu": entry.get("worker_cpu_utilisation"),
+            "worker_wait": entry.get("worker_cpu_wait")})
     return rows
 
 
@@ -180,12 +188,13 @@ def summarize(results):
             f"processes, {a['model']}, remat={a['remat']!r}: speedup = 1-core "
             "step time / pipeline step time",
             ["M", "ideal 2M/(M+1)", "speedup vs 1 core", "vs 1 worker K=1",
-             "speedup/ideal", "ms/step", "worker CPU use"],
+             "speedup/ideal", "ms/step", "worker CPU use",
+             "worker CPU wait"],
             [[r["M"], fmt(r["ideal"]), fmt(r["speedup"], suffix="x"),
               fmt(r["speedup_vs_one_worker"], suffix="x"),
               fmt(r["efficiency"]), fmt(r["ms_per_step"], 0),
-              "/".join(fmt(u * 100, 0, "%") for u in r["worker_cpu"] or [])
-              or "-"] for r in rows]))
+              _percentages(r["worker_cpu"]), _percentages(r["worker_wait"])]
+             for r in rows]))
         context = [["1 process, 1 core (baseline)",
                     fmt(a["baseline_1core"]["step_seconds"] * 1e3, 0)]]
         if "one_worker" in a:
@@ -356,6 +365,26 @@ def _cpu_seconds(pid):
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def _run_delay_seconds(pid):
+    """Seconds the threads of a process were runnable but not running.
+
+    Summed over its threads from /proc/PID/task/*/schedstat (the second
+    field): the time spent waiting for a CPU, taken by other processes or
+    by the process's own threads.
+    """
+    total = 0.0
+    try:
+        tasks = list(pathlib.Path(f"/proc/{pid}/task").iterdir())
+    except OSError:
+        return None
+    for task in tasks:
+        try:
+            total += int((task / "schedstat").read_text().split()[1]) / 1e9
+        except (OSError, IndexError, ValueError):
+            continue  # a thread that ended meanwhile
+    return total
+
+
 def _throughput_data(np, steps, batch, width):
     rng = np.random.default_rng(0)
     x = rng.normal(size=(steps * batch, width)).astype("float32")
@@ -408,22 +437,35 @@ def child_throughput(p):
         models[m] = (model, time.perf_counter() - start)
     steps = {m: [] for m in models}
     cpu = {m: [] for m in models}
+    wait = {m: [] for m in models}
+    pids = p["worker_pids"] + [os.getpid()]  # the workers, then the client
+
+    def fractions(before, after, wall):
+        return [None if a is None or b is None else (b - a) / wall
+                for a, b in zip(before, after)]
+
     for _ in range(p["rounds"]):  # Interleaved: noise hits every M alike.
         for m, (model, _) in models.items():
-            before = [_cpu_seconds(pid) for pid in p["worker_pids"]]
+            cpu0 = [_cpu_seconds(pid) for pid in pids]
+            wait0 = [_run_delay_seconds(pid) for pid in pids]
             start = time.perf_counter()
             steps[m] += _fit_steps(keras, model, x, y, p["batch"])
             wall = time.perf_counter() - start
-            after = [_cpu_seconds(pid) for pid in p["worker_pids"]]
-            cpu[m].append([None if a is None or b is None else (b - a) / wall
-                           for a, b in zip(before, after)])
+            cpu[m].append(fractions(
+                cpu0, [_cpu_seconds(pid) for pid in pids], wall))
+            wait[m].append(fractions(
+                wait0, [_run_delay_seconds(pid) for pid in pids], wall))
     result = {"pipeline": [], "devices": remote}
     for m in models:
-        use = [median([row[w] for row in cpu[m]])
-               for w in range(len(p["worker_pids"]))]
+        use = [median([row[w] for row in cpu[m]]) for w in range(len(pids))]
+        delay = [median([row[w] for row in wait[m]])
+                 for w in range(len(pids))]
         entry = {"num_micro_batches": m, "step_seconds": median(steps[m]),
                  "steps": steps[m], "first_fit_seconds": models[m][1],
-                 "worker_cpu_utilisation": use}
+                 "worker_cpu_utilisation": use[:-1],
+                 "worker_cpu_wait": delay[:-1],
+                 "client_cpu_utilisation": use[-1],
+                 "client_cpu_wait": delay[-1]}
         if m is None:
             result["one_worker"] = entry
         else:
@@ -789,14 +831,18 @@ def run_parts(parts, quick, outdir, log=print):
     """Runs the chosen parts, each in child processes; returns their JSON."""
     s = settings(quick)
     results = {}
+    loads = {}
     if "a" in parts:
         log("(a) throughput vs M on 2 pinned workers")
+        loads["a"] = os.getloadavg()
         results["a"] = run_throughput(s["a"], outdir, log)
     if "b" in parts:
         log("(b) overhead of K=1, M=1")
+        loads["b"] = os.getloadavg()
         results["b"] = run_child("overhead", s["b"], 1800, log=log)
     if "c" in parts:
         log("(c) peak memory per remat mode and M")
+        loads["c"] = os.getloadavg()
         c = s["c"]
         runs, names = [], []
         for spec in c["models"]:
@@ -816,13 +862,17 @@ def run_parts(parts, quick, outdir, log=print):
             results["c"]["error"] = "every configuration failed"
     if "d" in parts:
         log("(d) build time of the training step vs M and K")
+        loads["d"] = os.getloadavg()
         results["d"] = run_child("build", s["d"], 3600, log=log)
         results["d"]["model"] = (
             f"2 x Dense({s['d']['width']}) per stage, batch 2M, "
             "remat='except_last'")
     if "e" in parts:
         log("(e) schedule fidelity with fixed-duration stages")
+        loads["e"] = os.getloadavg()
         results["e"] = run_child("fidelity", s["e"], 3600, log=log)
+    for part, load in loads.items():  # 1, 5, 15-minute load averages
+        results[part]["load_average_at_start"] = load
     return results
 
 
@@ -970,9 +1020,12 @@ def main(argv=None):
                 "tables": [{"title": t, "headers": h, "rows": r}
                            for t, h, r in tables]}
     (outdir / "benchmark.json").write_text(json.dumps(document, indent=1))
+    (outdir / "benchmark.md").write_text(
+        "\n\n".join(f"{t}\n\n{markdown_table(h, r)}" for t, h, r in tables)
+        + "\n")
     plot(results, goals, outdir / "benchmark.png")
-    print(f"\nWrote {outdir / 'benchmark.json'} and "
-          f"{outdir / 'benchmark.png'} ({document['seconds']:.0f} s).")
+    print(f"\nWrote benchmark.json, benchmark.md and benchmark.png to "
+          f"{outdir} ({document['seconds']:.0f} s).")
 
 
 if __name__ == "__main__":
