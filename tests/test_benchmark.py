@@ -93,6 +93,8 @@ def _results():
               for mode, peak in (("always", 40 * scale),
                                  ("except_last", 50 * scale),
                                  ("never", 100))]
+    memory.append({"model": "act", "M": 8, "remat": "never",
+                   "schedule": "1f1b", "peak_bytes": 60, "step_bytes": 50})
     return {
         "a": {"model": "8 x Dense(1024), batch 512", "remat": "never",
               "pipeline": pipeline,
@@ -142,6 +144,10 @@ def test_summarize_reports_every_goal():
     assert goals["e"]["measured"] == pytest.approx(0.04, abs=1e-12)
     titles = [t for t, _, _ in tables]
     assert titles[-1] == "Goals" and len(titles) == 7
+    c_rows = tables[3][2]
+    assert c_rows[0][:3] == ["act", "gpipe", 8]
+    assert c_rows[1][:3] == ["act", "1f1b", 8]
+    assert c_rows[1][-1] == "0.60x"  # 1f1b never / gpipe never
     a_rows = tables[0][2]
     assert a_rows[1][:3] == [4, "1.60", "1.60x"]
     assert a_rows[1][-2:] == ["50%/60%", "10%/20%"]

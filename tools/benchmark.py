@@ -13,13 +13,14 @@ context only: the machine may be shared and noisy):
       the ideal 2M/(M+1);
   (b) the overhead of a PipelineModel with K=1, M=1 against the same plain
       Keras model (`fit` step time, warm, interleaved);
-  (c) peak memory per remat mode and M for a deep model at K=4
+  (c) peak memory per remat mode, schedule and M for deep models at K=4
       (`tf.config.experimental.get_memory_info`, process-wide on CPU);
   (d) time to build the training step (first call minus a warm call) vs M
       and K;
   (e) schedule fidelity: stages that sleep a fixed time (one at a time per
       stage, as one device runs one op at a time) against (M+K-1) stage
-      times, for a forward pass and a training step;
+      times, for a forward pass and training steps (GPipe, GPipe with
+      remat, 1F1B);
 
 and writes `benchmark.json` (every number), `benchmark.md` (the tables in
 Markdown) and `benchmark.png` to `--out`.
@@ -222,13 +223,15 @@ def summarize(results):
     if c and "error" not in c:
         by_m = {}
         for e in c["runs"]:
-            by_m.setdefault((e["model"], e["M"]), {})[e["remat"]] = e
+            key = (e["model"], e.get("schedule", "gpipe"), e["M"])
+            by_m.setdefault(key, {})[e["remat"]] = e
         rows = []
-        for (model, m), runs in sorted(
+        for (model, schedule, m), runs in sorted(
                 by_m.items(), key=lambda kv: (c["models"].index(kv[0][0]),
-                                              kv[0][1])):
+                                              kv[0][1] != "gpipe",
+                                              kv[0][2])):
             never = runs.get("never", {})
-            row = [model, m]
+            row = [model, schedule, m]
             for mode in ("always", "except_last", "never"):
                 e = runs.get(mode)
                 row.append(fmt(e["peak_bytes"] / 2**20, 0) if e else "-")
@@ -238,14 +241,19 @@ def summarize(results):
                                      never.get("peak_bytes")), suffix="x"))
             row.append(fmt(ratio(runs.get("always", {}).get("step_bytes"),
                                  never.get("step_bytes")), suffix="x"))
+            gpipe = by_m.get((model, "gpipe", m), {}).get("never", {})
+            row.append(fmt(ratio(never.get("peak_bytes"),
+                                 gpipe.get("peak_bytes")), suffix="x")
+                       if schedule != "gpipe" else "")
             rows.append(row)
         tables.append((
             f"(c) Peak memory of a training step at K=4 (MiB, "
             f"{c['measure']}); Adam",
-            ["model", "M", "always", "except_last", "never", "always/never",
-             "except_last/never", "step increment always/never"], rows))
+            ["model", "schedule", "M", "always", "except_last", "never",
+             "always/never", "except_last/never",
+             "step increment always/never", "never: 1f1b/gpipe"], rows))
         for key, model in zip(("c", "c*"), c["models"]):
-            m8 = by_m.get((model, 8), {})
+            m8 = by_m.get((model, "gpipe", 8), {})
             goals[key] = check_goal(key, ratio(
                 m8.get("always", {}).get("peak_bytes"),
                 m8.get("never", {}).get("peak_bytes")))
@@ -520,7 +528,8 @@ def child_memory(p):
     keras.utils.set_random_seed(0)
     model = keras_pipe.PipelineModel(
         _split(keras, p["layers"], p["width"], 4), devices=devices,
-        num_micro_batches=p["M"], remat=p["remat"])
+        num_micro_batches=p["M"], remat=p["remat"],
+        schedule=p.get("schedule", "gpipe"))
     model.build((None, p["width"]))
     model.compile(keras.optimizers.Adam(1e-4), "mse")
     model.train_on_batch(x, y)  # trace and warm up
@@ -531,7 +540,8 @@ def child_memory(p):
     model.train_on_batch(x, y)
     peak = info("CPU:0")["peak"]
     same = info("CPU:3")["peak"] == peak
-    return {"M": p["M"], "remat": p["remat"], "peak_bytes": peak,
+    return {"M": p["M"], "remat": p["remat"],
+            "schedule": p.get("schedule", "gpipe"), "peak_bytes": peak,
             "resting_bytes": resting, "step_bytes": peak - resting,
             "all_devices_report_same_peak": same,
             "maxrss_bytes": resource.getrusage(
@@ -635,11 +645,11 @@ def child_fidelity(p):
     runs = []
     for k, m in p["grid"]:
         for run in p["runs"]:
-            remat = {"train": "never", "train_remat": "always"}.get(run,
-                                                                  "never")
+            remat = "always" if run == "train_remat" else "never"
             model = keras_pipe.PipelineModel(
                 [Sleep(j) for j in range(k)], devices=devices[:k],
-                num_micro_batches=m, remat=remat)
+                num_micro_batches=m, remat=remat,
+                schedule="1f1b" if run == "train_1f1b" else "gpipe")
             model.build((None, 3))
             x = np.ones((2 * m, 3), "float32")
             if run == "forward":
@@ -650,8 +660,9 @@ def child_fidelity(p):
                 model.compile(keras.optimizers.SGD(0.0), "mse")
                 call = lambda: model.train_on_batch(x, x)  # noqa: E731
                 # Forward, then backward (with its recompute first under
-                # remat="always"): each (M+K-1) ticks of t.
-                ticks = (2 if run == "train" else 3) * (m + k - 1)
+                # remat="always"): each (M+K-1) ticks of t. 1F1B has the
+                # same bubble as GPipe, in other places.
+                ticks = (3 if run == "train_remat" else 2) * (m + k - 1)
             call()
             best = None
             for _ in range(p["repeats"]):
@@ -782,7 +793,7 @@ def settings(quick):
         # Adam slots and per-micro-batch weight gradients weigh more.
         "c": {"models": [{"layers": 32, "width": 128, "batch": 8192},
                          {"layers": 32, "width": 256, "batch": 2048}],
-              "micro_batches": [8] if quick else [1, 2, 4, 8, 16],
+              "micro_batches": [8] if quick else [1, 4, 8, 16],
               "modes": ["always", "except_last", "never"]},
         "d": {"width": 32, "grid": [(8, 4), (8, 32), (4, 4), (4, 16)]
               if quick else [(k, m) for k in (2, 4, 8)
@@ -790,8 +801,8 @@ def settings(quick):
         "e": {"stage_seconds": 0.03 if quick else 0.05,
               "grid": [(4, 4), (4, 8)] if quick else
               [(4, 1), (4, 4), (4, 8), (4, 16), (2, 8), (8, 8)],
-              "runs": ["forward", "train"] if quick else
-              ["forward", "train", "train_remat"],
+              "runs": ["forward", "train", "train_1f1b"] if quick else
+              ["forward", "train", "train_remat", "train_1f1b"],
               "repeats": 2 if quick else 3, "inter_op_threads": 64},
     }
 
@@ -845,16 +856,19 @@ def run_parts(parts, quick, outdir, log=print):
         loads["c"] = os.getloadavg()
         c = s["c"]
         runs, names = [], []
-        for spec in c["models"]:
+        for n, spec in enumerate(c["models"]):
             name = (f"{spec['layers']} x Dense({spec['width']}), batch "
                     f"{spec['batch']}")
             names.append(name)
-            for m in c["micro_batches"]:
-                for mode in c["modes"]:
-                    r = run_child("memory", dict(spec, M=m, remat=mode), 900,
-                                  log=log)
-                    if "error" not in r:
-                        runs.append(dict(r, model=name))
+            # 1F1B only where activations dominate: that is where it acts.
+            for schedule in ("gpipe", "1f1b")[:2 if n == 0 else 1]:
+                for m in c["micro_batches"]:
+                    for mode in c["modes"]:
+                        r = run_child("memory", dict(
+                            spec, M=m, remat=mode, schedule=schedule), 900,
+                            log=log)
+                        if "error" not in r:
+                            runs.append(dict(r, model=name))
         results["c"] = {"runs": runs, "models": names,
                         "measure": "tf.config.experimental.get_memory_info("
                         "'CPU:0')['peak'] over one warm step"}
@@ -909,7 +923,8 @@ def plot(results, goals, path):
                                 ("never", "tab:red")):
                 pts = sorted((e["M"], e["peak_bytes"] / 2**20)
                              for e in c["runs"]
-                             if e["remat"] == mode and e["model"] == model)
+                             if e["remat"] == mode and e["model"] == model
+                             and e.get("schedule", "gpipe") == "gpipe")
                 if pts:
                     ax.plot(*zip(*pts), "o" + style, color=color,
                             label=f"{mode}: {model}")
