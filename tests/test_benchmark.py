@@ -156,8 +156,8 @@ def test_summarize_reports_every_goal():
 def test_summarize_skips_failed_parts():
     tables, goals = bm.summarize({"b": {"error": "overhead exited 1"}})
     assert goals == {}
-    assert tables == [("Goals", ["part", "goal", "bound", "measured", "met"],
-                       [])]
+    assert tables == [("Goals", ["part", "goal", "bound", "measured", "met",
+                                 "note"], [])]
 
 
 def test_plot_writes_a_small_png(tmp_path):
