@@ -149,7 +149,7 @@ def test_summarize_reports_every_goal():
     assert c_rows[1][:3] == ["act", "1f1b", 8]
     assert c_rows[1][-1] == "0.60x"  # 1f1b never / gpipe never
     a_rows = tables[0][2]
-    assert a_rows[1][:3] == [4, "1.60", "1.60x"]
+    assert a_rows[1][:5] == [4, "1.60", "1.60x", "-", "2.00x"]
     assert a_rows[1][-2:] == ["50%/60%", "10%/20%"]
 
 
