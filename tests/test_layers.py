@@ -55,11 +55,15 @@ def test_deferred_statistics_equal_full_batch(devices):
     x, y = _data()
     model(x, training=True)  # The unpipelined model, on the full batch.
     expected = _stats(model.get_layer("bn"))
-    _fit(deferred, devices, x, y, num_micro_batches=4)
+    pipe = _fit(deferred, devices, x, y, num_micro_batches=4)
     got = _stats(deferred.get_layer("bn"))
     np.testing.assert_allclose(got[0], expected[0], rtol=1e-5)
     np.testing.assert_allclose(got[1], expected[1], rtol=1e-5)
     layer = deferred.get_layer("bn")
+    np.testing.assert_array_equal(layer.accumulated_count.numpy(), 0.0)
+    # Evaluation reads the moving statistics and accumulates nothing.
+    pipe.evaluate(x, y, batch_size=BATCH, verbose=0)
+    np.testing.assert_array_equal(_stats(layer)[1], got[1])
     np.testing.assert_array_equal(layer.accumulated_count.numpy(), 0.0)
 
 
