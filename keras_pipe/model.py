@@ -597,7 +597,20 @@ class PipelineModel(keras.Model):
             step.output_grads[(i, j - 1)] = input_grads
         for variable, g in zip(runner.trainable_variables, param_grads):
             if g is not None:
-                step.per_variable.setdefault(id(variable), []).append(g)
+                self._accumulate(step, variable, g)
+
+    @staticmethod
+    def _accumulate(step, variable, gradient):
+        """Adds a gradient to the variable's running sum, on its device.
+
+        Summing as the micro-batches arrive keeps one gradient buffer per
+        variable alive instead of one per micro-batch.
+        """
+        total = step.per_variable.get(id(variable))
+        if total is not None:
+            with tf.device(placement.device_of(variable)):
+                gradient = _sum_gradients([total, gradient])
+        step.per_variable[id(variable)] = gradient
 
     def _seed(self, step, loss, micro_batch_indices):
         """Gradients of `loss` for the given micro-batches' stage outputs.
@@ -647,16 +660,8 @@ class PipelineModel(keras.Model):
                                   unconnected_gradients="none")
             for variable, g in zip(variables, direct):
                 if g is not None:
-                    step.per_variable.setdefault(id(variable), []).append(g)
-        result = []
-        for variable in variables:
-            parts = step.per_variable.get(id(variable), [])
-            if not parts:
-                result.append(None)
-                continue
-            with tf.device(placement.device_of(variable)):
-                result.append(_sum_gradients(parts))
-        return result
+                    self._accumulate(step, variable, g)
+        return [step.per_variable.get(id(v)) for v in variables]
 
     def _forward(self, inputs, training, remat, differentiable):
         """Runs all micro-batches through all stages (GPipe forward).
@@ -737,7 +742,11 @@ class PipelineModel(keras.Model):
                 self._forward_op(step, i, j)
                 if j < k - 1:
                     continue
-                with tf.device(self._runners[-1].device):
+                # The loss head joins the last stage's chain of calls: one
+                # full-batch-sized loss at a time.
+                last = self._runner(i, j, m)
+                with tf.device(last.device), tf.control_dependencies(
+                        step.previous.get(id(last), [])):
                     alone = _alone(step.runs[i][-1].outputs, rows, i,
                                    step.micro_batches[i])
                     with keras.StatelessScope():
@@ -746,6 +755,9 @@ class PipelineModel(keras.Model):
                             sample_weight=sample_weight, training=training)
                 self._seed(step, scale(loss_i), [i])
                 self._seed_layer_losses(step, scale, [i])
+                step.previous[id(last)] = [
+                    g for g in step.output_grads[(i, k - 1)]
+                    if g is not None][:1]
         return step
 
     def _build_compile_loss(self, x, y):

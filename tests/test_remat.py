@@ -34,14 +34,18 @@ def train(devices, remat, steps=3, schedule="gpipe"):
 def test_all_remat_modes_train_identically_with_batchnorm_and_dropout(
         devices):
     never, never_loss = train(devices, "never")
-    for remat, schedule in [("always", "gpipe"), ("except_last", "gpipe"),
-                            ("always", "1f1b"), ("never", "1f1b")]:
+    # Same schedule: the same sums in the same order (rtol 1e-6). 1F1B adds
+    # the micro-batch gradients in another order (rtol 1e-5).
+    for remat, schedule, rtol in [("always", "gpipe", 1e-6),
+                                  ("except_last", "gpipe", 1e-6),
+                                  ("always", "1f1b", 1e-5),
+                                  ("never", "1f1b", 1e-5)]:
         pipe, loss = train(devices, remat, schedule=schedule)
-        np.testing.assert_allclose(loss, never_loss, rtol=1e-6)
+        np.testing.assert_allclose(loss, never_loss, rtol=rtol)
         # Weights, BatchNorm moving statistics and dropout seed states.
         for v, ref in zip(pipe.variables, never.variables):
-            np.testing.assert_allclose(v.numpy(), ref.numpy(), rtol=1e-6,
-                                       atol=1e-7, err_msg=v.path)
+            np.testing.assert_allclose(v.numpy(), ref.numpy(), rtol=rtol,
+                                       atol=rtol / 10, err_msg=v.path)
 
 
 @pytest.mark.parametrize("remat", ["always", "except_last", "never"])
