@@ -85,7 +85,8 @@ def _results():
     """Made-up results with the shapes the child processes return."""
     pipeline = [{"num_micro_batches": m, "step_seconds": s,
                  "worker_cpu_utilisation": [0.5, 0.6],
-                 "worker_cpu_wait": [0.1, 0.2]}
+                 "worker_cpu_wait": [0.1, 0.2],
+                 "worker_cpu_seconds_per_step": [0.15, 0.15]}
                 for m, s in ((1, 0.2), (4, 0.125), (16, 0.16))]
     memory = [{"model": name, "M": 8, "remat": mode, "peak_bytes": peak,
                "step_bytes": peak - 10}
@@ -98,7 +99,8 @@ def _results():
     return {
         "a": {"model": "8 x Dense(1024), batch 512", "remat": "never",
               "pipeline": pipeline,
-              "baseline_1core": {"step_seconds": 0.2},
+              "baseline_1core": {"step_seconds": 0.2,
+                                 "cpu_seconds_per_step": 0.2},
               "one_worker": {"step_seconds": 0.25}},
         "b": {"models": [{"model": "big", "ratio": 1.02, "plain_seconds": 0.1,
                           "pipeline_seconds": 0.102}]},
@@ -123,6 +125,8 @@ def test_throughput_rows_are_ratios_to_the_baseline():
     assert [r["efficiency"] for r in rows] == pytest.approx(
         [1.0, 1.0, 1.25 * 17 / 32], abs=1e-12)
     assert rows[1]["speedup_vs_one_worker"] == pytest.approx(2.0, abs=1e-12)
+    # CPU seconds of both workers per step over the 1-core process's.
+    assert rows[0]["cpu_ratio"] == pytest.approx(1.5, abs=1e-12)
 
 
 def test_fidelity_rows_compare_with_the_schedule():
@@ -150,7 +154,7 @@ def test_summarize_reports_every_goal():
     assert c_rows[1][-1] == "0.60x"  # 1f1b never / gpipe never
     a_rows = tables[0][2]
     assert a_rows[1][:5] == [4, "1.60", "1.60x", "-", "2.00x"]
-    assert a_rows[1][-2:] == ["50%/60%", "10%/20%"]
+    assert a_rows[1][-3:] == ["50%/60%", "10%/20%", "1.50x"]
 
 
 def test_summarize_skips_failed_parts():

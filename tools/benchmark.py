@@ -152,6 +152,7 @@ def throughput_rows(result):
     """Rows of table (a) from the JSON of the throughput part."""
     base = result["baseline_1core"]["step_seconds"]
     base_best = result["baseline_1core"].get("best_step_seconds")
+    base_cpu = result["baseline_1core"].get("cpu_seconds_per_step")
     worker1 = result.get("one_worker", {}).get("step_seconds")
     rows = []
     for entry in result["pipeline"]:
@@ -165,8 +166,17 @@ def throughput_rows(result):
             "efficiency": ratio(speedup, ideal),
             "ms_per_step": step * 1e3,
             "worker_cpu": entry.get("worker_cpu_utilisation"),
-            "worker_wait": entry.get("worker_cpu_wait")})
+            "worker_wait": entry.get("worker_cpu_wait"),
+            "cpu_ratio": ratio(_sum(entry.get("worker_cpu_seconds_per_step")),
+                               base_cpu)})
     return rows
+
+
+def _sum(values):
+    """The sum of `values`, `None` if any is missing."""
+    if not values or any(v is None for v in values):
+        return None
+    return sum(values)
 
 
 def fidelity_rows(result):
@@ -193,12 +203,14 @@ def summarize(results):
             "ratio of the fastest step of each, the least disturbed)",
             ["M", "ideal 2M/(M+1)", "speedup vs 1 core",
              "same, fastest steps", "vs 1 worker K=1", "speedup/ideal",
-             "ms/step", "worker CPU use", "worker CPU wait"],
+             "ms/step", "worker CPU use", "worker CPU wait",
+             "worker CPU s / 1-core CPU s"],
             [[r["M"], fmt(r["ideal"]), fmt(r["speedup"], suffix="x"),
               fmt(r["speedup_best"], suffix="x"),
               fmt(r["speedup_vs_one_worker"], suffix="x"),
               fmt(r["efficiency"]), fmt(r["ms_per_step"], 0),
-              _percentages(r["worker_cpu"]), _percentages(r["worker_wait"])]
+              _percentages(r["worker_cpu"]), _percentages(r["worker_wait"]),
+              fmt(r["cpu_ratio"], suffix="x")]
              for r in rows]))
         context = [["1 process, 1 core (baseline)",
                     fmt(a["baseline_1core"]["step_seconds"] * 1e3, 0)]]
@@ -419,11 +431,14 @@ def child_baseline(p):
     model.compile(keras.optimizers.Adam(1e-4), "mse", jit_compile=False)
     _fit_steps(keras, model, x[:3 * p["batch"]], y[:3 * p["batch"]],
                p["batch"])
-    steps = []
+    steps, cpu = [], []
     for _ in range(p["rounds"]):
+        start = time.process_time()
         steps += _fit_steps(keras, model, x, y, p["batch"])
+        cpu.append((time.process_time() - start) / p["steps"])
     return {"step_seconds": median(steps), "best_step_seconds": min(steps),
-            "steps": steps, "affinity": sorted(os.sched_getaffinity(0))}
+            "cpu_seconds_per_step": median(cpu), "steps": steps,
+            "affinity": sorted(os.sched_getaffinity(0))}
 
 
 def child_throughput(p):
@@ -455,6 +470,7 @@ def child_throughput(p):
     steps = {m: [] for m in models}
     cpu = {m: [] for m in models}
     wait = {m: [] for m in models}
+    cpu_per_step = {m: [] for m in models}
     pids = p["worker_pids"] + [os.getpid()]  # the workers, then the client
 
     def fractions(before, after, wall):
@@ -468,8 +484,9 @@ def child_throughput(p):
             start = time.perf_counter()
             steps[m] += _fit_steps(keras, model, x, y, p["batch"])
             wall = time.perf_counter() - start
-            cpu[m].append(fractions(
-                cpu0, [_cpu_seconds(pid) for pid in pids], wall))
+            cpu1 = [_cpu_seconds(pid) for pid in pids]
+            cpu[m].append(fractions(cpu0, cpu1, wall))
+            cpu_per_step[m].append(fractions(cpu0, cpu1, p["steps"]))
             wait[m].append(fractions(
                 wait0, [_run_delay_seconds(pid) for pid in pids], wall))
     result = {"pipeline": [], "devices": remote}
@@ -477,11 +494,15 @@ def child_throughput(p):
         use = [median([row[w] for row in cpu[m]]) for w in range(len(pids))]
         delay = [median([row[w] for row in wait[m]])
                  for w in range(len(pids))]
+        per_step = [median([row[w] for row in cpu_per_step[m]])
+                    for w in range(len(pids))]
         entry = {"num_micro_batches": m, "step_seconds": median(steps[m]),
                  "best_step_seconds": min(steps[m]),
                  "steps": steps[m], "first_fit_seconds": models[m][1],
                  "worker_cpu_utilisation": use[:-1],
                  "worker_cpu_wait": delay[:-1],
+                 "worker_cpu_seconds_per_step": per_step[:-1],
+                 "client_cpu_seconds_per_step": per_step[-1],
                  "client_cpu_utilisation": use[-1],
                  "client_cpu_wait": delay[-1]}
         if m is None:
@@ -837,6 +858,9 @@ def run_throughput(p, outdir, log):
     two = run_child("baseline", dict(base), 900, log=log)
     steps = before.get("steps", []) + after.get("steps", [])
     result["baseline_1core"] = {"step_seconds": median(steps),
+                                "cpu_seconds_per_step": median([
+                                    r.get("cpu_seconds_per_step")
+                                    for r in (before, after)]),
                                 "best_step_seconds": min(steps, default=None),
                                 "before": before, "after": after}
     if "error" not in two:
