@@ -28,7 +28,7 @@ def test_demo_trains_above_chance():
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
     proc = subprocess.run(
         [sys.executable, "-m", "keras_pipe.demo", "--epochs", "3",
-         "--samples", "4096"],
+         "--samples", "2048"],
         capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "/device:CPU:3" in proc.stdout  # the stage/device table
