@@ -44,6 +44,18 @@ def pipeline_and_reference(num_stages, num_micro_batches, remat, devices,
     return pipe, reference
 
 
+def compiled_pipeline(devices, num_stages, num_micro_batches, remat,
+                      **stage_kwargs):
+    """Dense stages in a built PipelineModel compiled with SGD and CE."""
+    pipe = keras_pipe.PipelineModel(
+        dense_stages(num_stages, **stage_kwargs), devices=devices[:num_stages],
+        num_micro_batches=num_micro_batches, remat=remat)
+    pipe.build((None, IN_DIM))
+    pipe.compile("sgd", keras.losses.SparseCategoricalCrossentropy(
+        from_logits=True))
+    return pipe
+
+
 def data(batch_size, seed=0):
     rng = np.random.default_rng(seed)
     x = rng.normal(size=(batch_size, IN_DIM)).astype("float32")

@@ -73,12 +73,7 @@ def test_moving_statistics_update_once_per_micro_batch(devices, remat):
 def test_recompute_uses_the_forward_dropout_mask(devices):
     def gradients(remat):
         keras.utils.set_random_seed(11)
-        pipe = keras_pipe.PipelineModel(
-            helpers.dense_stages(2, dropout=0.5), devices=devices[:2],
-            num_micro_batches=2, remat=remat)
-        pipe.build((None, helpers.IN_DIM))
-        pipe.compile("sgd", keras.losses.SparseCategoricalCrossentropy(
-            from_logits=True))
+        pipe = helpers.compiled_pipeline(devices, 2, 2, remat, dropout=0.5)
         x, y, _ = helpers.data(8)
         return pipe, x, helpers.pipeline_loss_and_gradients(pipe, x, y)
 
@@ -146,12 +141,7 @@ def test_backward_reads_forward_activations_only_without_remat(devices,
     # Remat is real: with remat="always", no backward call consumes an
     # output (activation) of a forward stage call; it consumes the
     # recompute's. With remat="never", the backward consumes the forward's.
-    pipe = keras_pipe.PipelineModel(
-        helpers.dense_stages(2, dropout=0.2), devices=devices[:2],
-        num_micro_batches=2, remat=remat)
-    pipe.build((None, helpers.IN_DIM))
-    pipe.compile("sgd", keras.losses.SparseCategoricalCrossentropy(
-        from_logits=True))
+    pipe = helpers.compiled_pipeline(devices, 2, 2, remat, dropout=0.2)
     step = tf.function(pipe.compute_loss_and_gradients)
     graph = step.get_concrete_function(
         tf.TensorSpec((8, helpers.IN_DIM)), tf.TensorSpec((8,), tf.int32),
