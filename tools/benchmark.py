@@ -948,6 +948,13 @@ def run_parts(parts, quick, outdir, log=print):
     return results
 
 
+def _m_axis(ax, ms):
+    """A log2 axis of micro-batch counts labelled with the counts."""
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(ms, [str(m) for m in ms])
+    ax.minorticks_off()
+
+
 def plot(results, goals, path):
     """Writes a 2 x 2 figure: speedup, memory, build time, fidelity."""
     import matplotlib
@@ -967,8 +974,7 @@ def plot(results, goals, path):
         ax.axhline(1.0, color="grey", lw=0.8)
         ax.axhline(GOALS["a"][2], color="tab:green", lw=0.8, ls=":",
                    label="goal")
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(ms, [str(m) for m in ms])
+        _m_axis(ax, ms)
         ax.legend(fontsize=8)
     ax.set_title("(a) speedup, K=2 on 2 single-core workers", fontsize=10)
     ax.set_xlabel("micro-batches M")
@@ -986,7 +992,7 @@ def plot(results, goals, path):
                 if pts:
                     ax.plot(*zip(*pts), "o" + style, color=color,
                             label=f"{mode}: {model}")
-        ax.set_xscale("log", base=2)
+        _m_axis(ax, sorted({e["M"] for e in c["runs"]}))
         ax.set_ylabel("peak MiB")
         ax.legend(fontsize=6)
     ax.set_title("(c) peak memory of a training step, K=4", fontsize=10)
@@ -998,7 +1004,7 @@ def plot(results, goals, path):
             pts = sorted((e["M"], e["build_seconds"]) for e in d["runs"]
                          if e["K"] == k)
             ax.plot(*zip(*pts), "o-", label=f"K={k}")
-        ax.set_xscale("log", base=2)
+        _m_axis(ax, sorted({e["M"] for e in d["runs"]}))
         ax.set_ylabel("seconds")
         ax.legend(fontsize=8)
     ax.set_title("(d) time to build the training step", fontsize=10)
@@ -1012,6 +1018,7 @@ def plot(results, goals, path):
         ax.axhspan(0.95, 1.05, color="tab:green", alpha=0.2,
                    label="goal: within 5%")
         ax.set_xticks(range(len(rows)), labels, fontsize=6, rotation=90)
+        ax.set_ylim(0.8, 1.2)
         ax.set_ylabel("measured / (M+K-1) stage times")
         ax.legend(fontsize=8)
     ax.set_title("(e) schedule fidelity", fontsize=10)
