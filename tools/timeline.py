@@ -1,0 +1,62 @@
+"""Draws the timeline of one training step of the demo pipeline.
+
+    python tools/timeline.py [--num-stages 4] [--num-micro-batches 8]
+                             [--schedule gpipe|1f1b] [--out docs]
+
+Runs the demo's model (`keras_pipe.demo`) through `fit` with the
+`keras_pipe.callbacks.Timeline` callback and writes `timeline.png` and
+`timeline.trace.json` (chrome://tracing) to `--out`. Without GPUs the
+stages run on logical CPU devices, which share the machine's cores: the
+picture shows the schedule, not a speed-up.
+"""
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--num-stages", type=int, default=4)
+    parser.add_argument("--num-micro-batches", type=int, default=8)
+    parser.add_argument("--remat", default="except_last")
+    parser.add_argument("--schedule", default="gpipe")
+    parser.add_argument("--batch-size", type=int, default=512)
+    parser.add_argument("--out", default="timeline_out")
+    args = parser.parse_args(argv)
+
+    import keras_pipe
+    from keras_pipe import demo
+
+    devices = keras_pipe.logical_cpu_devices(args.num_stages)
+    import keras
+
+    keras.utils.set_random_seed(0)
+    x, y = demo.make_data(4 * args.batch_size, seed=0)
+    model = keras_pipe.PipelineModel(
+        demo.make_stages(args.num_stages, width=256), devices=devices,
+        num_micro_batches=args.num_micro_batches, remat=args.remat,
+        schedule=args.schedule)
+    model.compile("adam", keras.losses.SparseCategoricalCrossentropy(
+        from_logits=True))
+    with tempfile.TemporaryDirectory() as logdir:
+        timeline = keras_pipe.callbacks.Timeline(logdir, steps=(2,))
+        model.fit(x, y, batch_size=args.batch_size, epochs=1, verbose=0,
+                  callbacks=[timeline])
+        os.makedirs(args.out, exist_ok=True)
+        shutil.copy(os.path.join(logdir, "step2.png"),
+                    os.path.join(args.out, "timeline.png"))
+        shutil.copy(os.path.join(logdir, "step2.trace.json"),
+                    os.path.join(args.out, "timeline.trace.json"))
+    result = timeline.results[-1]
+    print(f"measured bubble {result['measured_bubble']:.1%}, GPipe "
+          f"(K-1)/(M+K-1) = {result['theoretical_bubble']:.1%}; wrote "
+          f"{args.out}/timeline.png")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
