@@ -82,6 +82,16 @@ def parse_balance(text):
             f"layer counts, e.g. 10,12,9. Received: {text!r}") from exc
 
 
+def load(args, loader):
+    """`loader(args)`, on `tfds.testing.mock_data` with `--mock-data`."""
+    if not args.mock_data:
+        return loader(args)
+    import tensorflow_datasets as tfds
+
+    with tfds.testing.mock_data(num_examples=4 * args.batch_size):
+        return loader(args)
+
+
 def setup_devices(args):
     """One device per stage; must run before TensorFlow makes a tensor.
 

@@ -388,11 +388,7 @@ def main(argv=None):
     args = parse_args(sys.argv[1:] if argv is None else argv)
     devices = common.setup_devices(args)
     keras.utils.set_random_seed(args.seed)
-    if args.mock_data:
-        with tfds.testing.mock_data(num_examples=4 * args.batch_size):
-            train, evaluation, num_classes, num_train = load_data(args)
-    else:
-        train, evaluation, num_classes, num_train = load_data(args)
+    train, evaluation, num_classes, num_train = common.load(args, load_data)
     steps = args.steps or max(1, (num_train or 0) // args.batch_size)
     if args.model == "amoebanet":
         model = amoebanet_d(num_classes, args.num_layers, args.filters,

@@ -363,11 +363,7 @@ def main(argv=None):
     devices = common.setup_devices(args)
 
     keras.utils.set_random_seed(args.seed)
-    if args.mock_data:
-        with tfds.testing.mock_data(num_examples=4 * args.batch_size):
-            train_text, validation_text = load_text(args)
-    else:
-        train_text, validation_text = load_text(args)
+    train_text, validation_text = common.load(args, load_text)
     tokenizer, vocabulary = train_tokenizer(train_text, args)
     print(f"WordPiece vocabulary: {len(vocabulary)} tokens")
     if args.model_dir:
