@@ -204,6 +204,13 @@ def _finish_mini_batch(stage):
             finish()
 
 
+def _shares(micro_batches, dtype):
+    """Each micro-batch's share of the batch's rows (0 for a padding slot)."""
+    sizes = [tf.cast(mb.size, dtype) for mb in micro_batches]
+    total = tf.add_n(sizes) if len(sizes) > 1 else sizes[0]
+    return [size / total for size in sizes]
+
+
 def _layer_losses(runs, micro_batches, dtype):
     """The losses layers added (`add_loss`) during the pipelined forward pass.
 
@@ -211,9 +218,8 @@ def _layer_losses(runs, micro_batches, dtype):
     `add_loss` terms are batch means: the full-batch value is the mean of
     the micro-batch values weighted by micro-batch size.
     """
-    sizes = [tf.cast(mb.size, dtype) for mb in micro_batches]
-    total = tf.add_n(sizes) if len(sizes) > 1 else sizes[0]
-    terms = [tf.cast(tf.reduce_sum(l), dtype) * (sizes[i] / total)
+    shares = _shares(micro_batches, dtype)
+    terms = [tf.cast(tf.reduce_sum(l), dtype) * shares[i]
              for i, row in enumerate(runs) for run in row for l in run.losses]
     return tf.add_n(terms) if terms else None
 
@@ -635,14 +641,12 @@ class PipelineModel(keras.Model):
         Each term enters the loss weighted by its micro-batch's share of
         the batch (see `_layer_losses`).
         """
-        sizes = [tf.cast(mb.size, tf.float32) for mb in step.micro_batches]
-        total = tf.add_n(sizes) if len(sizes) > 1 else sizes[0]
+        shares = _shares(step.micro_batches, tf.float32)
         for i in micro_batch_indices:
             for run in step.runs[i]:
                 for l in run.losses:
-                    weight = tf.cast(sizes[i] / total, l.dtype)
                     step.loss_grads[id(l)] = scale(
-                        tf.ones_like(l) * weight)
+                        tf.ones_like(l) * tf.cast(shares[i], l.dtype))
 
     def _collect_gradients(self, step, scale):
         """Sums each variable's gradients; adds weight regularization.

@@ -187,6 +187,17 @@ def test_remote_stages_match_single_process(workers):
     assert result["reloaded_predict_max_diff"] == 0.0
 
 
+def assert_lost_task_1(result, workers):
+    """The scenario's fit ended with an error naming task 1, in time."""
+    assert result["error"] == "WorkerUnavailableError"
+    assert result["tasks"] == {
+        "/job:worker/replica:0/task:1": workers.addresses[1]}
+    assert (f"Lost /job:worker/replica:0/task:1 at {workers.addresses[1]} "
+            "during fit") in result["message"]
+    # Probes every 1 s, lost after 2 misses, then 5 s of grace.
+    assert result["seconds_to_error"] < 15.0, result
+
+
 def test_hung_worker_ends_fit_in_bounded_time(workers):
     """SIGSTOP task 1 mid-fit: TF would wait forever; the watchdog does not."""
     victim = workers.procs[1]
@@ -197,13 +208,7 @@ def test_hung_worker_ends_fit_in_bounded_time(workers):
         victim.kill()
         victim.wait(timeout=30)
         workers.start(1)
-    assert result["error"] == "WorkerUnavailableError"
-    assert result["tasks"] == {
-        "/job:worker/replica:0/task:1": workers.addresses[1]}
-    assert (f"Lost /job:worker/replica:0/task:1 at {workers.addresses[1]} "
-            "during fit") in result["message"]
-    # Probes every 1 s, lost after 2 misses, then 5 s of grace.
-    assert result["seconds_to_error"] < 15.0, result
+    assert_lost_task_1(result, workers)
     workers.wait_ready()
 
 
@@ -220,12 +225,7 @@ def test_worker_killed_during_fit_then_resume(workers, tmp_path):
         assert line.startswith("LOST "), line + proc.stderr.read()[-3000:]
         lost = json.loads(line[len("LOST "):])
         assert victim.wait(timeout=30) == -signal.SIGKILL
-        assert lost["error"] == "WorkerUnavailableError"
-        assert lost["tasks"] == {
-            "/job:worker/replica:0/task:1": workers.addresses[1]}
-        assert (f"Lost /job:worker/replica:0/task:1 at {workers.addresses[1]}"
-                " during fit") in lost["message"]
-        assert lost["seconds_to_error"] < 15.0, lost
+        assert_lost_task_1(lost, workers)
         workers.start(1)
         workers.wait_ready()
         out, err = proc.communicate("go\n", timeout=240)
