@@ -67,6 +67,11 @@ def _batch_size(batch):
     return tf.shape(leaves[0])[0]
 
 
+def _rows(batch, start, stop):
+    return keras.tree.map_structure(
+        lambda t: None if t is None else t[start:stop], batch)
+
+
 def scatter(batch, num_micro_batches):
     """Splits a nested batch along axis 0 into micro-batches.
 
@@ -80,7 +85,7 @@ def scatter(batch, num_micro_batches):
         for size in split_sizes(batch_size, num_micro_batches):
             stop = start + size
             micro_batches.append(MicroBatch(
-                keras.tree.map_structure(lambda t: t[start:stop], batch), size))
+                _rows(batch, start, stop), size))
             start = stop
         return micro_batches
 
@@ -94,7 +99,7 @@ def scatter(batch, num_micro_batches):
         lo = tf.minimum(start, batch_size - 1)
         hi = lo + tf.maximum(size, 1)
         micro_batches.append(MicroBatch(
-            keras.tree.map_structure(lambda t: t[lo:hi], batch), size,
+            _rows(batch, lo, hi), size,
             valid=size > 0))
     return micro_batches
 

@@ -10,15 +10,21 @@ from keras.src.trainers.data_adapters import data_adapter_utils
 
 from keras_pipe import cluster
 from keras_pipe import export as export_lib
+from keras_pipe import losses as losses_lib
 from keras_pipe import microbatch
 from keras_pipe import placement
 from keras_pipe import replicas as replicas_lib
 from keras_pipe import saving
 from keras_pipe import schedule as schedule_lib
 from keras_pipe import timeline as timeline_lib
-from keras_pipe.remat import REMAT_MODES, Stage
+from keras_pipe.remat import REMAT_MODES, Stage, sum_gradients
 
 __all__ = ["PipelineModel"]
+
+
+# The executor is plain Python that builds a graph; it has no tensor-dependent
+# control flow for AutoGraph to convert (and conversion costs build time).
+_not_autograph = tf.autograph.experimental.do_not_convert
 
 
 @contextlib.contextmanager
@@ -168,7 +174,35 @@ class _Step:
     previous: dict = dataclasses.field(default_factory=dict)
     output_grads: dict = dataclasses.field(default_factory=dict)
     loss_grads: dict = dataclasses.field(default_factory=dict)
-    per_variable: dict = dataclasses.field(default_factory=dict)
+    sums: dict = dataclasses.field(default_factory=dict)  # see _backward_op
+    loss_parts: object = None  # 1F1B: a `_LossParts`, set at the first loss
+
+
+@dataclasses.dataclass
+class _LossParts:
+    """What 1F1B needs to split the compiled loss over micro-batches."""
+
+    rows: list          # per micro-batch: (targets, sample weights)
+    total_rows: object  # rows of the batch
+    sums: list          # `keras_pipe.losses.weight_sums` of the batch
+
+    NONE = ()  # falsy: the loss does not split; use the zero-padded batch
+
+    @classmethod
+    def of(cls, model, compile_loss, step, y, sample_weight):
+        if compile_loss is None or y is None or (
+                type(model).compute_loss is not keras.Model.compute_loss):
+            return cls.NONE
+        parts = microbatch.scatter((y, sample_weight),
+                                   len(step.micro_batches))
+        try:
+            sums = losses_lib.weight_sums(
+                compile_loss, y, step.runs[0][-1].outputs, sample_weight)
+        except losses_lib.NotSplittable:
+            return cls.NONE
+        return cls(rows=[p.inputs for p in parts],
+                   total_rows=sum(mb.size for mb in step.micro_batches),
+                   sums=sums)
 
 
 def _is_float(t):
@@ -222,17 +256,6 @@ def _layer_losses(runs, micro_batches, dtype):
     terms = [tf.cast(tf.reduce_sum(l), dtype) * shares[i]
              for i, row in enumerate(runs) for run in row for l in run.losses]
     return tf.add_n(terms) if terms else None
-
-
-def _sum_gradients(parts):
-    """Sums gradients; a sum of IndexedSlices stays sparse (concatenated)."""
-    if len(parts) == 1:
-        return parts[0]
-    if all(isinstance(g, tf.IndexedSlices) for g in parts):
-        return tf.IndexedSlices(tf.concat([g.values for g in parts], 0),
-                                tf.concat([g.indices for g in parts], 0),
-                                parts[0].dense_shape)
-    return tf.add_n([tf.convert_to_tensor(g) for g in parts])
 
 
 @keras.saving.register_keras_serializable(package="keras_pipe")
@@ -592,31 +615,24 @@ class PipelineModel(keras.Model):
         """Issues the backward pass of micro-batch `i` on stage `j`."""
         m = len(step.micro_batches)
         runner, run = self._runner(i, j, m), step.runs[i][j]
-        input_grads, param_grads = runner.backward(
+        # Running sums of weight gradients, per stage runner (replicas
+        # add theirs at the end): one buffer per variable, not one per
+        # micro-batch.
+        sums = step.sums.setdefault(id(runner), {})
+        variables = runner.trainable_variables
+        input_grads, totals = runner.backward(
             run, step.output_grads.pop((i, j)),
             [step.loss_grads[id(l)] for l in run.losses], training=True,
+            totals=[sums.get(id(v)) for v in variables],
             name=f"stage{j}/mb{i}/backward",
             control_inputs=step.previous.get(id(runner), []))
         step.previous[id(runner)] = [
-            g for g in input_grads + param_grads if g is not None][:1]
+            g for g in input_grads + totals if g is not None][:1]
         if j:
             step.output_grads[(i, j - 1)] = input_grads
-        for variable, g in zip(runner.trainable_variables, param_grads):
-            if g is not None:
-                self._accumulate(step, variable, g)
-
-    @staticmethod
-    def _accumulate(step, variable, gradient):
-        """Adds a gradient to the variable's running sum, on its device.
-
-        Summing as the micro-batches arrive keeps one gradient buffer per
-        variable alive instead of one per micro-batch.
-        """
-        total = step.per_variable.get(id(variable))
-        if total is not None:
-            with tf.device(placement.device_of(variable)):
-                gradient = _sum_gradients([total, gradient])
-        step.per_variable[id(variable)] = gradient
+        for variable, total in zip(variables, totals):
+            if total is not None:
+                sums[id(variable)] = total
 
     def _seed(self, step, loss, micro_batch_indices):
         """Gradients of `loss` for the given micro-batches' stage outputs.
@@ -657,6 +673,8 @@ class PipelineModel(keras.Model):
         whole forward graph again.
         """
         variables = self.trainable_variables
+        parts = {id(v): [sums[id(v)] for sums in step.sums.values()
+                         if id(v) in sums] for v in variables}
         weight_losses = [self._aggregate_additional_loss(l)
                          for l in self.losses]
         if weight_losses:
@@ -664,8 +682,15 @@ class PipelineModel(keras.Model):
                                   unconnected_gradients="none")
             for variable, g in zip(variables, direct):
                 if g is not None:
-                    self._accumulate(step, variable, g)
-        return [step.per_variable.get(id(v)) for v in variables]
+                    parts[id(variable)].append(g)
+        gradients = []
+        for variable in variables:
+            if not parts[id(variable)]:
+                gradients.append(None)
+                continue
+            with tf.device(placement.device_of(variable)):
+                gradients.append(sum_gradients(parts[id(variable)]))
+        return gradients
 
     def _forward(self, inputs, training, remat, differentiable):
         """Runs all micro-batches through all stages (GPipe forward).
@@ -682,11 +707,13 @@ class PipelineModel(keras.Model):
                 self._forward_op(step, i, j)
         return self._finish_forward(step), step
 
+    @_not_autograph
     def call(self, inputs, training=False):
         outputs, _ = self._forward(inputs, bool(training), remat="never",
                                    differentiable=True)
         return outputs
 
+    @_not_autograph
     def compute_loss_and_gradients(self, x, y=None, sample_weight=None,
                                    training=True):
         """One forward and backward pass, without an optimizer step.
@@ -726,18 +753,15 @@ class PipelineModel(keras.Model):
         """Forward and backward passes interleaved as `schedule.one_f_one_b`.
 
         The backward pass of micro-batch `i` starts before the forward pass
-        of later micro-batches, so it needs the gradient of the loss for
-        micro-batch `i` alone: the loss of the full batch in which every
-        other micro-batch's output is replaced by zeros. For a loss that is
-        a sum over rows with a normalizer that depends on shapes or sample
-        weights only (every Keras loss and reduction), that gradient is
-        exactly the full-batch one. These per-micro-batch losses run under
-        a `keras.StatelessScope`, so loss metrics are not updated by them.
+        of later micro-batches, so it needs the gradient of the full-batch
+        loss for micro-batch `i`'s outputs alone (`_micro_batch_loss`). For
+        a loss that is a sum over rows with a divisor that depends on shapes
+        or sample weights only (every Keras loss and reduction), that
+        gradient is exactly the full-batch one.
         """
         step = self._start(x, training, self.remat, differentiable=False)
         m, k = len(step.micro_batches), self.num_stages
         self._build_compile_loss(x, y)
-        rows = [mb.size for mb in step.micro_batches]
         for tick in schedule_lib.one_f_one_b(m, k):
             for kind, i, j in tick:
                 if kind == "B":
@@ -746,23 +770,54 @@ class PipelineModel(keras.Model):
                 self._forward_op(step, i, j)
                 if j < k - 1:
                     continue
-                # The loss head joins the last stage's chain of calls: one
-                # full-batch-sized loss at a time.
+                # The loss head joins the last stage's chain of calls.
                 last = self._runner(i, j, m)
                 with tf.device(last.device), tf.control_dependencies(
                         step.previous.get(id(last), [])):
-                    alone = _alone(step.runs[i][-1].outputs, rows, i,
-                                   step.micro_batches[i])
-                    with keras.StatelessScope():
-                        loss_i = self._compute_loss(
-                            x=x, y=y, y_pred=alone,
-                            sample_weight=sample_weight, training=training)
+                    loss_i = self._micro_batch_loss(step, i, x, y,
+                                                    sample_weight, training)
                 self._seed(step, scale(loss_i), [i])
                 self._seed_layer_losses(step, scale, [i])
                 step.previous[id(last)] = [
                     g for g in step.output_grads[(i, k - 1)]
                     if g is not None][:1]
         return step
+
+    def _micro_batch_loss(self, step, i, x, y, sample_weight, training):
+        """A loss whose gradient for micro-batch `i`'s outputs is exact.
+
+        Where the compiled loss splits over rows (`keras_pipe.losses`), it
+        is micro-batch `i`'s part of the full-batch loss, computed on its
+        own rows. Otherwise (a `compute_loss` override, a loss with its own
+        `__call__`) it is the full-batch loss with every other micro-batch's
+        outputs replaced by zeros, which costs a full-batch loss head per
+        micro-batch. Neither updates loss metrics.
+        """
+        micro_batch = step.micro_batches[i]
+        outputs = step.runs[i][-1].outputs
+        compile_loss = getattr(self, "_compile_loss", None)
+        if step.loss_parts is None:
+            step.loss_parts = _LossParts.of(self, compile_loss, step, y,
+                                            sample_weight)
+        if step.loss_parts:
+            parts = step.loss_parts
+            y_i, w_i = parts.rows[i]
+            if micro_batch.padded:
+                size = micro_batch.size
+                outputs, y_i, w_i = keras.tree.map_structure(
+                    lambda t: None if t is None else t[:size],
+                    (outputs, y_i, w_i))
+            try:
+                return losses_lib.share(compile_loss, y_i, outputs, w_i,
+                                        parts.total_rows, parts.sums)
+            except losses_lib.NotSplittable:
+                step.loss_parts = _LossParts.NONE
+        rows = [mb.size for mb in step.micro_batches]
+        alone = _alone(outputs, rows, i, micro_batch)
+        with keras.StatelessScope():
+            return self._compute_loss(x=x, y=y, y_pred=alone,
+                                      sample_weight=sample_weight,
+                                      training=training)
 
     def _build_compile_loss(self, x, y):
         """Builds the compiled loss (its metrics) outside stateless scopes."""
@@ -773,6 +828,7 @@ class PipelineModel(keras.Model):
             with _eager_scope():
                 compile_loss.build(y, spec)
 
+    @_not_autograph
     def train_step(self, data):
         x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
         self._ensure_built(x)
@@ -798,10 +854,12 @@ class PipelineModel(keras.Model):
             self.optimizer.apply_gradients(zip(gradients, variables))
         return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
+    @_not_autograph
     def test_step(self, data):
         self._ensure_built(data_adapter_utils.unpack_x_y_sample_weight(data)[0])
         return super().test_step(data)
 
+    @_not_autograph
     def predict_step(self, data):
         self._ensure_built(data_adapter_utils.unpack_x_y_sample_weight(data)[0])
         return super().predict_step(data)

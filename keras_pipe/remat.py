@@ -19,12 +19,17 @@ it saw in the forward pass, so it draws the same dropout mask and computes
 the same batch statistics, and its own `new_state` is thrown away.
 `training` is bound in Python, never passed through a custom gradient.
 
-The backward pass of a stage is taken from a `tf.GradientTape` of that one
-stage call, under the stage's `tf.device`, so gradient and recompute ops run
-on the stage's device (a tape over the whole step would put them all on one
-device). The
-recompute waits for the incoming gradient (a control dependency), so it runs
-in the backward pass and not eagerly next to the forward pass.
+The backward pass of a rematerialized stage is one traced function of the
+stage, `(inputs, params, state, output gradients, running sums) -> (input
+gradients, new running sums)`: it recomputes the stage under a
+`tf.GradientTape`, takes the gradient and adds the weight gradients to
+their sums. Like the forward function it is traced once and called once per
+micro-batch, under the stage's `tf.device`, so the graph grows by one op per
+(micro-batch, stage) and gradient ops run on the stage's device (a tape over
+the whole step would put them all on one device). Without remat, the
+gradient comes from a tape that recorded the forward call. A backward call
+waits for its incoming gradient, so the recompute runs in the backward pass
+and not eagerly next to the forward pass.
 """
 
 import contextlib
@@ -33,7 +38,10 @@ import dataclasses
 import keras
 import tensorflow as tf
 
-__all__ = ["REMAT_MODES", "Stage", "StageRun"]
+from keras_pipe import timeline
+
+__all__ = ["REMAT_MODES", "Stage", "StageRun", "add_gradients",
+           "sum_gradients"]
 
 REMAT_MODES = ("always", "except_last", "never")
 
@@ -114,12 +122,9 @@ class Stage:
         return outputs, new_state, losses
 
     def _traced(self, inputs, params, state, training):
-        signature = (
-            keras.tree.map_structure(
-                lambda t: tf.TensorSpec((None,) + tuple(t.shape[1:]),
-                                        t.dtype), inputs),
-            [tf.TensorSpec.from_tensor(p) for p in params],
-            [tf.TensorSpec.from_tensor(s) for s in state])
+        signature = (keras.tree.map_structure(_relaxed_spec, inputs),
+                     [_exact_spec(p) for p in params],
+                     [_exact_spec(s) for s in state])
         key = (bool(training), repr(signature))
         if key not in self._functions:
             changed = []
@@ -173,30 +178,29 @@ class Stage:
             if self.recorder is not None:
                 control_inputs = [self.recorder.start(
                     name, keras.tree.flatten(inputs) + control_inputs)]
-            with tf.control_dependencies(control_inputs):
-                inputs = keras.tree.map_structure(
-                    lambda t: None if t is None else tf.identity(t), inputs)
             if not differentiable and not remat:
                 tape = tf.GradientTape(watch_accessed_variables=False)
-            with tape or contextlib.nullcontext():
+            # The call op itself waits: one op per micro-batch and stage.
+            with tape or contextlib.nullcontext(), tf.control_dependencies(
+                    control_inputs):
                 if tape is not None:
                     tape.watch(_float_leaves(inputs) + list(params))
                 outputs, new_state, losses = self.call(
                     inputs, params, state, training)
-                outputs = keras.tree.map_structure(
-                    lambda t: None if t is None else tf.identity(t), outputs)
-                losses = [tf.identity(l) for l in losses]
             if self.recorder is not None:
                 self.recorder.end(name, keras.tree.flatten(outputs) + losses)
         run = StageRun(inputs, params, state, outputs, losses, remat, tape)
         return run, new_state
 
-    def backward(self, run, output_grads, loss_grads, training,
+    def backward(self, run, output_grads, loss_grads, training, totals,
                  name="backward", control_inputs=()):
         """Backward pass of one micro-batch, on the stage's device.
 
-        Gradients come from a `tf.GradientTape` of this one stage call,
-        taken under the stage's `tf.device`, so the gradient ops run there.
+        With remat, the recompute and the backward pass are one traced
+        function of the stage (traced once, one op per micro-batch) that
+        also adds the weight gradients to their running sums. Without
+        remat, gradients come from the `tf.GradientTape` that recorded the
+        forward call. Either way the ops run under the stage's `tf.device`.
         (A tape over the whole pipeline would put them all on one device,
         and `tf.gradients` would search the whole graph for every call.)
 
@@ -206,57 +210,163 @@ class Stage:
                 where an output does not reach the loss.
             loss_grads: gradients for `run.losses`.
             training: the `training` flag of the forward pass.
+            totals: per trainable variable, the sum of its gradients from
+                earlier micro-batches on this stage, or None.
             name: the name scope.
             control_inputs: tensors to wait for: the previous backward pass
                 on this stage, so that micro-batches run (and hold their
                 recomputed activations) one at a time.
 
         Returns:
-            `(input_grads, param_grads)`: gradients for
-            `tree.flatten(run.inputs)` (None for non-float inputs) and for
-            each trainable variable (None where it gets none).
+            `(input_grads, totals)`: gradients for `tree.flatten(run.inputs)`
+            (None for non-float inputs) and the new running sums.
         """
+        flat_inputs = keras.tree.flatten(run.inputs)
+        if all(g is None for g in output_grads + loss_grads):
+            return [None] * len(flat_inputs), list(totals)
         with tf.device(self.device), tf.name_scope(name):
-            inputs, params = run.inputs, run.params
-            outputs, losses, tape = run.outputs, run.losses, run.tape
-            flat_inputs = keras.tree.flatten(inputs)
-            seeds = [g for g in output_grads + loss_grads if g is not None]
-            if not seeds:
-                return [None] * len(flat_inputs), [None] * len(params)
-            seeds += list(control_inputs)
-            recorder = self.recorder
             if run.remat:
-                if recorder is not None:
-                    seeds = [recorder.start(name + "/recompute", seeds)]
-                with tf.control_dependencies(seeds), tf.name_scope("recompute"):
-                    inputs = keras.tree.map_structure(
-                        lambda t: None if t is None else tf.identity(t),
-                        inputs)
-                    flat_inputs = keras.tree.flatten(inputs)
-                    with tf.GradientTape(
-                            watch_accessed_variables=False) as tape:
-                        tape.watch(_float_leaves(inputs) + list(params))
-                        outputs, _, losses = self.call(
-                            inputs, params, run.state, training)
-                if recorder is not None:
-                    recorder.end(name + "/recompute",
-                                 keras.tree.flatten(outputs) + losses)
-            ys, grad_ys = [], []
-            for y, g in zip(keras.tree.flatten(outputs) + losses,
-                            output_grads + loss_grads):
-                if g is not None and _is_float(y):
-                    ys.append(y)
-                    grad_ys.append(g)
-            float_inputs = _float_leaves(inputs)
-            after = list(control_inputs)
-            if recorder is not None:
-                after = [recorder.start(name, grad_ys + ys + after)]
-            with tf.control_dependencies(after):
-                grads = tape.gradient(
-                    ys, float_inputs + list(params), output_gradients=grad_ys,
-                    unconnected_gradients=tf.UnconnectedGradients.NONE)
-            if recorder is not None:
-                recorder.end(name, [g for g in grads if g is not None])
-            input_grads = iter(grads[:len(float_inputs)])
+                grads, totals = self._fused_backward(
+                    run, output_grads, loss_grads, training, totals, name,
+                    control_inputs)
+            else:
+                grads = self._taped_backward(run, output_grads, loss_grads,
+                                             name, control_inputs)
+                totals = [add_gradients(t, g) for t, g in zip(
+                    totals, grads[len(_float_leaves(run.inputs)):])]
+            input_grads = iter(grads)
             return ([next(input_grads) if _is_float(t) else None
-                     for t in flat_inputs], grads[len(float_inputs):])
+                     for t in flat_inputs], totals)
+
+    def _taped_backward(self, run, output_grads, loss_grads, name,
+                        control_inputs):
+        ys, grad_ys = _pairs(keras.tree.flatten(run.outputs) + run.losses,
+                             output_grads + loss_grads)
+        after = list(control_inputs)
+        if self.recorder is not None:
+            after = [self.recorder.start(name, grad_ys + ys + after)]
+        with tf.control_dependencies(after):
+            grads = run.tape.gradient(
+                ys, _float_leaves(run.inputs) + list(run.params),
+                output_gradients=grad_ys,
+                unconnected_gradients=tf.UnconnectedGradients.NONE)
+        if self.recorder is not None:
+            self.recorder.end(name, [g for g in grads if g is not None])
+        return grads
+
+    def _fused_backward(self, run, output_grads, loss_grads, training,
+                        totals, name, control_inputs):
+        """Recompute + backward + running sums as one call of a function."""
+        # Dense running sums are added inside; sparse ones (IndexedSlices)
+        # and first gradients are summed here.
+        dense = [isinstance(t, tf.Tensor) for t in totals]
+        given = [g is not None for g in output_grads + loss_grads]
+        recorded = self.recorder is not None
+        args = (run.inputs, list(run.params), list(run.state),
+                [g for g in output_grads + loss_grads if g is not None],
+                [t for t, d in zip(totals, dense) if d])
+        function = self._traced_backward(args, len(output_grads), training,
+                                         tuple(given),
+                                         tuple(dense), recorded)
+        with tf.control_dependencies(list(control_inputs)):
+            grads, sums, stamps = function(*args)
+        if recorded:
+            self.recorder.put(name + "/recompute", stamps[0], stamps[1])
+            self.recorder.put(name, stamps[1], stamps[2])
+        n = len(_float_leaves(run.inputs))
+        sums = iter(sums)
+        new_totals = [next(sums) if d else add_gradients(t, g)
+                      for t, g, d in zip(totals, grads[n:], dense)]
+        return grads[:n], new_totals
+
+    def _traced_backward(self, args, num_outputs, training, given, dense,
+                         recorded):
+        inputs, params, state, seeds, sums = args
+        num_output_grads = sum(given[:num_outputs])  # the rest: losses
+        exact = _exact_spec
+        specs = (keras.tree.map_structure(_relaxed_spec, inputs),
+                 [exact(p) for p in params], [exact(t) for t in state],
+                 [_relaxed_spec(g) for g in seeds[:num_output_grads]] +
+                 [exact(g) for g in seeds[num_output_grads:]],
+                 [exact(t) for t in sums])
+        key = ("backward", bool(training), repr(specs), given, dense,
+               recorded)
+        if key in self._functions:
+            return self._functions[key]
+
+        def run(inputs, params, state, seeds, sums):
+            start = _stamp_or_none(recorded, seeds)
+            with tf.GradientTape(watch_accessed_variables=False) as tape, \
+                    tf.name_scope("recompute"):
+                tape.watch(_float_leaves(inputs) + list(params))
+                outputs, _, losses = self.call_inline(inputs, params, state,
+                                                      training)
+            seeds = iter(seeds)
+            grad_of = [next(seeds) if g else None for g in given]
+            ys, grad_ys = _pairs(keras.tree.flatten(outputs) + losses,
+                                 grad_of)
+            middle = _stamp_or_none(recorded, ys)
+            grads = tape.gradient(
+                ys, _float_leaves(inputs) + list(params),
+                output_gradients=grad_ys,
+                unconnected_gradients=tf.UnconnectedGradients.NONE)
+            n = len(_float_leaves(inputs))
+            sums = iter(sums)
+            new_sums = [add_gradients(next(sums), g)
+                        for g, d in zip(grads[n:], dense) if d]
+            end = _stamp_or_none(recorded, [g for g in grads if g is not None])
+            # Gradients summed inside are not returned on their own.
+            rest = [None if d else g for g, d in zip(grads[n:], dense)]
+            return grads[:n] + rest, new_sums, [start, middle, end]
+
+        function = tf.function(
+            run, autograph=False,
+            experimental_attributes={"_noinline": True},
+        ).get_concrete_function(*specs)
+        self._functions[key] = function
+        return function
+
+
+def _exact_spec(t):
+    """A TensorSpec of `t` (without its name, which would be in a key)."""
+    return tf.TensorSpec(t.shape, t.dtype)
+
+
+def _relaxed_spec(t):
+    """A TensorSpec of `t` with the batch dimension left open."""
+    if t.shape.rank:
+        return tf.TensorSpec((None,) + tuple(t.shape[1:]), t.dtype)
+    return _exact_spec(t)
+
+
+def _stamp_or_none(recorded, after):
+    if not recorded:
+        return None
+    return timeline.stamp(after)
+
+
+def _pairs(ys, grads):
+    """The (output, gradient) pairs that take part in a backward pass."""
+    pairs = [(y, g) for y, g in zip(ys, grads)
+             if g is not None and _is_float(y)]
+    return [y for y, _ in pairs], [g for _, g in pairs]
+
+
+def add_gradients(total, gradient):
+    """`total + gradient`; either may be None; IndexedSlices stay sparse."""
+    if total is None:
+        return gradient
+    if gradient is None:
+        return total
+    return sum_gradients([total, gradient])
+
+
+def sum_gradients(parts):
+    """Sums gradients; a sum of IndexedSlices stays sparse (concatenated)."""
+    if len(parts) == 1:
+        return parts[0]
+    if all(isinstance(g, tf.IndexedSlices) for g in parts):
+        return tf.IndexedSlices(tf.concat([g.values for g in parts], 0),
+                                tf.concat([g.indices for g in parts], 0),
+                                parts[0].dense_shape)
+    return tf.add_n([tf.convert_to_tensor(g) for g in parts])

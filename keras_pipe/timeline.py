@@ -32,7 +32,7 @@ def _now(anchor):
     return np.float64(time.time())
 
 
-def _stamp(after):
+def stamp(after):
     """The wall-clock time once the tensors `after` exist.
 
     Not `tf.timestamp()`: it is stateful, and `tf.function` orders all
@@ -46,8 +46,8 @@ def _stamp(after):
         first = tf.reshape(after[0], [-1])[:1]
         anchor = tf.reduce_sum(tf.cast(first, tf.float64))
     with tf.control_dependencies(after):
-        stamp = tf.numpy_function(_now, [anchor], tf.float64, stateful=False)
-    return tf.reshape(stamp, ())
+        now = tf.numpy_function(_now, [anchor], tf.float64, stateful=False)
+    return tf.reshape(now, ())
 
 
 class Recorder:
@@ -68,12 +68,17 @@ class Recorder:
 
     def start(self, name, after):
         """A timestamp taken once `after` (tensors) are ready."""
-        stamp = _stamp(after)
-        self._starts[self._key(name)] = stamp
-        return stamp
+        start = stamp(after)
+        self._starts[self._key(name)] = start
+        return start
+
+    def put(self, name, start, end):
+        """Stamps taken elsewhere (inside a stage's backward function)."""
+        self._starts[self._key(name)] = start
+        self._ends[self._key(name)] = end
 
     def end(self, name, after):
-        self._ends[self._key(name)] = _stamp(after)
+        self._ends[self._key(name)] = stamp(after)
 
     def stacked(self):
         """All stamps as a `[3, M, K, 2]` float64 tensor, -1 where none."""

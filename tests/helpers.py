@@ -73,7 +73,8 @@ def pipeline_loss_and_gradients(pipe, x, y, sample_weight=None):
         return pipe.compute_loss_and_gradients(x, y, sample_weight)
 
     loss, y_pred, grads = step()
-    return np.asarray(loss), y_pred.numpy(), [g.numpy() for g in grads]
+    return (np.asarray(loss), keras.tree.map_structure(np.asarray, y_pred),
+            [g.numpy() for g in grads])
 
 
 def reference_loss_and_gradients(model, x, y, sample_weight=None):
@@ -81,4 +82,5 @@ def reference_loss_and_gradients(model, x, y, sample_weight=None):
         y_pred = model(x, training=True)
         loss = model.compute_loss(x, y, y_pred, sample_weight)
     grads = tape.gradient(loss, model.trainable_variables)
-    return np.asarray(loss), y_pred.numpy(), [g.numpy() for g in grads]
+    return (np.asarray(loss), keras.tree.map_structure(np.asarray, y_pred),
+            [g.numpy() for g in grads])

@@ -34,7 +34,10 @@ def check_one_step(pipe, reference, x, y, sample_weight=None):
     ref_loss, ref_pred, ref_grads = helpers.reference_loss_and_gradients(
         reference, x, y, sample_weight)
     close(loss, ref_loss)
-    close(y_pred, ref_pred)
+    keras.tree.assert_same_structure(y_pred, ref_pred)
+    for out, ref_out in zip(keras.tree.flatten(y_pred),
+                            keras.tree.flatten(ref_pred)):
+        close(out, ref_out)
     assert len(grads) == len(ref_grads)
     for g, ref_g in zip(grads, ref_grads):
         close(g, ref_g)

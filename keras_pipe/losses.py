@@ -1,0 +1,130 @@
+"""One micro-batch's exact part of the full-batch compiled loss.
+
+The 1F1B schedule starts the backward pass of micro-batch `i` before later
+micro-batches have run forward, so it needs the gradient of the full-batch
+loss for micro-batch `i`'s outputs alone. A Keras loss reduces per-element
+values `v` with weights `w`:
+
+    reduction "sum":                   sum(w * v)
+    "sum_over_batch_size" / "mean":    sum(w * v) / (rows * elements per row)
+    "mean_with_sample_weight":         sum(w * v) / sum(w)
+    "none":                            w * v (a vector; its gradient sums)
+
+The sum splits over micro-batches and the divisor depends only on the
+batch's shape and sample weights, both known before any forward pass. So
+micro-batch `i`'s part is `sum(w_i * v_i)` over its own rows divided by the
+full batch's divisor, and the loss head runs on `rows_i` rows, not `B`.
+
+`share` does that by standing in, for the length of one call, for each loss
+in the model's `CompileLoss`, so Keras still matches outputs, targets, sample
+weights and loss weights. A loss it cannot split (a custom `__call__`, values
+without a batch axis, a mask) raises `NotSplittable`; the caller then falls
+back to the full-batch loss with the other rows set to zero.
+"""
+
+import contextlib
+
+import keras
+import tensorflow as tf
+from keras.src import backend
+from keras.src.losses import loss as loss_lib
+
+__all__ = ["NotSplittable", "share", "weight_sums"]
+
+_REDUCTIONS = ("sum", "sum_over_batch_size", "mean", "mean_with_sample_weight",
+               "none", None)
+
+
+class NotSplittable(Exception):
+    """A compiled loss that is not a sum over rows with a known divisor."""
+
+
+def _check(loss):
+    if not isinstance(loss, keras.losses.Loss) or (
+            type(loss).__call__ is not keras.losses.Loss.__call__):
+        raise NotSplittable(f"{loss!r} is not a plain keras.losses.Loss")
+    if loss.reduction not in _REDUCTIONS:
+        raise NotSplittable(f"unknown reduction {loss.reduction!r}")
+
+
+@contextlib.contextmanager
+def _standing_in(compile_loss, make):
+    """Replaces each loss of `compile_loss` by `make(n, loss)` meanwhile."""
+    originals = compile_loss._flat_losses
+    compile_loss._flat_losses = [
+        entry._replace(loss=make(n, entry.loss))
+        for n, entry in enumerate(originals)]
+    try:
+        with keras.StatelessScope():  # no loss metric updates
+            yield
+    finally:
+        compile_loss._flat_losses = originals
+
+
+def weight_sums(compile_loss, y_true, y_pred, sample_weight):
+    """Per compiled loss, the sum of its full-batch sample weights (or None).
+
+    `y_pred` only gives the output structure: any micro-batch's outputs.
+    """
+    sums = {}
+
+    def make(n, loss):
+        _check(loss)
+
+        def probe(y_t, y_p, w=None):
+            if w is not None:
+                sums[n] = keras.ops.sum(keras.ops.cast(w, loss.dtype))
+            return keras.ops.zeros((), loss.dtype)
+        return probe
+
+    with _standing_in(compile_loss, make):
+        compile_loss(y_true, y_pred, sample_weight)
+    return [sums.get(n) for n in range(len(compile_loss._flat_losses))]
+
+
+def share(compile_loss, y_true, y_pred, sample_weight, total_rows, sums):
+    """Micro-batch rows' part of `compile_loss` on the full batch.
+
+    Args:
+        compile_loss: the model's built `CompileLoss`.
+        y_true, y_pred, sample_weight: the micro-batch's rows.
+        total_rows: rows of the full batch (int or scalar tensor).
+        sums: `weight_sums` of the full batch.
+
+    Raises:
+        NotSplittable: the loss is not a sum over rows.
+    """
+    def make(n, loss):
+        _check(loss)
+
+        def part(y_t, y_p, w=None):
+            if backend.get_keras_mask(y_p) is not None:
+                raise NotSplittable("masked outputs")
+            y_p = keras.tree.map_structure(
+                lambda t: keras.ops.convert_to_tensor(t, loss.dtype), y_p)
+            y_t = keras.tree.map_structure(
+                lambda t: keras.ops.convert_to_tensor(t, loss.dtype), y_t)
+            values = loss.call(y_t, y_p)
+            if backend.get_keras_mask(values) is not None or len(
+                    values.shape) == 0:
+                raise NotSplittable("loss values without a batch axis")
+            reduction = loss.reduction
+            if reduction in ("none", None):
+                return loss_lib.reduce_weighted_values(
+                    values, w, reduction="none", dtype=loss.dtype)
+            total = loss_lib.reduce_weighted_values(
+                values, w, reduction="sum", dtype=loss.dtype)
+            if reduction == "sum":
+                return total
+            if reduction == "mean_with_sample_weight" and w is not None:
+                divisor = sums[n]
+            else:
+                per_row = tf.reduce_prod(tf.shape(values)[1:])
+                divisor = tf.cast(total_rows, loss.dtype) * tf.cast(
+                    per_row, loss.dtype)
+            return loss_lib.scale_loss_for_distribution(
+                keras.ops.divide_no_nan(total, divisor))
+        return part
+
+    with _standing_in(compile_loss, make):
+        return compile_loss(y_true, y_pred, sample_weight)
