@@ -16,6 +16,7 @@ import re
 
 import keras
 import tensorflow as tf
+from keras import ops
 
 __all__ = ["logical_cpu_devices", "resolve_devices", "default_devices",
            "place_variables", "colocate_optimizer", "device_of"]
@@ -207,7 +208,48 @@ def colocate_optimizer(optimizer):
         with tf.device(device), tf.name_scope(scope):
             return update_step(gradient, variable, *args, **kwargs)
 
+    all_reduce = optimizer._all_reduce_sum_gradients
+
+    def local_sum_gradients(grads_and_vars):
+        # Under the default strategy the "all-reduce" is one IdentityN op
+        # over every gradient: TF would ship all of them to one device
+        # and back (on worker processes, over gRPC, each step).
+        if not tf.distribute.has_strategy():
+            return list(grads_and_vars)
+        return all_reduce(grads_and_vars)
+
     optimizer.add_variable_from_reference = add_variable_from_reference
     optimizer.update_step = colocated_update_step
+    optimizer._all_reduce_sum_gradients = local_sum_gradients
+    optimizer._clip_gradients = lambda grads: _clip_on_devices(optimizer,
+                                                               grads)
     optimizer._keras_pipe_colocated = True
     return optimizer
+
+
+def _clip_on_devices(optimizer, grads):
+    """Keras' `_clip_gradients`, with each gradient's ops on its device.
+
+    Keras creates the clipping ops under no device scope, so TF would run
+    them (and move the gradients) on one device. Same math as Keras.
+    """
+    def on_device(g, fn):
+        if g is None:
+            return None
+        with tf.device(g.device):
+            return fn(g)
+
+    if optimizer.clipnorm and optimizer.clipnorm > 0:
+        return [on_device(g, optimizer._clip_by_norm) for g in grads]
+    if optimizer.global_clipnorm and optimizer.global_clipnorm > 0:
+        clip_norm = optimizer.global_clipnorm
+        squares = [on_device(g, lambda g: ops.sum(ops.square(g)))
+                   for g in grads if g is not None]
+        norm = ops.sqrt(ops.sum(ops.stack(squares)))
+        scale = clip_norm * ops.minimum(1.0 / norm, 1.0 / clip_norm)
+        scale = scale + (norm - norm)  # NaN for a non-finite norm, as Keras
+        return [on_device(g, lambda g: g * scale) for g in grads]
+    if optimizer.clipvalue and optimizer.clipvalue > 0:
+        v = optimizer.clipvalue
+        return [on_device(g, lambda g: ops.clip(g, -v, v)) for g in grads]
+    return grads

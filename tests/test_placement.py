@@ -10,7 +10,11 @@ import re
 import subprocess
 import sys
 
+import keras
 import pytest
+import tensorflow as tf
+
+from tests import helpers
 
 PLACER_LINE = re.compile(r"placer\.cc:\d+\] (\S+): \((\w+)\): (\S+)$")
 
@@ -100,3 +104,41 @@ def test_optimizer_update_math_runs_on_each_variables_device(placement):
         assert device == cpu(int(match.group(2))), (name, op_type, device)
         per_device[device] += 1
     assert all(count > 10 for count in per_device.values()), per_device
+
+
+def _device_index(name):
+    spec = tf.DeviceSpec.from_string(name)
+    return spec.device_type, spec.device_index
+
+
+@pytest.mark.parametrize("clip", [{}, {"clipnorm": 1.0},
+                                  {"global_clipnorm": 1.0},
+                                  {"clipvalue": 0.1}])
+@pytest.mark.parametrize("remat", ["always", "never"])
+def test_weight_gradients_stay_on_their_device_in_the_optimizer(
+        devices, clip, remat):
+    # Keras' default-strategy "all-reduce" joins every gradient in one
+    # IdentityN op and its clipping ops have no device: TF then moves all
+    # gradients to one device and back each step (on worker processes,
+    # over gRPC). Every consumer of a stage's weight gradients must run on
+    # that stage's device.
+    pipe = helpers.compiled_pipeline(devices, 2, 3, remat)
+    pipe.compile(keras.optimizers.Adam(1e-3, **clip),
+                 keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    graph = tf.function(pipe.train_step).get_concrete_function(
+        (tf.TensorSpec((9, helpers.IN_DIM)), tf.TensorSpec((9,), tf.int32)),
+    ).graph
+    backward = [op for op in graph.get_operations() if re.fullmatch(
+        r"stage\d/mb\d/backward/.*", op.name) and op.outputs]
+    assert backward
+    checked = 0
+    for op in backward:
+        for out in op.outputs:
+            for consumer in out.consumers():
+                assert consumer.device, (op.name, consumer.name)
+                if re.match(r"stage\d/mb\d/backward/", consumer.name):
+                    continue  # gradients for the previous stage, or sums
+                assert _device_index(consumer.device) == _device_index(
+                    op.device), (op.name, consumer.name, consumer.device)
+                checked += 1
+    assert checked >= 4  # 2 stages x (kernel, bias) reach the optimizer

@@ -175,3 +175,15 @@ def test_one_f_one_b_loss_reductions(devices, reduction):
         from_logits=True, reduction=reduction), metrics=["accuracy"])
     x, y, sample_weight = helpers.data(10)
     check_one_step(pipe, reference, x, y, sample_weight)
+
+
+@pytest.mark.parametrize("clip", [{"clipnorm": 0.05}, {"global_clipnorm": 0.05},
+                                  {"clipvalue": 0.01}])
+def test_gradient_clipping_equals_unpipelined(devices, clip):
+    # The pipeline clips each gradient on its own device (placement.py);
+    # the values must be Keras' own. Small bounds: clipping is active.
+    pipe, reference = helpers.pipeline_and_reference(3, 4, "always", devices)
+    compile_both(pipe, reference,
+                 optimizer=keras.optimizers.SGD(0.5, **clip))
+    x, y, sample_weight = helpers.data(10)
+    check_one_step(pipe, reference, x, y, sample_weight)
