@@ -237,13 +237,17 @@ class Timeline(keras.callbacks.Callback):
         if self._step in self.steps:
             self._buffer.assign(tf.fill(self._buffer.shape,
                                         tf.constant(-1.0, tf.float64)))
-            self._switch(self._buffer)
+            # Consecutive recorded steps share one traced function: from
+            # the second on, no first-run costs are in the picture.
+            if self._step - 1 not in self.steps:
+                self._switch(self._buffer)
 
     def on_train_batch_end(self, batch, logs=None):
         step, self._step = self._step, self._step + 1
         if step not in self.steps:
             return
-        self._switch(None)
+        if step + 1 not in self.steps:
+            self._switch(None)
         events = events_of(self._buffer.numpy())
         k = self.model.num_stages
         m = 1 + max(e["micro_batch"] for e in events)

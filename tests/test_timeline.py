@@ -83,3 +83,31 @@ def test_bubble_of_counts_idle_time():
     events = [dict(stage=0, start=0.0, end=1.0), dict(stage=1, start=1.0,
                                                       end=2.0)]
     assert timeline.bubble_of(events, 2) == pytest.approx(0.5)
+
+
+def test_consecutive_recorded_steps_share_one_traced_function(devices,
+                                                              tmp_path):
+    # The first run of a traced function carries one-time costs; the
+    # second recorded step reuses the function, so it shows a warm step.
+    model = keras_pipe.PipelineModel(
+        [keras.Sequential([keras.layers.Dense(3)]) for _ in range(2)],
+        devices=devices[:2], num_micro_batches=2, remat="always")
+    model.compile("sgd", "mse")
+    rebuilt = []
+    make = model.make_train_function
+
+    def counted(force=False):
+        rebuilt.append(force)
+        return make(force=force)
+
+    model.make_train_function = counted
+    recorder = timeline.Timeline(str(tmp_path), steps=(1, 2), verbose=False)
+    x = np.ones((32, 3), "float32")
+    model.fit(x, x, batch_size=8, epochs=1, verbose=0, callbacks=[recorder])
+    assert [r["step"] for r in recorder.results] == [1, 2]
+    # Forced rebuilds: to the recording function before step 1, back to the
+    # plain one after step 2; none between steps 1 and 2.
+    assert rebuilt.count(True) == 2, rebuilt
+    for result in recorder.results:
+        assert {e["kind"] for e in result["events"]} == set(timeline.KINDS)
+    assert model._timeline_buffer is None
