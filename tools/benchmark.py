@@ -992,6 +992,13 @@ def plot(results, goals, path):
                 if pts:
                     ax.plot(*zip(*pts), "o" + style, color=color,
                             label=f"{mode}: {model}")
+        for mode, color in (("always", "tab:blue"), ("never", "tab:red")):
+            pts = sorted((e["M"], e["peak_bytes"] / 2**20)
+                         for e in c["runs"] if e["remat"] == mode
+                         and e.get("schedule") == "1f1b")
+            if pts:
+                ax.plot(*zip(*pts), "s:", color=color, mfc="white",
+                        label=f"1F1B, {mode}: {c['models'][0]}")
         _m_axis(ax, sorted({e["M"] for e in c["runs"]}))
         ax.set_ylabel("peak MiB")
         ax.legend(fontsize=6)
