@@ -29,9 +29,10 @@ def _compile(model):
                   keras.losses.SparseCategoricalCrossentropy(from_logits=True))
 
 
-def _replicated(devices, num_micro_batches=2):
+def _replicated(devices, num_micro_batches=2, schedule="gpipe"):
     model = keras_pipe.PipelineModel(_stages(), devices=devices[:2],
-                                      num_micro_batches=num_micro_batches)
+                                      num_micro_batches=num_micro_batches,
+                                      schedule=schedule)
     model.build((None, 8))
     model.replicate(devices)  # 2 replicas x 2 stages on 4 devices.
     return model
@@ -44,8 +45,9 @@ def test_replica_of_shards_contiguously():
     assert [replicas.replica_of(i, 1, 2) for i in range(1)] == [0]
 
 
-def test_two_replicas_equal_single_device_training(devices):
-    model = _replicated(devices)
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_two_replicas_equal_single_device_training(devices, schedule):
+    model = _replicated(devices, schedule=schedule)
     assert model.num_replicas == 2
     reference = keras.Sequential([keras.Input((8,)), *_stages()])
     for a, b in zip(reference.weights, model.weights):
