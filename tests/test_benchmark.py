@@ -127,6 +127,10 @@ def test_throughput_rows_are_ratios_to_the_baseline():
     assert rows[1]["speedup_vs_one_worker"] == pytest.approx(2.0, abs=1e-12)
     # CPU seconds of both workers per step over the 1-core process's.
     assert rows[0]["cpu_ratio"] == pytest.approx(1.5, abs=1e-12)
+    # Step over (M+1)/M x the busier worker's CPU seconds (0.15).
+    assert [r["schedule_ratio"] for r in rows] == pytest.approx(
+        [0.2 / 0.3, 0.125 / (1.25 * 0.15), 0.16 / (17 / 16 * 0.15)],
+        abs=1e-12)
 
 
 def test_fidelity_rows_compare_with_the_schedule():
@@ -154,7 +158,7 @@ def test_summarize_reports_every_goal():
     assert c_rows[1][-1] == "0.60x"  # 1f1b never / gpipe never
     a_rows = tables[0][2]
     assert a_rows[1][:5] == [4, "1.60", "1.60x", "-", "2.00x"]
-    assert a_rows[1][-3:] == ["50%/60%", "10%/20%", "1.50x"]
+    assert a_rows[1][-4:] == ["50%/60%", "10%/20%", "1.50x", "0.67x"]
 
 
 def test_summarize_skips_failed_parts():
