@@ -122,8 +122,9 @@ def test_fit_on_dataset_equals_unpipelined_fit(devices, schedule):
     pipe, reference = helpers.pipeline_and_reference(
         3, 4, "except_last", devices, schedule=schedule)
     compile_both(pipe, reference, optimizer="adam")
-    x, y, _ = helpers.data(26)
-    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(8)
+    x, y, sample_weight = helpers.data(26)
+    dataset = tf.data.Dataset.from_tensor_slices(
+        (x, y, sample_weight)).batch(8)
     history = pipe.fit(dataset, epochs=2, verbose=0)
     ref_history = reference.fit(dataset, epochs=2, verbose=0)
     close(history.history["loss"], ref_history.history["loss"])
