@@ -194,6 +194,7 @@ def colocate_optimizer(optimizer):
     inner = getattr(optimizer, "inner_optimizer", None)  # LossScaleOptimizer
     if inner is not None:
         colocate_optimizer(inner)
+        _colocate_loss_scaling(optimizer)
     add_slot = optimizer.add_variable_from_reference
     update_step = optimizer.update_step
 
@@ -227,29 +228,67 @@ def colocate_optimizer(optimizer):
     return optimizer
 
 
+def _colocate_loss_scaling(optimizer):
+    """A `LossScaleOptimizer`'s checks and unscaling on each gradient's device.
+
+    Keras runs its finiteness check and its division by the loss scale under
+    no device scope, so TF moved every gradient to one device and back.
+    `_stateful_handle_finite_grads` is Keras 3.15's, with the division placed.
+    """
+    optimizer.check_finite = lambda grads: ops.all(ops.stack([
+        _on_device(g, lambda g: ops.all(ops.isfinite(g)))
+        for g in grads if g is not None]))
+
+    def handle_finite_grads(grads, trainable_variables):
+        scale = optimizer.dynamic_scale
+        tvs = trainable_variables or optimizer._trainable_variables
+        unscaled = [
+            g if g is None or optimizer._overwrite_variable_with_gradient(v)
+            else _on_device(g, lambda g: ops.divide(g, scale))
+            for g, v in zip(grads, tvs)]
+        optimizer.inner_optimizer.apply(
+            unscaled, trainable_variables=trainable_variables)
+
+        def upscale():
+            optimizer.step_counter.assign(0)
+            optimizer.dynamic_scale.assign(
+                ops.multiply(optimizer.dynamic_scale, 2.0))
+
+        def increment():
+            optimizer.step_counter.assign_add(1)
+
+        ops.cond(ops.equal(optimizer.step_counter,
+                           optimizer.dynamic_growth_steps - 1),
+                 upscale, increment)
+
+    optimizer._stateful_handle_finite_grads = handle_finite_grads
+
+
+def _on_device(g, fn):
+    """`fn(g)` on the device of gradient `g` (None stays None)."""
+    if g is None:
+        return None
+    with tf.device(g.device):
+        return fn(g)
+
+
 def _clip_on_devices(optimizer, grads):
     """Keras' `_clip_gradients`, with each gradient's ops on its device.
 
     Keras creates the clipping ops under no device scope, so TF would run
     them (and move the gradients) on one device. Same math as Keras.
     """
-    def on_device(g, fn):
-        if g is None:
-            return None
-        with tf.device(g.device):
-            return fn(g)
-
     if optimizer.clipnorm and optimizer.clipnorm > 0:
-        return [on_device(g, optimizer._clip_by_norm) for g in grads]
+        return [_on_device(g, optimizer._clip_by_norm) for g in grads]
     if optimizer.global_clipnorm and optimizer.global_clipnorm > 0:
         clip_norm = optimizer.global_clipnorm
-        squares = [on_device(g, lambda g: ops.sum(ops.square(g)))
+        squares = [_on_device(g, lambda g: ops.sum(ops.square(g)))
                    for g in grads if g is not None]
         norm = ops.sqrt(ops.sum(ops.stack(squares)))
         scale = clip_norm * ops.minimum(1.0 / norm, 1.0 / clip_norm)
         scale = scale + (norm - norm)  # NaN for a non-finite norm, as Keras
-        return [on_device(g, lambda g: g * scale) for g in grads]
+        return [_on_device(g, lambda g: g * scale) for g in grads]
     if optimizer.clipvalue and optimizer.clipvalue > 0:
         v = optimizer.clipvalue
-        return [on_device(g, lambda g: ops.clip(g, -v, v)) for g in grads]
+        return [_on_device(g, lambda g: ops.clip(g, -v, v)) for g in grads]
     return grads

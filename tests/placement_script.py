@@ -18,6 +18,8 @@ import tensorflow as tf  # noqa: E402
 import keras_pipe  # noqa: E402
 
 remat = sys.argv[1]
+if len(sys.argv) > 2:  # a dtype policy, e.g. "mixed_float16"
+    keras.mixed_precision.set_global_policy(sys.argv[2])
 devices = keras_pipe.logical_cpu_devices(2)
 # Must be set before TF initializes to reach the placer of tf.functions.
 tf.debugging.set_log_device_placement(True)
@@ -30,7 +32,8 @@ stages = [
                      name="s0_stage"),
     keras.Sequential([keras.layers.Dense(8, activation="relu",
                                          name="s1_dense"),
-                      keras.layers.Dense(2, name="s1_logits")],
+                      keras.layers.Dense(2, name="s1_logits",
+                                         dtype="float32")],
                      name="s1_stage"),
 ]
 model = keras_pipe.PipelineModel(stages, devices=devices,
@@ -40,7 +43,9 @@ model.compile(keras.optimizers.Adam(), "mse")
 model.train_on_batch(np.ones((6, 4), "float32"), np.ones((6, 2), "float32"))
 variables = {v.path: v.value.device for v in model.variables}
 slots = {v.path: v.value.device for v in model.optimizer.variables}
+gradients = [sum(1 for _ in s.trainable_variables) for s in stages]
 print("RESULT " + json.dumps({"variables": variables, "slots": slots,
+                              "gradients_per_stage": gradients,
                               "stage_devices": [
                                   [v.path for v in s.variables]
                                   for s in stages]}), flush=True)

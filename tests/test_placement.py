@@ -19,10 +19,10 @@ from tests import helpers
 PLACER_LINE = re.compile(r"placer\.cc:\d+\] (\S+): \((\w+)\): (\S+)$")
 
 
-def run_placement_script(remat):
+def run_placement_script(remat, *policy):
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="0")
     proc = subprocess.run(
-        [sys.executable, "-m", "tests.placement_script", remat],
+        [sys.executable, "-m", "tests.placement_script", remat, *policy],
         capture_output=True, text=True, env=env, timeout=300,
         cwd=os.path.dirname(os.path.dirname(__file__)))
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -142,3 +142,21 @@ def test_weight_gradients_stay_on_their_device_in_the_optimizer(
                     op.device), (op.name, consumer.name, consumer.device)
                 checked += 1
     assert checked >= 4  # 2 stages x (kernel, bias) reach the optimizer
+
+
+def test_mixed_precision_loss_scaling_runs_on_each_gradients_device():
+    # LossScaleOptimizer checks every gradient for inf/NaN and divides it by
+    # the loss scale under no device scope: TF put those ops (and moved the
+    # gradients) on one device. One check and one division per gradient,
+    # on its stage's device.
+    result, ops = run_placement_script("always", "mixed_float16")
+    expected = {cpu(j): n for j, n in enumerate(result["gradients_per_stage"])}
+    checks, divisions = {}, {}
+    for name, op_type, device in ops:
+        if op_type == "IsFinite":
+            checks[device] = checks.get(device, 0) + 1
+        elif op_type == "RealDiv" and re.fullmatch(
+                r"cond/then/_\d+/cond/truediv(_\d+)?", name):
+            divisions[device] = divisions.get(device, 0) + 1
+    assert checks == expected, (checks, expected)
+    assert divisions == expected, (divisions, expected)

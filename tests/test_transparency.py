@@ -188,3 +188,40 @@ def test_gradient_clipping_equals_unpipelined(devices, clip):
                  optimizer=keras.optimizers.SGD(0.5, **clip))
     x, y, sample_weight = helpers.data(10)
     check_one_step(pipe, reference, x, y, sample_weight)
+
+
+def test_mixed_precision_equals_unpipelined(devices):
+    # float16 compute: Keras wraps the optimizer in a LossScaleOptimizer,
+    # whose check and unscaling the pipeline places per gradient. Tolerance
+    # atol=1e-4 (float16 rounding differs with the micro-batch split).
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        def stages():
+            return [keras.Sequential([keras.layers.Dense(8, activation="tanh")]),
+                    keras.Sequential([keras.layers.Dense(
+                        helpers.NUM_CLASSES, dtype="float32")])]
+
+        import keras_pipe
+
+        pipe = keras_pipe.PipelineModel(stages(), devices=devices[:2],
+                                        num_micro_batches=2, remat="always")
+        pipe.build((None, helpers.IN_DIM))
+        reference = keras.Sequential([keras.Input((helpers.IN_DIM,))] + [
+            layer for stage in stages() for layer in stage.layers])
+        reference.set_weights(pipe.get_weights())
+        compile_both(pipe, reference, optimizer="sgd")
+        assert type(pipe.optimizer).__name__ == "LossScaleOptimizer"
+        x, y, sample_weight = helpers.data(10)
+        for _ in range(3):
+            logs = pipe.train_on_batch(x, y, sample_weight, return_dict=True)
+            ref_logs = reference.train_on_batch(x, y, sample_weight,
+                                                return_dict=True)
+            np.testing.assert_allclose(logs["loss"], ref_logs["loss"],
+                                       atol=1e-4)
+        for w, ref_w in zip(pipe.get_weights(), reference.get_weights()):
+            np.testing.assert_allclose(w, ref_w, atol=1e-4)
+        np.testing.assert_allclose(
+            pipe.optimizer.dynamic_scale.numpy(),
+            reference.optimizer.dynamic_scale.numpy())
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
