@@ -30,16 +30,23 @@ def dense_stages(num_stages, batch_norm=False, dropout=0.0):
 def pipeline_and_reference(num_stages, num_micro_batches, remat, devices,
                            schedule="gpipe", **stage_kwargs):
     """A PipelineModel and a one-device Sequential with the same weights."""
+    return pair(lambda: dense_stages(num_stages, **stage_kwargs), devices,
+                num_micro_batches, remat, schedule=schedule)
+
+
+def pair(make_stages, devices, num_micro_batches, remat, schedule="gpipe"):
+    """`make_stages()` pipelined, and its layers in one Sequential on CPU:0.
+
+    Both start from the same weights.
+    """
+    stages = make_stages()
     pipe = keras_pipe.PipelineModel(
-        dense_stages(num_stages, **stage_kwargs),
-        devices=devices[:num_stages], num_micro_batches=num_micro_batches,
-        remat=remat, schedule=schedule)
+        stages, devices=devices[:len(stages)],
+        num_micro_batches=num_micro_batches, remat=remat, schedule=schedule)
     pipe.build((None, IN_DIM))
     with tf.device("/device:CPU:0"):
-        reference = keras.Sequential(
-            [keras.Input((IN_DIM,))] + [
-                layer for stage in dense_stages(num_stages, **stage_kwargs)
-                for layer in stage.layers])
+        reference = keras.Sequential([keras.Input((IN_DIM,))] + [
+            layer for stage in make_stages() for layer in stage.layers])
     reference.set_weights(pipe.get_weights())
     return pipe, reference
 

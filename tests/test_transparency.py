@@ -141,14 +141,7 @@ def test_regularization_losses_are_exact(devices):
                 3, bias_regularizer=keras.regularizers.L2(0.1))]),
         ]
 
-    import keras_pipe
-
-    pipe = keras_pipe.PipelineModel(stages(), devices=devices[:2],
-                                    num_micro_batches=3, remat="always")
-    pipe.build((None, helpers.IN_DIM))
-    reference = keras.Sequential([keras.Input((helpers.IN_DIM,))] + [
-        layer for stage in stages() for layer in stage.layers])
-    reference.set_weights(pipe.get_weights())
+    pipe, reference = helpers.pair(stages, devices, 3, "always")
     compile_both(pipe, reference)
     x, y, _ = helpers.data(10)
     check_one_step(pipe, reference, x, y)
@@ -201,14 +194,7 @@ def test_mixed_precision_equals_unpipelined(devices):
                     keras.Sequential([keras.layers.Dense(
                         helpers.NUM_CLASSES, dtype="float32")])]
 
-        import keras_pipe
-
-        pipe = keras_pipe.PipelineModel(stages(), devices=devices[:2],
-                                        num_micro_batches=2, remat="always")
-        pipe.build((None, helpers.IN_DIM))
-        reference = keras.Sequential([keras.Input((helpers.IN_DIM,))] + [
-            layer for stage in stages() for layer in stage.layers])
-        reference.set_weights(pipe.get_weights())
+        pipe, reference = helpers.pair(stages, devices, 2, "always")
         compile_both(pipe, reference, optimizer="sgd")
         assert type(pipe.optimizer).__name__ == "LossScaleOptimizer"
         x, y, sample_weight = helpers.data(10)
