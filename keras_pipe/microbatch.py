@@ -56,6 +56,13 @@ class MicroBatch:
         """Whether outputs may carry a padding row to drop (dynamic sizes)."""
         return not isinstance(self.size, int)
 
+    def real_rows(self, structure):
+        """`structure` (this micro-batch's rows) without its padding row."""
+        if not self.padded:
+            return structure
+        return keras.tree.map_structure(
+            lambda t: None if t is None else t[:self.size], structure)
+
 
 def _batch_size(batch):
     leaves = [t for t in keras.tree.flatten(batch) if t is not None]
@@ -106,12 +113,8 @@ def scatter(batch, num_micro_batches):
 
 def gather(outputs, micro_batches):
     """Concatenates micro-batch outputs along axis 0, dropping padding rows."""
-    trimmed = []
-    for output, micro_batch in zip(outputs, micro_batches):
-        if micro_batch.padded:
-            size = micro_batch.size
-            output = keras.tree.map_structure(lambda t: t[:size], output)
-        trimmed.append(output)
+    trimmed = [micro_batch.real_rows(output)
+               for output, micro_batch in zip(outputs, micro_batches)]
     if len(trimmed) == 1:
         return trimmed[0]
     return keras.tree.map_structure(

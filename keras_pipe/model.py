@@ -214,14 +214,12 @@ def _alone(outputs, sizes, i, micro_batch):
     before, after = sum(sizes[:i]), sum(sizes[i + 1:])
 
     def place(t):
-        if micro_batch.padded:
-            t = t[:micro_batch.size]
         rest = tf.shape(t)[1:]
         zeros = [tf.zeros(tf.concat([[n], rest], 0), t.dtype)
                  for n in (before, after)]
         return tf.concat([zeros[0], t, zeros[1]], 0)
 
-    return keras.tree.map_structure(place, outputs)
+    return keras.tree.map_structure(place, micro_batch.real_rows(outputs))
 
 
 def _finish_mini_batch(stage):
@@ -801,14 +799,10 @@ class PipelineModel(keras.Model):
                                             sample_weight)
         if step.loss_parts:
             parts = step.loss_parts
-            y_i, w_i = parts.rows[i]
-            if micro_batch.padded:
-                size = micro_batch.size
-                outputs, y_i, w_i = keras.tree.map_structure(
-                    lambda t: None if t is None else t[:size],
-                    (outputs, y_i, w_i))
+            y_pred, y_i, w_i = micro_batch.real_rows(
+                (outputs,) + tuple(parts.rows[i]))
             try:
-                return losses_lib.share(compile_loss, y_i, outputs, w_i,
+                return losses_lib.share(compile_loss, y_i, y_pred, w_i,
                                         parts.total_rows, parts.sums)
             except losses_lib.NotSplittable:
                 step.loss_parts = _LossParts.NONE

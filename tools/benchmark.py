@@ -995,21 +995,22 @@ def plot(results, goals, path):
     ax = axes[0][1]
     c = results.get("c")
     if c and "error" not in c:
+        def peaks(model, mode, schedule):
+            return sorted((e["M"], e["peak_bytes"] / 2**20)
+                          for e in c["runs"]
+                          if e["remat"] == mode and e["model"] == model
+                          and e.get("schedule", "gpipe") == schedule)
+
         for model, style in zip(c["models"], ("-", "--")):
             for mode, color in (("always", "tab:blue"),
                                 ("except_last", "tab:orange"),
                                 ("never", "tab:red")):
-                pts = sorted((e["M"], e["peak_bytes"] / 2**20)
-                             for e in c["runs"]
-                             if e["remat"] == mode and e["model"] == model
-                             and e.get("schedule", "gpipe") == "gpipe")
+                pts = peaks(model, mode, "gpipe")
                 if pts:
                     ax.plot(*zip(*pts), "o" + style, color=color,
                             label=f"{mode}: {model}")
         for mode, color in (("always", "tab:blue"), ("never", "tab:red")):
-            pts = sorted((e["M"], e["peak_bytes"] / 2**20)
-                         for e in c["runs"] if e["remat"] == mode
-                         and e.get("schedule") == "1f1b")
+            pts = peaks(c["models"][0], mode, "1f1b")
             if pts:
                 ax.plot(*zip(*pts), "s:", color=color, mfc="white",
                         label=f"1F1B, {mode}: {c['models'][0]}")
