@@ -16,8 +16,9 @@ from keras_pipe import placement
 from keras_pipe import replicas as replicas_lib
 from keras_pipe import saving
 from keras_pipe import schedule as schedule_lib
+from keras_pipe import validation
 from keras_pipe import timeline as timeline_lib
-from keras_pipe.remat import REMAT_MODES, Stage, sum_gradients
+from keras_pipe.remat import Stage, sum_gradients
 
 __all__ = ["PipelineModel"]
 
@@ -117,9 +118,7 @@ def _validate(stages, devices, num_micro_batches, remat, schedule="gpipe"):
         raise ValueError(
             f"schedule must be one of {schedule_lib.SCHEDULES}. Received: "
             f"schedule={schedule!r}")
-    if remat not in REMAT_MODES:
-        raise ValueError(
-            f"remat must be one of {REMAT_MODES}. Received: remat={remat!r}")
+    validation.check_remat(remat, len(stages))
     if devices is None:
         resolved = placement.default_devices(len(stages))
     else:
@@ -165,7 +164,7 @@ class _Step:
 
     micro_batches: list
     training: bool
-    remat: str
+    remat: list         # per stage: "always" | "except_last" | "never"
     differentiable: bool
     params: dict        # id(runner) -> trainable values
     state: list         # per stage: current state values
@@ -291,7 +290,8 @@ class PipelineModel(keras.Model):
         remat: which micro-batches recompute their stage activations in the
             backward pass instead of keeping them: `"always"`,
             `"except_last"` (all but the last micro-batch, whose backward
-            follows at once) or `"never"`. Defaults to `"except_last"`.
+            follows at once) or `"never"`; or a list of these, one per
+            stage. Defaults to `"except_last"`.
         schedule: `"gpipe"` (all forward passes, then all backward passes)
             or `"1f1b"` (PipeDream-flush: after filling the pipeline each
             stage alternates one forward and one backward pass, so it holds
@@ -320,7 +320,8 @@ class PipelineModel(keras.Model):
             resolved)
         self._resolved_devices = resolved
         self._num_micro_batches = num_micro_batches
-        self._remat = remat
+        self._remat = list(remat) if isinstance(remat, (list, tuple)) \
+            else remat
         self._schedule = schedule
         self._runners = [Stage(s, d) for s, d in zip(stages, resolved)]
         self._replicas = [self._runners]
@@ -563,7 +564,8 @@ class PipelineModel(keras.Model):
         m = len(micro_batches)
         state = [r.read_state() for r in self._runners]
         return _Step(
-            micro_batches=micro_batches, training=training, remat=remat,
+            micro_batches=micro_batches, training=training,
+            remat=validation.check_remat(remat, self.num_stages),
             differentiable=differentiable,
             params={id(r): r.read_params(differentiable)
                     for replica in self._replicas for r in replica},
@@ -576,8 +578,8 @@ class PipelineModel(keras.Model):
         runner = self._runner(i, j, m)
         x = step.micro_batches[i].inputs if j == 0 else \
             step.runs[i][j - 1].outputs
-        remat = step.remat == "always" or (
-            step.remat == "except_last" and i < m - 1)
+        remat = step.remat[j] == "always" or (
+            step.remat[j] == "except_last" and i < m - 1)
         run, new_state = runner.forward(
             x, step.params[id(runner)], step.state[j], step.training, remat,
             step.previous.get(id(runner), []), step.differentiable,

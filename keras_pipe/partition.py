@@ -28,7 +28,7 @@ from keras.src.utils import tracking
 from keras_pipe import balance as balance_lib
 from keras_pipe import graph as graph_lib
 from keras_pipe import placement
-from keras_pipe.remat import REMAT_MODES
+from keras_pipe import validation
 
 __all__ = ["BALANCE_MODES", "GraphStage", "Partition", "cut", "split_model"]
 
@@ -319,9 +319,7 @@ def cut(model, num_stages, balance="params", devices=None,
     _check_count("num_micro_batches", num_micro_batches)
     if batch_size is not None:
         _check_count("batch_size", batch_size)
-    if remat not in REMAT_MODES:
-        raise ValueError(
-            f"remat must be one of {REMAT_MODES}. Received: remat={remat!r}")
+    validation.check_remat(remat, num_stages)
     graph = graph_lib.read_graph(model)
     n = len(graph.calls)
     if num_stages > n:
