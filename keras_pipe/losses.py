@@ -29,7 +29,10 @@ import tensorflow as tf
 from keras.src import backend
 from keras.src.losses import loss as loss_lib
 
-__all__ = ["NotSplittable", "share", "weight_sums"]
+from keras_pipe import microbatch
+from keras_pipe.executor import LossHead
+
+__all__ = ["NotSplittable", "loss_head", "share", "weight_sums"]
 
 _REDUCTIONS = ("sum", "sum_over_batch_size", "mean", "mean_with_sample_weight",
                "none", None)
@@ -128,3 +131,87 @@ def share(compile_loss, y_true, y_pred, sample_weight, total_rows, sums):
 
     with _standing_in(compile_loss, make):
         return compile_loss(y_true, y_pred, sample_weight)
+
+
+class _Rows:
+    """What `head.part` needs to split the compiled loss over micro-batches."""
+
+    NONE = ()  # falsy: the loss does not split; use the zero-padded batch
+
+    def __init__(self, rows, total_rows, sums):
+        self.rows = rows              # per micro-batch: (targets, weights)
+        self.total_rows = total_rows  # rows of the batch
+        self.sums = sums              # `weight_sums` of the batch
+
+    @classmethod
+    def of(cls, model, compile_loss, step, y, sample_weight):
+        if compile_loss is None or y is None or (
+                type(model).compute_loss is not keras.Model.compute_loss):
+            return cls.NONE
+        parts = microbatch.scatter((y, sample_weight),
+                                   step.num_micro_batches)
+        try:
+            sums = weight_sums(compile_loss, y, step.cells[0][-1].run.outputs,
+                               sample_weight)
+        except NotSplittable:
+            return cls.NONE
+        return cls(rows=[p.inputs for p in parts],
+                   total_rows=sum(mb.size for mb in step.micro_batches),
+                   sums=sums)
+
+
+def _alone(outputs, sizes, i, micro_batch):
+    """Micro-batch `i`'s outputs at their rows of a batch of zeros."""
+    before, after = sum(sizes[:i]), sum(sizes[i + 1:])
+
+    def place(t):
+        rest = tf.shape(t)[1:]
+        zeros = [tf.zeros(tf.concat([[n], rest], 0), t.dtype)
+                 for n in (before, after)]
+        return tf.concat([zeros[0], t, zeros[1]], 0)
+
+    return keras.tree.map_structure(place, micro_batch.real_rows(outputs))
+
+
+def loss_head(model, x, y, sample_weight, training):
+    """The `keras_pipe.executor.LossHead` of `model` for one batch.
+
+    `full` is the model's compiled loss of the merged outputs (it updates
+    the loss metrics). `part(step, i)` is a loss whose gradient for
+    micro-batch `i`'s outputs is exact: where the compiled loss splits over
+    rows, micro-batch `i`'s part of the full-batch loss on its own rows
+    (`share`); otherwise (a `compute_loss` override, a loss with its own
+    `__call__`) the full-batch loss with every other micro-batch's outputs
+    replaced by zeros, which costs a full-batch loss head per micro-batch.
+    Parts update no metric.
+    """
+    rows = []  # filled once per step, at the first part
+
+    def full(y_pred):
+        return model._compute_loss(x=x, y=y, y_pred=y_pred,
+                                   sample_weight=sample_weight,
+                                   training=training)
+
+    def part(step, i):
+        micro_batch = step.micro_batches[i]
+        outputs = step.cells[i][-1].run.outputs
+        compile_loss = getattr(model, "_compile_loss", None)
+        if not rows:
+            rows.append(_Rows.of(model, compile_loss, step, y, sample_weight))
+        if rows[0]:
+            parts = rows[0]
+            y_pred, y_i, w_i = micro_batch.real_rows(
+                (outputs,) + tuple(parts.rows[i]))
+            try:
+                return share(compile_loss, y_i, y_pred, w_i,
+                             parts.total_rows, parts.sums)
+            except NotSplittable:
+                rows[0] = _Rows.NONE
+        sizes = [mb.size for mb in step.micro_batches]
+        alone = _alone(outputs, sizes, i, micro_batch)
+        with keras.StatelessScope():
+            return full(alone)
+
+    scale = (model.optimizer.scale_loss if model.optimizer is not None
+             else (lambda value: value))
+    return LossHead(full=full, part=part, scale=scale)

@@ -1,24 +1,21 @@
 """PipelineModel: a Keras model whose stages run as a GPipe pipeline."""
 
 import contextlib
-import dataclasses
 
 import keras
 import tensorflow as tf
 from keras.src.backend.common import global_state
-from keras.src.trainers.data_adapters import data_adapter_utils
 
 from keras_pipe import cluster
+from keras_pipe import executor as executor_lib
 from keras_pipe import export as export_lib
 from keras_pipe import losses as losses_lib
-from keras_pipe import microbatch
 from keras_pipe import placement
 from keras_pipe import replicas as replicas_lib
 from keras_pipe import saving
 from keras_pipe import schedule as schedule_lib
 from keras_pipe import validation
-from keras_pipe import timeline as timeline_lib
-from keras_pipe.remat import Stage, sum_gradients
+from keras_pipe.stage import Stage
 
 __all__ = ["PipelineModel"]
 
@@ -105,35 +102,23 @@ def _validate(stages, devices, num_micro_batches, remat, schedule="gpipe"):
                     f"stages[{jj}] and stages[{j}] are the same layer "
                     f"{stage.name!r}: a stage can live on one device only. "
                     "Pass a distinct layer for each stage.")
-    if isinstance(num_micro_batches, bool) or not isinstance(
-            num_micro_batches, int):
-        raise TypeError(
-            "num_micro_batches must be an int. Received: "
-            f"num_micro_batches={num_micro_batches!r}")
-    if num_micro_batches < 1:
-        raise ValueError(
-            "num_micro_batches must be >= 1. Received: "
-            f"num_micro_batches={num_micro_batches}")
-    if schedule not in schedule_lib.SCHEDULES:
-        raise ValueError(
-            f"schedule must be one of {schedule_lib.SCHEDULES}. Received: "
-            f"schedule={schedule!r}")
+    validation.check_positive_int("num_micro_batches", num_micro_batches)
+    schedule_lib.get_schedule(schedule)
     validation.check_remat(remat, len(stages))
     if devices is None:
         resolved = placement.default_devices(len(stages))
     else:
-        if isinstance(devices, str) or not isinstance(devices, (list, tuple)):
-            raise TypeError(
-                "devices must be a list of device strings, one per stage. "
-                f"Received: devices={devices!r}")
-        if len(devices) != len(stages):
-            raise ValueError(
-                f"devices must name one device per stage: got "
-                f"{len(devices)} devices for {len(stages)} stages. Received: "
-                f"devices={list(devices)}")
+        validation.check_device_list(devices, len(stages))
         resolved = placement.resolve_devices(devices)
+    schedule_lib.check_placement(schedule, _device_indices(resolved))
     _check_known_shapes(stages)
     return list(stages), resolved
+
+
+def _device_indices(devices):
+    """Per stage, its device's index in order of first appearance."""
+    order = list(dict.fromkeys(devices))
+    return [order.index(d) for d in devices]
 
 
 def _check_known_shapes(stages):
@@ -156,103 +141,6 @@ def _mismatch_message(stages, j, spec, exc):
            else "Make stage 0 accept the model input")
     return (f"stages[{j}] ({stages[j].name!r}) cannot take {source}: "
             f"{_describe(spec)}. {fix}. Error: {exc}")
-
-
-@dataclasses.dataclass
-class _Step:
-    """What one pipelined step has issued so far (see `PipelineModel`)."""
-
-    micro_batches: list
-    training: bool
-    remat: list         # per stage: "always" | "except_last" | "never"
-    differentiable: bool
-    params: dict        # id(runner) -> trainable values
-    state: list         # per stage: current state values
-    changed: list       # per stage: which state variables were updated
-    runs: list          # runs[i][j]: StageRun of micro-batch i on stage j
-    previous: dict = dataclasses.field(default_factory=dict)
-    output_grads: dict = dataclasses.field(default_factory=dict)
-    loss_grads: dict = dataclasses.field(default_factory=dict)
-    sums: dict = dataclasses.field(default_factory=dict)  # see _backward_op
-    loss_parts: object = None  # 1F1B: a `_LossParts`, set at the first loss
-
-
-@dataclasses.dataclass
-class _LossParts:
-    """What 1F1B needs to split the compiled loss over micro-batches."""
-
-    rows: list          # per micro-batch: (targets, sample weights)
-    total_rows: object  # rows of the batch
-    sums: list          # `keras_pipe.losses.weight_sums` of the batch
-
-    NONE = ()  # falsy: the loss does not split; use the zero-padded batch
-
-    @classmethod
-    def of(cls, model, compile_loss, step, y, sample_weight):
-        if compile_loss is None or y is None or (
-                type(model).compute_loss is not keras.Model.compute_loss):
-            return cls.NONE
-        parts = microbatch.scatter((y, sample_weight),
-                                   len(step.micro_batches))
-        try:
-            sums = losses_lib.weight_sums(
-                compile_loss, y, step.runs[0][-1].outputs, sample_weight)
-        except losses_lib.NotSplittable:
-            return cls.NONE
-        return cls(rows=[p.inputs for p in parts],
-                   total_rows=sum(mb.size for mb in step.micro_batches),
-                   sums=sums)
-
-
-def _is_float(t):
-    return t is not None and t.dtype.is_floating
-
-
-def _alone(outputs, sizes, i, micro_batch):
-    """Micro-batch `i`'s outputs at their rows of a batch of zeros."""
-    before, after = sum(sizes[:i]), sum(sizes[i + 1:])
-
-    def place(t):
-        rest = tf.shape(t)[1:]
-        zeros = [tf.zeros(tf.concat([[n], rest], 0), t.dtype)
-                 for n in (before, after)]
-        return tf.concat([zeros[0], t, zeros[1]], 0)
-
-    return keras.tree.map_structure(place, micro_batch.real_rows(outputs))
-
-
-def _finish_mini_batch(stage):
-    """Calls `finish_mini_batch()` on each layer of `stage` that has it.
-
-    The hook runs once per training step, after the state of every
-    micro-batch has been assigned: a layer that accumulates statistics over
-    micro-batches (`keras_pipe.layers.DeferredBatchNormalization`) applies
-    them here, once per mini-batch.
-    """
-    for layer in stage._flatten_layers():
-        finish = getattr(layer, "finish_mini_batch", None)
-        if callable(finish):
-            finish()
-
-
-def _shares(micro_batches, dtype):
-    """Each micro-batch's share of the batch's rows (0 for a padding slot)."""
-    sizes = [tf.cast(mb.size, dtype) for mb in micro_batches]
-    total = tf.add_n(sizes) if len(sizes) > 1 else sizes[0]
-    return [size / total for size in sizes]
-
-
-def _layer_losses(runs, micro_batches, dtype):
-    """The losses layers added (`add_loss`) during the pipelined forward pass.
-
-    Keras divides an activity regularizer by the batch size, and most
-    `add_loss` terms are batch means: the full-batch value is the mean of
-    the micro-batch values weighted by micro-batch size.
-    """
-    shares = _shares(micro_batches, dtype)
-    terms = [tf.cast(tf.reduce_sum(l), dtype) * shares[i]
-             for i, row in enumerate(runs) for run in row for l in run.losses]
-    return tf.add_n(terms) if terms else None
 
 
 @keras.saving.register_keras_serializable(package="keras_pipe")
@@ -322,9 +210,14 @@ class PipelineModel(keras.Model):
         self._num_micro_batches = num_micro_batches
         self._remat = list(remat) if isinstance(remat, (list, tuple)) \
             else remat
+        self._remat_modes = validation.check_remat(remat, len(stages))
         self._schedule = schedule
         self._runners = [Stage(s, d) for s, d in zip(stages, resolved)]
-        self._replicas = [self._runners]
+        self._executor = executor_lib.Executor(
+            [self._runners], schedule, _device_indices(resolved))
+        # Set by `keras_pipe.callbacks.Timeline` while it records: makes
+        # the observer that stamps each stage call of a traced step.
+        self._step_observer = None
         for stage, device in zip(stages, resolved):
             if stage.built:
                 placement.place_variables(stage, device)
@@ -399,15 +292,13 @@ class PipelineModel(keras.Model):
 
     @property
     def schedule(self):
-        """The schedule's name: `"gpipe"` or `"1f1b"`."""
+        """The schedule's name (see `keras_pipe.schedule.schedule_names`)."""
         return self._schedule
 
     def clock_ticks(self, num_micro_batches=None):
         """The clock ticks this model follows (see `keras_pipe.schedule`)."""
-        build = (schedule_lib.one_f_one_b if self._schedule == "1f1b"
-                 else schedule_lib.gpipe)
-        return build(num_micro_batches or self.num_micro_batches,
-                     self.num_stages)
+        return self._executor.ticks(num_micro_batches or
+                                    self.num_micro_batches)
 
     def summary_table(self):
         """A text table: stage, device, layer name, parameter count."""
@@ -552,268 +443,60 @@ class PipelineModel(keras.Model):
             self._build_optimizer()
 
     # --------------------------------------------------------------- execute
-
-    # The executor. A step is a list of stage calls, each issued by
-    # `_forward_op` or `_backward_op` in the order of the schedule, and
-    # chained on each stage runner so that it runs them in that order.
-
-    def _start(self, inputs, training, remat, differentiable):
-        """Splits the batch and reads weights and state once per step."""
-        micro_batches = microbatch.scatter(
-            inputs, self.num_micro_batches * self.num_replicas)
-        m = len(micro_batches)
-        state = [r.read_state() for r in self._runners]
-        return _Step(
-            micro_batches=micro_batches, training=training,
-            remat=validation.check_remat(remat, self.num_stages),
-            differentiable=differentiable,
-            params={id(r): r.read_params(differentiable)
-                    for replica in self._replicas for r in replica},
-            state=state, changed=[[False] * len(s) for s in state],
-            runs=[[None] * self.num_stages for _ in range(m)])
-
-    def _forward_op(self, step, i, j):
-        """Issues the forward pass of micro-batch `i` on stage `j`."""
-        m = len(step.micro_batches)
-        runner = self._runner(i, j, m)
-        x = step.micro_batches[i].inputs if j == 0 else \
-            step.runs[i][j - 1].outputs
-        remat = step.remat[j] == "always" or (
-            step.remat[j] == "except_last" and i < m - 1)
-        run, new_state = runner.forward(
-            x, step.params[id(runner)], step.state[j], step.training, remat,
-            step.previous.get(id(runner), []), step.differentiable,
-            name=f"stage{j}/mb{i}/forward")
-        step.previous[id(runner)] = keras.tree.flatten(run.outputs)[:1]
-        valid = step.micro_batches[i].valid
-        for s, new in enumerate(new_state):
-            if new is None:
-                continue
-            if valid is not True:
-                with tf.device(runner.device):
-                    new = tf.where(valid, new, step.state[j][s])
-            step.state[j][s] = new
-            step.changed[j][s] = True
-        step.runs[i][j] = run
-
-    def _finish_forward(self, step):
-        """Assigns the final state; returns the merged last-stage outputs."""
-        for runner, values, flags in zip(self._runners, step.state,
-                                         step.changed):
-            with tf.device(runner.device):
-                for variable, value, flag in zip(runner.state_variables,
-                                                 values, flags):
-                    if flag:
-                        variable.assign(value)
-                if step.training:
-                    _finish_mini_batch(runner.layer)
-        with tf.device(self._runners[-1].device):
-            return microbatch.gather([run[-1].outputs for run in step.runs],
-                                     step.micro_batches)
-
-    def _backward_op(self, step, i, j):
-        """Issues the backward pass of micro-batch `i` on stage `j`."""
-        m = len(step.micro_batches)
-        runner, run = self._runner(i, j, m), step.runs[i][j]
-        # Running sums of weight gradients, per stage runner (replicas
-        # add theirs at the end): one buffer per variable, not one per
-        # micro-batch.
-        sums = step.sums.setdefault(id(runner), {})
-        variables = runner.trainable_variables
-        input_grads, totals = runner.backward(
-            run, step.output_grads.pop((i, j)),
-            [step.loss_grads[id(l)] for l in run.losses], training=True,
-            totals=[sums.get(id(v)) for v in variables],
-            name=f"stage{j}/mb{i}/backward",
-            control_inputs=step.previous.get(id(runner), []))
-        step.previous[id(runner)] = [
-            g for g in input_grads + totals if g is not None][:1]
-        if j:
-            step.output_grads[(i, j - 1)] = input_grads
-        for variable, total in zip(variables, totals):
-            if total is not None:
-                sums[id(variable)] = total
-
-    def _seed(self, step, loss, micro_batch_indices):
-        """Gradients of `loss` for the given micro-batches' stage outputs.
-
-        Only the loss head is differentiated here; each stage's backward
-        runs in `Stage.backward` on its device.
-        """
-        k = self.num_stages
-        outputs = [keras.tree.flatten(step.runs[i][-1].outputs)
-                   for i in micro_batch_indices]
-        targets = [t for flat in outputs for t in flat if _is_float(t)]
-        with tf.device(self._runners[-1].device):
-            grads = iter(tf.gradients(loss, targets,
-                                      unconnected_gradients="none"))
-        for i, flat in zip(micro_batch_indices, outputs):
-            step.output_grads[(i, k - 1)] = [
-                next(grads) if _is_float(t) else None for t in flat]
-
-    def _seed_layer_losses(self, step, scale, micro_batch_indices):
-        """Gradients of the total loss for the stages' `add_loss` terms.
-
-        Each term enters the loss weighted by its micro-batch's share of
-        the batch (see `_layer_losses`).
-        """
-        shares = _shares(step.micro_batches, tf.float32)
-        for i in micro_batch_indices:
-            for run in step.runs[i]:
-                for l in run.losses:
-                    step.loss_grads[id(l)] = scale(
-                        tf.ones_like(l) * tf.cast(shares[i], l.dtype))
-
-    def _collect_gradients(self, step, scale):
-        """Sums each variable's gradients; adds weight regularization.
-
-        Regularization losses of weights (`self.losses`) reach the
-        variables directly and are differentiated on their own: asking
-        `tf.gradients` for the variables of the total loss would walk the
-        whole forward graph again.
-        """
-        variables = self.trainable_variables
-        parts = {id(v): [sums[id(v)] for sums in step.sums.values()
-                         if id(v) in sums] for v in variables}
-        weight_losses = [self._aggregate_additional_loss(l)
-                         for l in self.losses]
-        if weight_losses:
-            direct = tf.gradients(scale(tf.add_n(weight_losses)), variables,
-                                  unconnected_gradients="none")
-            for variable, g in zip(variables, direct):
-                if g is not None:
-                    parts[id(variable)].append(g)
-        gradients = []
-        for variable in variables:
-            if not parts[id(variable)]:
-                gradients.append(None)
-                continue
-            with tf.device(placement.device_of(variable)):
-                gradients.append(sum_gradients(parts[id(variable)]))
-        return gradients
-
-    def _forward(self, inputs, training, remat, differentiable):
-        """Runs all micro-batches through all stages (GPipe forward).
-
-        Returns:
-            `(outputs, step)`: the merged outputs of the last stage and the
-            step, whose `runs[i][j]` is the `StageRun` of micro-batch `i`
-            on stage `j`.
-        """
-        step = self._start(inputs, training, remat, differentiable)
-        for tick in schedule_lib.gpipe(len(step.micro_batches),
-                                       self.num_stages):
-            for i, j in tick:
-                self._forward_op(step, i, j)
-        return self._finish_forward(step), step
+    # `keras_pipe.executor` runs the schedule; this is the Keras side.
 
     @_not_autograph
     def call(self, inputs, training=False):
-        outputs, _ = self._forward(inputs, bool(training), remat="never",
-                                   differentiable=True)
-        return outputs
+        step = self._executor.start(
+            inputs, self.num_micro_batches, bool(training),
+            ["never"] * self.num_stages, differentiable=True)
+        self._executor.forward(step)
+        self._executor.assign_state(step)
+        return self._executor.outputs(step)
 
     @_not_autograph
     def compute_loss_and_gradients(self, x, y=None, sample_weight=None,
-                                   training=True):
+                                   training=True, observer=None):
         """One forward and backward pass, without an optimizer step.
 
         Runs in graph mode (inside a `tf.function`), as `train_step` does,
-        with the model's `schedule`.
+        with the model's `schedule`. `observer` stamps every stage call
+        (the Timeline's recorder).
 
         Returns:
             `(loss, y_pred, gradients)`, gradients in the order of
             `self.trainable_variables`.
         """
-        scale = (self.optimizer.scale_loss if self.optimizer is not None
-                 else (lambda value: value))
-        if self.schedule == "1f1b":
-            step = self._one_f_one_b(x, y, sample_weight, training, scale)
-            y_pred = self._finish_forward(step)
-        else:
-            y_pred, step = self._forward(x, training, remat=self.remat,
-                                         differentiable=False)
-        with tf.device(self._runners[-1].device):
-            loss = self._compute_loss(x=x, y=y, y_pred=y_pred,
-                                      sample_weight=sample_weight,
-                                      training=training)
-            extra = _layer_losses(step.runs, step.micro_batches, loss.dtype)
-            if extra is not None:
-                loss = loss + extra
-        if self.schedule == "gpipe":
-            m = len(step.micro_batches)
-            self._seed(step, scale(loss), range(m))
-            self._seed_layer_losses(step, scale, range(m))
-            for tick in reversed(schedule_lib.gpipe(m, self.num_stages)):
-                for i, j in reversed(tick):
-                    self._backward_op(step, i, j)
-        return loss, y_pred, self._collect_gradients(step, scale)
-
-    def _one_f_one_b(self, x, y, sample_weight, training, scale):
-        """Forward and backward passes interleaved as `schedule.one_f_one_b`.
-
-        The backward pass of micro-batch `i` starts before the forward pass
-        of later micro-batches, so it needs the gradient of the full-batch
-        loss for micro-batch `i`'s outputs alone (`_micro_batch_loss`). For
-        a loss that is a sum over rows with a divisor that depends on shapes
-        or sample weights only (every Keras loss and reduction), that
-        gradient is exactly the full-batch one.
-        """
-        step = self._start(x, training, self.remat, differentiable=False)
-        m, k = len(step.micro_batches), self.num_stages
+        executor = self._executor
         self._build_compile_loss(x, y)
-        for tick in schedule_lib.one_f_one_b(m, k):
-            for kind, i, j in tick:
-                if kind == "B":
-                    self._backward_op(step, i, j)
-                    continue
-                self._forward_op(step, i, j)
-                if j < k - 1:
-                    continue
-                # The loss head joins the last stage's chain of calls.
-                last = self._runner(i, j, m)
-                with tf.device(last.device), tf.control_dependencies(
-                        step.previous.get(id(last), [])):
-                    loss_i = self._micro_batch_loss(step, i, x, y,
-                                                    sample_weight, training)
-                self._seed(step, scale(loss_i), [i])
-                self._seed_layer_losses(step, scale, [i])
-                step.previous[id(last)] = [
-                    g for g in step.output_grads[(i, k - 1)]
-                    if g is not None][:1]
-        return step
-
-    def _micro_batch_loss(self, step, i, x, y, sample_weight, training):
-        """A loss whose gradient for micro-batch `i`'s outputs is exact.
-
-        Where the compiled loss splits over rows (`keras_pipe.losses`), it
-        is micro-batch `i`'s part of the full-batch loss, computed on its
-        own rows. Otherwise (a `compute_loss` override, a loss with its own
-        `__call__`) it is the full-batch loss with every other micro-batch's
-        outputs replaced by zeros, which costs a full-batch loss head per
-        micro-batch. Neither updates loss metrics.
-        """
-        micro_batch = step.micro_batches[i]
-        outputs = step.runs[i][-1].outputs
-        compile_loss = getattr(self, "_compile_loss", None)
-        if step.loss_parts is None:
-            step.loss_parts = _LossParts.of(self, compile_loss, step, y,
-                                            sample_weight)
-        if step.loss_parts:
-            parts = step.loss_parts
-            y_pred, y_i, w_i = micro_batch.real_rows(
-                (outputs,) + tuple(parts.rows[i]))
-            try:
-                return losses_lib.share(compile_loss, y_i, y_pred, w_i,
-                                        parts.total_rows, parts.sums)
-            except losses_lib.NotSplittable:
-                step.loss_parts = _LossParts.NONE
-        rows = [mb.size for mb in step.micro_batches]
-        alone = _alone(outputs, rows, i, micro_batch)
-        with keras.StatelessScope():
-            return self._compute_loss(x=x, y=y, y_pred=alone,
-                                      sample_weight=sample_weight,
-                                      training=training)
+        head = losses_lib.loss_head(self, x, y, sample_weight, training)
+        step = executor.start(x, self.num_micro_batches, training,
+                              self._remat_modes, differentiable=False)
+        executor.run(step, head, observer=observer)
+        executor.assign_state(step)
+        y_pred = executor.outputs(step)
+        loss = step.loss
+        if loss is None:  # seeded by parts: the full loss for metrics
+            with tf.device(self._runners[-1].device):
+                loss = head.full(y_pred)
+                extra = executor.layer_losses(step, loss.dtype)
+                if extra is not None:
+                    loss = loss + extra
+        parts = list(executor.gradient_parts(step))
+        variables = self.trainable_variables
+        # Regularization losses of weights reach the variables directly and
+        # are differentiated on their own (asking for the gradient of the
+        # total loss would walk the whole forward graph again).
+        weight_losses = [self._aggregate_additional_loss(l)
+                         for l in self.losses]
+        if weight_losses:
+            direct = tf.gradients(head.scale(tf.add_n(weight_losses)),
+                                  variables, unconnected_gradients="none")
+            parts += [(v, g) for v, g in zip(variables, direct)
+                      if g is not None]
+        gradients = executor_lib.sum_on_devices(variables, parts,
+                                                placement.device_of)
+        return loss, y_pred, gradients
 
     def _build_compile_loss(self, x, y):
         """Builds the compiled loss (its metrics) outside stateless scopes."""
@@ -826,22 +509,13 @@ class PipelineModel(keras.Model):
 
     @_not_autograph
     def train_step(self, data):
-        x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         self._ensure_built(x)
-        buffer = getattr(self, "_timeline_buffer", None)
-        recorder = None
-        if buffer is not None:  # keras_pipe.timeline.Timeline is recording
-            recorder = timeline_lib.Recorder(buffer.shape[1], buffer.shape[2])
-        for runner in self._runners:
-            runner.recorder = recorder
-        try:
-            loss, y_pred, gradients = self.compute_loss_and_gradients(
-                x, y, sample_weight)
-        finally:
-            for runner in self._runners:
-                runner.recorder = None
-        if recorder is not None:
-            buffer.assign(recorder.stacked())
+        observer = self._step_observer() if self._step_observer else None
+        loss, y_pred, gradients = self.compute_loss_and_gradients(
+            x, y, sample_weight, observer=observer)
+        if observer is not None:
+            observer.finish()
         batch_size = tf.shape(
             next(t for t in keras.tree.flatten(x) if t is not None))[0]
         self._loss_tracker.update_state(loss, sample_weight=batch_size)
@@ -852,19 +526,19 @@ class PipelineModel(keras.Model):
 
     @_not_autograph
     def test_step(self, data):
-        self._ensure_built(data_adapter_utils.unpack_x_y_sample_weight(data)[0])
+        self._ensure_built(keras.utils.unpack_x_y_sample_weight(data)[0])
         return super().test_step(data)
 
     @_not_autograph
     def predict_step(self, data):
-        self._ensure_built(data_adapter_utils.unpack_x_y_sample_weight(data)[0])
+        self._ensure_built(keras.utils.unpack_x_y_sample_weight(data)[0])
         return super().predict_step(data)
 
     # ------------------------------------------------- data parallel replicas
 
     @property
     def num_replicas(self):
-        return len(self._replicas)
+        return self._executor.num_replicas
 
     def replicate(self, devices):
         """Runs R copies of the pipeline on `R * K` devices, data parallel.
@@ -884,14 +558,10 @@ class PipelineModel(keras.Model):
         Raises:
             TypeError, ValueError: see `keras_pipe.replicas.make_runners`.
         """
-        self._replicas = replicas_lib.make_runners(self, devices)
+        self._executor.replicas = replicas_lib.make_runners(
+            self._runners, devices)
         self.train_function = self.test_function = None
         self.predict_function = None
-
-    def _runner(self, i, j, m):
-        """The runner of micro-batch `i` (of `m`) on stage `j`."""
-        replica = replicas_lib.replica_of(i, m, self.num_replicas)
-        return self._replicas[replica][j]
 
     # A worker lost mid-call ends it with an error naming the task
     # (`keras_pipe.cluster.run`); a plain call when every stage is local.
@@ -901,9 +571,9 @@ class PipelineModel(keras.Model):
                            **kwargs)
 
     def evaluate(self, *args, **kwargs):
-        return cluster.run(self._resolved_devices, "evaluate", super().evaluate, *args,
-                           **kwargs)
+        return cluster.run(self._resolved_devices, "evaluate",
+                           super().evaluate, *args, **kwargs)
 
     def predict(self, *args, **kwargs):
-        return cluster.run(self._resolved_devices, "predict", super().predict, *args,
-                           **kwargs)
+        return cluster.run(self._resolved_devices, "predict",
+                           super().predict, *args, **kwargs)

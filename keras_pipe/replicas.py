@@ -40,16 +40,16 @@ parallel, stateful ones are exact but serialized across replicas.
 """
 
 from keras_pipe import placement
-from keras_pipe.remat import Stage
+from keras_pipe.stage import Stage
 
 __all__ = ["make_runners", "replica_of"]
 
 
-def make_runners(model, devices):
+def make_runners(runners, devices):
     """One list of `Stage` runners per replica; replica 0 is the model's own.
 
     Args:
-        model: the `PipelineModel`.
+        runners: the model's own `Stage` runners, one per stage.
         devices: `R * K` device strings (flat, replica after replica) or `R`
             lists of `K`. The first replica's devices must be the model's.
 
@@ -61,7 +61,7 @@ def make_runners(model, devices):
         ValueError: if the count is not a multiple of `K`, the first replica
             is not on the model's devices, or a device does not exist.
     """
-    k = model.num_stages
+    k = len(runners)
     if isinstance(devices, str) or not isinstance(devices, (list, tuple)):
         raise TypeError(
             "devices must be a list of R * K device strings (or R lists of "
@@ -74,16 +74,16 @@ def make_runners(model, devices):
             f"multiple of num_stages={k}: got {len(flat)}. Received: "
             f"devices={list(devices)}")
     resolved = placement.resolve_devices(flat)
-    own = list(model._resolved_devices)
+    own = [runner.device for runner in runners]
     if resolved[:k] != own:
         raise ValueError(
             f"The first replica must run on the model's devices {own}, where "
             f"its variables live. Received: {resolved[:k]}")
-    runners = [list(model._runners)]
+    replicas = [list(runners)]
     for r in range(1, len(resolved) // k):
-        runners.append([Stage(stage, device) for stage, device in zip(
-            model.stages, resolved[r * k:(r + 1) * k])])
-    return runners
+        replicas.append([Stage(runner.layer, device) for runner, device in zip(
+            runners, resolved[r * k:(r + 1) * k])])
+    return replicas
 
 
 def replica_of(i, num_micro_batches, num_replicas):

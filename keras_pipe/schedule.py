@@ -1,147 +1,324 @@
-"""Clock-tick schedules of micro-batches over stages (pure Python, no TF).
+"""Schedules as data: clock ticks of actions (pure Python, no TF).
 
-A schedule is a list of clock ticks; tick ``k`` lists the ``(i, j)`` pairs
-(micro-batch ``i``, stage ``j``) that may run at the same time. The executor in
-`keras_pipe.model` follows it: it issues the forward of every pair of tick 0,
-then of tick 1, and so on, and the backward in reverse tick order.
+An `Action` is one stage call: its kind (`"F"` forward, `"B"` backward,
+`"W"` weight gradients), micro-batch `i` and stage `j`; it prints as
+`"F3"` (stage in the row) or, with `str`, as torch's `"1F3"` (stage 1,
+forward, micro-batch 3). A schedule is a list of clock ticks, each a list of
+actions that may run at the same time, at most one per device. Every
+schedule is a pure function of `(num_micro_batches, num_stages, num_devices)`
+registered by name; `PipelineModel(schedule=name)` reads the registry and
+`keras_pipe.executor` runs any schedule's actions in tick order, chaining
+the calls of each device in that order.
+
+Where a schedule has no `"W"` action for `(i, j)`, `"B"` computes the input
+and the weight gradients together. With `"W"` actions, `"B"` computes only
+the input gradient (what the previous stage waits for) and `"W"` the weight
+gradients, which the schedule may defer to fill the bubbles (zero-bubble
+pipelining, Qi et al., ICLR 2024).
 
 GPipe with 3 micro-batches on 2 stages (``format_schedule(gpipe(3, 2))``)::
 
-    tick     0  1  2  3
-    stage 0  0  1  2  .
-    stage 1  .  0  1  2
+    tick     0  1  2  3  4  5  6  7
+    stage 0 F0 F1 F2  .  . B2 B1 B0
+    stage 1  . F0 F1 F2 B2 B1 B0  .
+
+Ticks assume that every action takes one unit of time.
 """
 
-__all__ = ["SCHEDULES", "gpipe", "one_f_one_b", "format_schedule",
-           "bubble_fraction"]
+import dataclasses
 
-SCHEDULES = ("gpipe", "1f1b")
+from keras_pipe import validation
+
+__all__ = ["Action", "bubble_fraction", "check_placement", "format_schedule",
+           "get_schedule", "gpipe", "idle_fraction", "one_f_one_b",
+           "register_schedule", "schedule_names", "stage_placement",
+           "ticks_from_orders"]
+
+KINDS = ("F", "B", "W")
 
 
-def _check_positive_int(name, value):
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int. Received: {name}={value!r}")
-    if value < 1:
-        raise ValueError(f"{name} must be >= 1. Received: {name}={value}")
+@dataclasses.dataclass(frozen=True, order=True)
+class Action:
+    """One stage call of a schedule: `kind` of micro-batch `i` on stage `j`."""
+
+    kind: str
+    i: int
+    j: int
+
+    def __str__(self):
+        return f"{self.j}{self.kind}{self.i}"
 
 
-def gpipe(num_micro_batches, num_stages):
-    """Returns the GPipe fill-drain schedule as a list of clock ticks.
+def _check_counts(num_micro_batches, num_stages, num_devices=None):
+    validation.check_positive_int("num_micro_batches", num_micro_batches)
+    validation.check_positive_int("num_stages", num_stages)
+    if num_devices is not None:
+        validation.check_positive_int("num_devices", num_devices)
 
-    Micro-batch `i` runs on stage `j` at tick `k = i + j`: after micro-batch
-    `i` left stage `j - 1` and after micro-batch `i - 1` left stage `j`.
-    There are `num_micro_batches + num_stages - 1` ticks.
+
+def _depends_on(action, num_stages, has_w):
+    """The actions `action` needs finished before it can start."""
+    kind, i, j = action.kind, action.i, action.j
+    if kind == "F":
+        return [Action("F", i, j - 1)] if j else []
+    if kind == "B":
+        needs = [Action("F", i, j)]
+        if j < num_stages - 1:
+            needs.append(Action("B", i, j + 1))
+        return needs
+    return [Action("B", i, j)] if has_w else []
+
+
+def ticks_from_orders(orders, num_stages):
+    """Clock ticks from each device's order of actions.
+
+    Each device runs its next action as soon as what it depends on ran in
+    an earlier tick (forward of `i` on `j - 1`; backward of `i` on `j + 1`
+    and its own forward; `"W"` after `"B"`).
+
+    Args:
+        orders: one list of `Action`s per device.
+        num_stages: `K`.
+
+    Returns:
+        The list of ticks.
+
+    Raises:
+        ValueError: if the orders deadlock or an action appears twice.
+    """
+    flat = [a for order in orders for a in order]
+    if len(set(flat)) != len(flat):
+        raise ValueError("A schedule lists an action twice.")
+    has_w = {(a.i, a.j) for a in flat if a.kind == "W"}
+    done, position, ticks = set(), [0] * len(orders), []
+    while any(p < len(o) for p, o in zip(position, orders)):
+        tick = []
+        for d, order in enumerate(orders):
+            if position[d] == len(order):
+                continue
+            action = order[position[d]]
+            needs = _depends_on(action, num_stages, (action.i, action.j)
+                                in has_w)
+            if all(n in done for n in needs):
+                tick.append(action)
+        if not tick:
+            waiting = [str(o[p]) for p, o in zip(position, orders)
+                       if p < len(o)]
+            raise ValueError(f"The schedule deadlocks: {waiting} wait for "
+                             "actions that never run first.")
+        done.update(tick)
+        for action in tick:
+            for d, order in enumerate(orders):
+                if position[d] < len(order) and order[position[d]] == action:
+                    position[d] += 1
+                    break
+        ticks.append(tick)
+    return ticks
+
+
+def stage_placement(num_stages, num_devices, shape="loop"):
+    """The device index of each stage: `"loop"` (`j % D`) or `"v"`.
+
+    `"v"` (two stages per device) runs stages `0..D-1` down the devices and
+    `D..2D-1` back up: stage `j` and stage `2D - 1 - j` share device `j`.
+    """
+    if shape == "v":
+        return [j if j < num_devices else 2 * num_devices - 1 - j
+                for j in range(num_stages)]
+    return [j % num_devices for j in range(num_stages)]
+
+
+def gpipe(num_micro_batches, num_stages, num_devices=None):
+    """GPipe: every forward pass, then every backward pass in reverse order.
+
+    Micro-batch `i` runs forward on stage `j` at tick `i + j`; the backward
+    passes mirror the forward ones. `M + K - 1` ticks each way.
 
     ```python
-    >>> gpipe(2, 2)
-    [[(0, 0)], [(1, 0), (0, 1)], [(1, 1)]]
+    >>> [[str(a) for a in tick] for tick in gpipe(2, 2)]
+    [['0F0'], ['0F1', '1F0'], ['1F1'], ['1B1'], ['0B1', '1B0'], ['0B0']]
     ```
 
     Args:
-        num_micro_batches: `M`, the number of micro-batches, >= 1.
-        num_stages: `K`, the number of stages, >= 1.
+        num_micro_batches: `M`, >= 1.
+        num_stages: `K`, >= 1.
+        num_devices: unused: any placement. Defaults to `None`.
 
     Returns:
-        A list of `M + K - 1` lists of `(i, j)` tuples, ordered by stage
-        within a tick.
+        A list of `2 (M + K - 1)` ticks of `Action`s.
 
     Raises:
         TypeError: if a count is not an int.
         ValueError: if a count is < 1.
     """
-    _check_positive_int("num_micro_batches", num_micro_batches)
-    _check_positive_int("num_stages", num_stages)
-    m, n = num_micro_batches, num_stages
-    return [
-        [(k - j, j) for j in range(max(0, k - m + 1), min(k + 1, n))]
-        for k in range(m + n - 1)
-    ]
+    _check_counts(num_micro_batches, num_stages, num_devices)
+    m, k = num_micro_batches, num_stages
+    orders = [[Action("F", i, j) for i in range(m)] +
+              [Action("B", i, j) for i in reversed(range(m))]
+              for j in range(k)]
+    return ticks_from_orders(orders, k)
 
 
-def one_f_one_b(num_micro_batches, num_stages):
-    """Returns the 1F1B (PipeDream-flush) schedule as a list of clock ticks.
+def one_f_one_b(num_micro_batches, num_stages, num_devices=None):
+    """1F1B (PipeDream-flush): after filling, alternate forward and backward.
 
     Stage `j` runs `min(K - j - 1, M)` forward passes to fill the pipeline,
     then alternates one forward and one backward pass, then drains the
     remaining backward passes. A stage holds the activations of at most
     `K - j` micro-batches at a time (GPipe: all `M`), for the same bubble.
-    Ticks assume a backward pass takes as long as a forward pass.
 
     ```python
-    >>> one_f_one_b(2, 2)
-    [[('F', 0, 0)], [('F', 1, 0), ('F', 0, 1)], [('B', 0, 1)],
-     [('B', 0, 0), ('F', 1, 1)], [('B', 1, 1)], [('B', 1, 0)]]
+    >>> [[str(a) for a in tick] for tick in one_f_one_b(2, 2)]
+    [['0F0'], ['0F1', '1F0'], ['1B0'], ['0B0', '1F1'], ['1B1'], ['0B1']]
+    ```
+
+    Args and raises: as `gpipe`.
+
+    Returns:
+        A list of `2 (M + K - 1)` ticks of `Action`s.
+    """
+    _check_counts(num_micro_batches, num_stages, num_devices)
+    m, k = num_micro_batches, num_stages
+    orders = []
+    for j in range(k):
+        warmup = min(k - j - 1, m)
+        order = [Action("F", i, j) for i in range(warmup)]
+        for step in range(m - warmup):
+            order += [Action("F", warmup + step, j), Action("B", step, j)]
+        order += [Action("B", i, j) for i in range(m - warmup, m)]
+        orders.append(order)
+    return ticks_from_orders(orders, k)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Entry:
+    build: object      # (num_micro_batches, num_stages, num_devices) -> ticks
+    placement: object  # None (any) or "loop" / "v": see `stage_placement`
+    stages_per_device: object  # None (any) or the required count
+
+
+_REGISTRY = {}
+
+
+def register_schedule(name, build, placement=None, stages_per_device=None):
+    """Registers a schedule under `name` for `PipelineModel(schedule=name)`.
+
+    ```python
+    def backward_in_forward_order(num_micro_batches, num_stages,
+                                  num_devices=None):
+        m, k = num_micro_batches, num_stages
+        return ticks_from_orders(
+            [[Action("F", i, j) for i in range(m)] +
+             [Action("B", i, j) for i in range(m)] for j in range(k)], k)
+
+    register_schedule("gpipe_forward_order", backward_in_forward_order)
     ```
 
     Args:
-        num_micro_batches: `M`, the number of micro-batches, >= 1.
-        num_stages: `K`, the number of stages, >= 1.
-
-    Returns:
-        A list of ticks, each a list of `(kind, i, j)` with `kind` `"F"` or
-        `"B"`, micro-batch `i` and stage `j`; `2 (M + K - 1)` ticks.
+        name: a new name.
+        build: a pure function `(num_micro_batches, num_stages, num_devices)
+            -> ticks`; every `(i, j)` must have one `"F"` and one `"B"`
+            action (and at most one `"W"`).
+        placement: the device order the schedule needs when several stages
+            share a device: `"loop"` or `"v"` (see `stage_placement`), or
+            `None` for any. Defaults to `None`.
+        stages_per_device: the number of stages each device must hold, or
+            `None` for any. Defaults to `None`.
 
     Raises:
-        TypeError: if a count is not an int.
-        ValueError: if a count is < 1.
+        TypeError: if `name` is not a string or `build` is not callable.
+        ValueError: if `name` is taken or `placement` unknown.
     """
-    _check_positive_int("num_micro_batches", num_micro_batches)
-    _check_positive_int("num_stages", num_stages)
-    m, n = num_micro_batches, num_stages
-    orders = []
-    for j in range(n):
-        warmup = min(n - j - 1, m)
-        order = [("F", i) for i in range(warmup)]
-        for step in range(m - warmup):
-            order += [("F", warmup + step), ("B", step)]
-        order += [("B", i) for i in range(m - warmup, m)]
-        orders.append(order)
-    done, position, ticks = set(), [0] * n, []
-    while any(position[j] < len(orders[j]) for j in range(n)):
-        tick = []
-        for j in range(n):
-            if position[j] == len(orders[j]):
-                continue
-            kind, i = orders[j][position[j]]
-            if kind == "F":
-                ready = j == 0 or ("F", i, j - 1) in done
-            else:
-                ready = ("F", i, j) in done and (
-                    j == n - 1 or ("B", i, j + 1) in done)
-            if ready:
-                tick.append((kind, i, j))
-        done.update(tick)
-        for _, _, j in tick:
-            position[j] += 1
-        ticks.append(tick)
-    return ticks
+    if not isinstance(name, str):
+        raise TypeError(f"name must be a string. Received: name={name!r}")
+    if not callable(build):
+        raise TypeError(f"build must be callable. Received: build={build!r}")
+    if name in _REGISTRY:
+        raise ValueError(f"A schedule named {name!r} is already registered; "
+                         "choose another name.")
+    if placement not in (None, "loop", "v"):
+        raise ValueError(f"placement must be None, 'loop' or 'v'. Received: "
+                         f"placement={placement!r}")
+    _REGISTRY[name] = _Entry(build, placement, stages_per_device)
+
+
+def get_schedule(name):
+    """The registered schedule `name` (`build`, `placement`, ...).
+
+    Raises:
+        ValueError: naming the registered schedules if `name` is unknown.
+    """
+    if not isinstance(name, str) or name not in _REGISTRY:
+        raise ValueError(f"schedule must be one of {schedule_names()}. Received: "
+                         f"schedule={name!r}")
+    return _REGISTRY[name]
+
+
+def schedule_names():
+    """The names of the registered schedules."""
+    return tuple(_REGISTRY)
+
+
+def check_placement(name, stage_devices):
+    """Checks the stages' device indices against schedule `name`'s needs.
+
+    Args:
+        name: a registered schedule.
+        stage_devices: per stage, the index of its device (devices numbered
+            in order of first appearance).
+
+    Raises:
+        ValueError: naming the device order the schedule needs.
+    """
+    entry = get_schedule(name)
+    k = len(stage_devices)
+    d = 1 + max(stage_devices)
+    if entry.stages_per_device is not None and (
+            k != d * entry.stages_per_device):
+        raise ValueError(
+            f"schedule={name!r} runs {entry.stages_per_device} stages per "
+            f"device: got {k} stages on {d} devices. Pass "
+            f"{d * entry.stages_per_device} stages, or devices repeated "
+            f"{entry.stages_per_device} times.")
+    if entry.placement is not None:
+        want = stage_placement(k, d, entry.placement)
+        if list(stage_devices) != want:
+            raise ValueError(
+                f"schedule={name!r} needs stage j on device "
+                f"{'j % D' if entry.placement == 'loop' else 'V-shaped'}: "
+                f"device indices {want} for {k} stages on {d} devices; got "
+                f"{list(stage_devices)}. Reorder devices=[...] to match.")
 
 
 def bubble_fraction(num_micro_batches, num_stages):
     """Returns the idle fraction `(K - 1) / (M + K - 1)` of a GPipe step."""
-    _check_positive_int("num_micro_batches", num_micro_batches)
-    _check_positive_int("num_stages", num_stages)
+    _check_counts(num_micro_batches, num_stages)
     return (num_stages - 1) / (num_micro_batches + num_stages - 1)
+
+
+def idle_fraction(ticks, stage_devices=None):
+    """The share of (device, tick) slots without an action in `ticks`."""
+    k = 1 + max(a.j for tick in ticks for a in tick)
+    stage_devices = stage_devices or list(range(k))
+    d = 1 + max(stage_devices)
+    busy = sum(len(tick) for tick in ticks)
+    return 1.0 - busy / (d * len(ticks))
 
 
 def format_schedule(ticks):
     """Draws a schedule as a table: one row per stage, one column per tick.
 
-    A cell holds the micro-batch the stage works on at that tick (`F3`,
-    `B3` for the 1F1B schedule's forward and backward passes), or `.` when
-    the stage is idle (the bubble).
+    A cell holds the action the stage runs at that tick (`F3`, `B3`, `W3`
+    for micro-batch 3), or `.` when the stage is idle (the bubble).
 
     Args:
-        ticks: a schedule as returned by `gpipe` or `one_f_one_b`.
+        ticks: a schedule, as returned by `gpipe` or `get_schedule(name)`.
 
     Returns:
         The table as a multi-line string.
     """
-    cells = {}
-    for k, tick in enumerate(ticks):
-        for op in tick:
-            *kind, i, j = op
-            cells[(j, k)] = "".join(kind) + str(i)
+    cells = {(a.j, k): f"{a.kind}{a.i}" for k, tick in enumerate(ticks)
+             for a in tick}
     num_stages = 1 + max((j for j, _ in cells), default=-1)
     width = max([2, len(str(len(ticks) - 1))] + [len(c) for c in
                                                    cells.values()])
@@ -152,3 +329,7 @@ def format_schedule(ticks):
         rows.append(f"stage {j}".ljust(label) + "".join(
             f" {cells.get((j, k), '.'):>{width}}" for k in range(len(ticks))))
     return "\n".join(rows)
+
+
+register_schedule("gpipe", gpipe)
+register_schedule("1f1b", one_f_one_b)

@@ -53,9 +53,10 @@ def stamp(after):
 class Recorder:
     """Collects start/end timestamp tensors of stage calls while tracing."""
 
-    def __init__(self, num_micro_batches, num_stages):
+    def __init__(self, num_micro_batches, num_stages, buffer=None):
         self.num_micro_batches = num_micro_batches
         self.num_stages = num_stages
+        self._buffer = buffer
         self._starts, self._ends = {}, {}
 
     @staticmethod
@@ -65,6 +66,11 @@ class Recorder:
             raise ValueError(f"Not a stage call name: {name!r}")
         kind = "recompute" if match.group(4) else match.group(3)
         return kind, int(match.group(2)), int(match.group(1))
+
+    @staticmethod
+    def stamp(after):
+        """A timestamp op once `after` exist (see `stamp`)."""
+        return stamp(after)
 
     def start(self, name, after):
         """A timestamp taken once `after` (tensors) are ready."""
@@ -79,6 +85,10 @@ class Recorder:
 
     def end(self, name, after):
         self._ends[self._key(name)] = stamp(after)
+
+    def finish(self):
+        """Writes the stamps of the traced step into the buffer variable."""
+        self._buffer.assign(self.stacked())
 
     def stacked(self):
         """All stamps as a `[3, M, K, 2]` float64 tensor, -1 where none."""
@@ -230,7 +240,10 @@ class Timeline(keras.callbacks.Callback):
                 trainable=False, name="keras_pipe_timeline")
 
     def _switch(self, buffer):
-        self.model._timeline_buffer = buffer
+        # The model calls the factory once per traced step and stamps each
+        # stage call with the observer it returns.
+        self.model._step_observer = None if buffer is None else (
+            lambda: Recorder(buffer.shape[1], buffer.shape[2], buffer))
         self.model.make_train_function(force=True)
 
     def on_train_batch_begin(self, batch, logs=None):

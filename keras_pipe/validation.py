@@ -77,8 +77,8 @@ def check_remat(remat, num_stages=None):
     bad = [m for m in modes if m not in REMAT_MODES]
     if bad:
         raise ValueError(
-            f"remat must be one of {REMAT_MODES} (or a list of them, one per "
-            f"stage). Received: remat={remat!r}")
+            f"remat must be one of {REMAT_MODES}. Received: remat={remat!r}. "
+            "Pass one mode, or a list of one mode per stage.")
     if num_stages is None:
         return remat
     return modes * num_stages if isinstance(remat, str) else modes

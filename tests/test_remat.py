@@ -173,7 +173,7 @@ def test_stage_functions_are_traced_a_fixed_number_of_times(devices):
         x, y, _ = helpers.data(16)
         pipe.train_on_batch(x, y)
         counts[m] = [sorted(str(key[0]) for key in runner._functions)
-                     for runner in pipe._runners]
+                     for runner in pipe._executor.replicas[0]]
     assert counts[2] == counts[8]
     # forward (training), first backward, backward adding to running sums
     assert all(len(keys) <= 3 for keys in counts[8]), counts[8]

@@ -11,24 +11,43 @@ import keras_pipe
 from keras_pipe import schedule
 
 
+def _forwards(ticks):
+    """The forward actions of each tick, as (i, j) pairs."""
+    return [[(a.i, a.j) for a in tick if a.kind == "F"] for tick in ticks]
+
+
 def test_gpipe_clock_ticks_exactly():
-    assert schedule.gpipe(3, 3) == [
+    ticks = schedule.gpipe(3, 3)
+    assert _forwards(ticks)[:5] == [
         [(0, 0)],
         [(1, 0), (0, 1)],
         [(2, 0), (1, 1), (0, 2)],
         [(2, 1), (1, 2)],
         [(2, 2)],
     ]
-    assert schedule.gpipe(1, 1) == [[(0, 0)]]
-    assert schedule.gpipe(2, 1) == [[(0, 0)], [(1, 0)]]
-    assert schedule.gpipe(1, 3) == [[(0, 0)], [(0, 1)], [(0, 2)]]
+    # The backward passes mirror the forward ones, last micro-batch first.
+    assert [[(a.i, a.j) for a in tick] for tick in ticks[5:]] == [
+        [(2, 2)], [(2, 1), (1, 2)], [(2, 0), (1, 1), (0, 2)],
+        [(1, 0), (0, 1)], [(0, 0)]]
+    assert all(a.kind == "B" for tick in ticks[5:] for a in tick)
+    assert _forwards(schedule.gpipe(1, 1)) == [[(0, 0)], []]
+    assert _forwards(schedule.gpipe(2, 1))[:2] == [[(0, 0)], [(1, 0)]]
+    assert _forwards(schedule.gpipe(1, 3))[:3] == [[(0, 0)], [(0, 1)],
+                                                   [(0, 2)]]
+
+
+def test_actions_print_as_torch_does():
+    assert str(schedule.Action("F", 0, 1)) == "1F0"
+    assert [[str(a) for a in tick] for tick in schedule.gpipe(2, 2)] == [
+        ["0F0"], ["0F1", "1F0"], ["1F1"], ["1B1"], ["0B1", "1B0"], ["0B0"]]
 
 
 @pytest.mark.parametrize("m,k", [(1, 4), (4, 1), (5, 3), (16, 4)])
 def test_gpipe_dependencies_hold(m, k):
     ticks = schedule.gpipe(m, k)
-    assert len(ticks) == m + k - 1
-    when = {pair: t for t, tick in enumerate(ticks) for pair in tick}
+    assert len(ticks) == 2 * (m + k - 1)
+    when = {(a.i, a.j): t for t, tick in enumerate(ticks) for a in tick
+            if a.kind == "F"}
     assert sorted(when) == [(i, j) for i in range(m) for j in range(k)]
     for (i, j), t in when.items():
         if j:
@@ -39,9 +58,29 @@ def test_gpipe_dependencies_hold(m, k):
 
 def test_format_schedule_draws_the_bubble():
     assert schedule.format_schedule(schedule.gpipe(3, 2)) == (
-        "tick     0  1  2  3\n"
-        "stage 0  0  1  2  .\n"
-        "stage 1  .  0  1  2")
+        "tick     0  1  2  3  4  5  6  7\n"
+        "stage 0 F0 F1 F2  .  . B2 B1 B0\n"
+        "stage 1  . F0 F1 F2 B2 B1 B0  .")
+
+
+def test_registry_names_and_errors():
+    assert {"gpipe", "1f1b"} <= set(schedule.schedule_names())
+    assert schedule.get_schedule("gpipe").build is schedule.gpipe
+    with pytest.raises(ValueError, match="schedule must be one of .*gpipe.*"
+                       "Received: schedule='nope'"):
+        schedule.get_schedule("nope")
+    with pytest.raises(ValueError, match="already registered"):
+        schedule.register_schedule("gpipe", schedule.gpipe)
+    with pytest.raises(TypeError, match="build must be callable"):
+        schedule.register_schedule("x", 3)
+
+
+def test_deadlocked_orders_are_refused():
+    # Stage 0 waits for its own backward before the forward that feeds it.
+    orders = [[schedule.Action("B", 0, 0), schedule.Action("F", 0, 0)],
+              [schedule.Action("F", 0, 1), schedule.Action("B", 0, 1)]]
+    with pytest.raises(ValueError, match=r"deadlocks: \['0B0', '1F0'\]"):
+        schedule.ticks_from_orders(orders, 2)
 
 
 def test_bubble_fraction():
@@ -118,7 +157,8 @@ def test_stages_overlap_as_the_schedule_says(devices):
 
 
 def test_one_f_one_b_clock_ticks_exactly():
-    assert schedule.one_f_one_b(2, 2) == [
+    assert [[(a.kind, a.i, a.j) for a in tick]
+            for tick in schedule.one_f_one_b(2, 2)] == [
         [("F", 0, 0)],
         [("F", 1, 0), ("F", 0, 1)],
         [("B", 0, 1)],
@@ -136,7 +176,8 @@ def test_one_f_one_b_clock_ticks_exactly():
 def test_one_f_one_b_dependencies_and_memory_bound(m, k):
     ticks = schedule.one_f_one_b(m, k)
     assert len(ticks) == 2 * (m + k - 1)  # same makespan as GPipe's F + B
-    when = {op: t for t, tick in enumerate(ticks) for op in tick}
+    when = {(a.kind, a.i, a.j): t for t, tick in enumerate(ticks)
+            for a in tick}
     assert sorted(when) == sorted(
         (kind, i, j) for kind in "FB" for i in range(m) for j in range(k))
     for (kind, i, j), t in when.items():
@@ -151,7 +192,7 @@ def test_one_f_one_b_dependencies_and_memory_bound(m, k):
     for j in range(k):
         in_flight = 0
         for tick in ticks:
-            for kind, _, jj in tick:
+            for kind, _, jj in ((a.kind, a.i, a.j) for a in tick):
                 if jj == j:
                     in_flight += 1 if kind == "F" else -1
                     assert in_flight <= k - j

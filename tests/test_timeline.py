@@ -70,7 +70,7 @@ def test_timeline_writes_trace_png_and_bubble(devices, tmp_path):
         f"F{i}" for i in range(m) for _ in range(k))
     assert os.path.getsize(tmp_path / "step1.png") > 1000
     # Steps that are not recorded run the ordinary step function.
-    assert model._timeline_buffer is None
+    assert model._step_observer is None
 
 
 def test_timeline_rejects_bad_steps():
@@ -110,4 +110,4 @@ def test_consecutive_recorded_steps_share_one_traced_function(devices,
     assert rebuilt.count(True) == 2, rebuilt
     for result in recorder.results:
         assert {e["kind"] for e in result["events"]} == set(timeline.KINDS)
-    assert model._timeline_buffer is None
+    assert model._step_observer is None

@@ -22,7 +22,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from keras_pipe.remat import REMAT_MODES
+from keras_pipe.validation import REMAT_MODES
 
 __all__ = ["parameter_counts", "flops", "activation_bytes", "memory", "time",
            "tensor_bytes"]

@@ -1,4 +1,7 @@
-"""State-safe re-materialization of a stage.
+"""A stage runner: one Keras layer run as a pure function on its device.
+
+Remat (re-materialization) is one of its options, and the reason the
+runner is built the way it is:
 
 Stock `tf.recompute_grad` and `keras.remat` run the layer's `call` again in
 the backward pass, and with it every state update inside: BatchNormalization
@@ -38,12 +41,7 @@ import dataclasses
 import keras
 import tensorflow as tf
 
-from keras_pipe import timeline
-
-__all__ = ["REMAT_MODES", "Stage", "StageRun", "add_gradients",
-           "sum_gradients"]
-
-REMAT_MODES = ("always", "except_last", "never")
+__all__ = ["Stage", "StageRun", "add_gradients", "sum_gradients"]
 
 
 def _is_float(t):
@@ -74,9 +72,6 @@ class Stage:
         self.layer = layer
         self.device = device
         self._functions = {}
-        # A `keras_pipe.timeline.Recorder` while a step is traced for the
-        # Timeline callback, else None.
-        self.recorder = None
 
     @property
     def trainable_variables(self):
@@ -159,13 +154,16 @@ class Stage:
         return outputs, new_state, list(scope.losses)
 
     def forward(self, inputs, params, state, training, remat,
-                control_inputs=(), differentiable=False, name="forward"):
+                control_inputs=(), differentiable=False, name="forward",
+                observer=None):
         """Forward pass of one micro-batch; returns (StageRun, new_state).
 
         `control_inputs` make this micro-batch wait for the previous one on
         the same stage. With `differentiable=False`, gradients do not flow
         through `inputs`: `backward` computes them stage by stage, from a
         tape that records this call alone (`remat=False`) or the recompute.
+        `observer` (the Timeline's recorder, or None) stamps the call's
+        start and end.
         """
         tape = None
         with tf.device(self.device), tf.name_scope(name):
@@ -175,8 +173,8 @@ class Stage:
                     inputs)
             state = [tf.stop_gradient(s) for s in state]
             control_inputs = list(control_inputs)
-            if self.recorder is not None:
-                control_inputs = [self.recorder.start(
+            if observer is not None:
+                control_inputs = [observer.start(
                     name, keras.tree.flatten(inputs) + control_inputs)]
             if not differentiable and not remat:
                 tape = tf.GradientTape(watch_accessed_variables=False)
@@ -187,13 +185,13 @@ class Stage:
                     tape.watch(_float_leaves(inputs) + list(params))
                 outputs, new_state, losses = self.call(
                     inputs, params, state, training)
-            if self.recorder is not None:
-                self.recorder.end(name, keras.tree.flatten(outputs) + losses)
+            if observer is not None:
+                observer.end(name, keras.tree.flatten(outputs) + losses)
         run = StageRun(inputs, params, state, outputs, losses, remat, tape)
         return run, new_state
 
     def backward(self, run, output_grads, loss_grads, training, totals,
-                 name="backward", control_inputs=()):
+                 name="backward", control_inputs=(), observer=None):
         """Backward pass of one micro-batch, on the stage's device.
 
         With remat, the recompute and the backward pass are one traced
@@ -216,6 +214,7 @@ class Stage:
             control_inputs: tensors to wait for: the previous backward pass
                 on this stage, so that micro-batches run (and hold their
                 recomputed activations) one at a time.
+            observer: stamps start and end (the Timeline), or None.
 
         Returns:
             `(input_grads, totals)`: gradients for `tree.flatten(run.inputs)`
@@ -228,10 +227,10 @@ class Stage:
             if run.remat:
                 grads, totals = self._fused_backward(
                     run, output_grads, loss_grads, training, totals, name,
-                    control_inputs)
+                    control_inputs, observer)
             else:
                 grads = self._taped_backward(run, output_grads, loss_grads,
-                                             name, control_inputs)
+                                             name, control_inputs, observer)
                 totals = [add_gradients(t, g) for t, g in zip(
                     totals, grads[len(_float_leaves(run.inputs)):])]
             input_grads = iter(grads)
@@ -239,40 +238,39 @@ class Stage:
                      for t in flat_inputs], totals)
 
     def _taped_backward(self, run, output_grads, loss_grads, name,
-                        control_inputs):
+                        control_inputs, observer):
         ys, grad_ys = _pairs(keras.tree.flatten(run.outputs) + run.losses,
                              output_grads + loss_grads)
         after = list(control_inputs)
-        if self.recorder is not None:
-            after = [self.recorder.start(name, grad_ys + ys + after)]
+        if observer is not None:
+            after = [observer.start(name, grad_ys + ys + after)]
         with tf.control_dependencies(after):
             grads = run.tape.gradient(
                 ys, _float_leaves(run.inputs) + list(run.params),
                 output_gradients=grad_ys,
                 unconnected_gradients=tf.UnconnectedGradients.NONE)
-        if self.recorder is not None:
-            self.recorder.end(name, [g for g in grads if g is not None])
+        if observer is not None:
+            observer.end(name, [g for g in grads if g is not None])
         return grads
 
     def _fused_backward(self, run, output_grads, loss_grads, training,
-                        totals, name, control_inputs):
+                        totals, name, control_inputs, observer):
         """Recompute + backward + running sums as one call of a function."""
         # Dense running sums are added inside; sparse ones (IndexedSlices)
         # and first gradients are summed here.
         dense = [isinstance(t, tf.Tensor) for t in totals]
         given = [g is not None for g in output_grads + loss_grads]
-        recorded = self.recorder is not None
+        stamp = observer.stamp if observer is not None else None
         args = (run.inputs, list(run.params), list(run.state),
                 [g for g in output_grads + loss_grads if g is not None],
                 [t for t, d in zip(totals, dense) if d])
         function = self._traced_backward(args, len(output_grads), training,
-                                         tuple(given),
-                                         tuple(dense), recorded)
+                                         tuple(given), tuple(dense), stamp)
         with tf.control_dependencies(list(control_inputs)):
             grads, sums, stamps = function(*args)
-        if recorded:
-            self.recorder.put(name + "/recompute", stamps[0], stamps[1])
-            self.recorder.put(name, stamps[1], stamps[2])
+        if stamp is not None:
+            observer.put(name + "/recompute", stamps[0], stamps[1])
+            observer.put(name, stamps[1], stamps[2])
         n = len(_float_leaves(run.inputs))
         sums = iter(sums)
         new_totals = [next(sums) if d else add_gradients(t, g)
@@ -280,7 +278,7 @@ class Stage:
         return grads[:n], new_totals
 
     def _traced_backward(self, args, num_outputs, training, given, dense,
-                         recorded):
+                         stamp):
         inputs, params, state, seeds, sums = args
         num_output_grads = sum(given[:num_outputs])  # the rest: losses
         exact = _exact_spec
@@ -290,12 +288,12 @@ class Stage:
                  [exact(g) for g in seeds[num_output_grads:]],
                  [exact(t) for t in sums])
         key = ("backward", bool(training), repr(specs), given, dense,
-               recorded)
+               stamp is not None)
         if key in self._functions:
             return self._functions[key]
 
         def run(inputs, params, state, seeds, sums):
-            start = _stamp_or_none(recorded, seeds)
+            start = _stamp_or_none(stamp, seeds)
             with tf.GradientTape(watch_accessed_variables=False) as tape, \
                     tf.name_scope("recompute"):
                 tape.watch(_float_leaves(inputs) + list(params))
@@ -305,7 +303,7 @@ class Stage:
             grad_of = [next(seeds) if g else None for g in given]
             ys, grad_ys = _pairs(keras.tree.flatten(outputs) + losses,
                                  grad_of)
-            middle = _stamp_or_none(recorded, ys)
+            middle = _stamp_or_none(stamp, ys)
             grads = tape.gradient(
                 ys, _float_leaves(inputs) + list(params),
                 output_gradients=grad_ys,
@@ -314,7 +312,7 @@ class Stage:
             sums = iter(sums)
             new_sums = [add_gradients(next(sums), g)
                         for g, d in zip(grads[n:], dense) if d]
-            end = _stamp_or_none(recorded, [g for g in grads if g is not None])
+            end = _stamp_or_none(stamp, [g for g in grads if g is not None])
             # Gradients summed inside are not returned on their own.
             rest = [None if d else g for g, d in zip(grads[n:], dense)]
             return grads[:n] + rest, new_sums, [start, middle, end]
@@ -339,10 +337,8 @@ def _relaxed_spec(t):
     return _exact_spec(t)
 
 
-def _stamp_or_none(recorded, after):
-    if not recorded:
-        return None
-    return timeline.stamp(after)
+def _stamp_or_none(stamp, after):
+    return None if stamp is None else stamp(after)
 
 
 def _pairs(ys, grads):

@@ -1,0 +1,417 @@
+"""The executor: runs any schedule's actions over the stage runners.
+
+One training step is a list of stage calls. The executor reads the clock
+ticks of the model's schedule (`keras_pipe.schedule`), issues each action in
+tick order (`"F"` a forward call, `"B"` a backward call, `"W"` the weight
+gradients) and chains the calls of each device with control dependencies,
+so that each device runs its calls in the schedule's order. Everything a
+step builds lives in a typed `Step`, indexed by (micro-batch `i`, stage
+`j`): the `StageRun` of each forward call, the gradients flowing back, the
+threaded state, and one running sum per trainable variable per stage.
+
+The loss head decides how gradients are seeded. When the first backward call
+of the last stage comes after every forward call (GPipe), the loss is
+computed once on the merged outputs of all micro-batches, which is exact for
+every loss. Otherwise (1F1B and the other interleaved schedules) micro-batch
+`i` is seeded from its own part of the full-batch loss (see
+`keras_pipe.losses`), computed on its rows as soon as it left the last stage.
+
+The executor knows nothing of Keras' `Model`: the model hands it a
+`LossHead` (what to call for the full loss and for one micro-batch's part),
+and an observer (the Timeline's recorder) that stamps the calls.
+"""
+
+import dataclasses
+
+import keras
+import tensorflow as tf
+
+from keras_pipe import microbatch
+from keras_pipe import schedule as schedule_lib
+from keras_pipe.replicas import replica_of
+from keras_pipe.stage import sum_gradients
+
+__all__ = ["Cell", "Executor", "LossHead", "Step", "sum_on_devices"]
+
+
+@dataclasses.dataclass
+class LossHead:
+    """How the model turns stage outputs into a loss (see module docstring).
+
+    Attributes:
+        full: `full(y_pred) -> loss`, the compiled loss of the merged
+            outputs (it may update loss metrics).
+        part: `part(step, i) -> loss_i`, micro-batch `i`'s exact part of the
+            full-batch loss, computed from its own outputs.
+        scale: `scale(loss)`, the optimizer's loss scaling (mixed precision).
+    """
+
+    full: object
+    part: object
+    scale: object
+
+
+@dataclasses.dataclass
+class Cell:
+    """What micro-batch `i` left on stage `j` during a step."""
+
+    run: object = None           # the `StageRun` of the forward call
+    output_grads: list = None    # gradients for `tree.flatten(run.outputs)`
+    loss_grads: list = None      # gradients for `run.losses`
+    backward_done: bool = False
+
+
+@dataclasses.dataclass
+class Step:
+    """The state of one pipelined step, indexed by micro-batch and stage.
+
+    Attributes:
+        micro_batches: the `MicroBatch`es of the step (all replicas).
+        training: the `training` flag of the stage calls.
+        differentiable: whether an outer `tf.GradientTape` sees the calls
+            (`model(x)` under a tape), else the executor's own backward
+            calls compute the gradients.
+        remat: per stage, `"always"`, `"except_last"` or `"never"`.
+        replica: per micro-batch, the replica that runs it.
+        cells: `cells[i][j]`, a `Cell` per micro-batch and stage.
+        params: `params[r][j]`, the trainable values stage `j` of replica
+            `r` reads, once per step, on its device.
+        state: `state[j]`, stage `j`'s current state values (threaded from
+            one micro-batch to the next).
+        changed: `changed[j][s]`, whether state value `s` was updated.
+        sums: `sums[r][j]`, per trainable variable of the stage, the running
+            sum of its gradients (None until the first one).
+        last: per device, the tensors of the last call issued there: the
+            next call on that device waits for them.
+        loss: the full-batch loss, once computed within the step.
+        seeded_by_parts: whether micro-batches are seeded from their own
+            parts of the loss (some backward call starts before the last
+            forward call).
+    """
+
+    micro_batches: list
+    training: bool
+    differentiable: bool
+    remat: list
+    replica: list
+    cells: list
+    params: list
+    state: list
+    changed: list
+    sums: list
+    last: dict = dataclasses.field(default_factory=dict)
+    loss: object = None
+    seeded_by_parts: bool = False
+
+    @property
+    def num_micro_batches(self):
+        return len(self.micro_batches)
+
+
+def _is_float(t):
+    return t is not None and t.dtype.is_floating
+
+
+def _shares(micro_batches, dtype):
+    """Each micro-batch's share of the batch's rows (0 for a padding slot)."""
+    sizes = [tf.cast(mb.size, dtype) for mb in micro_batches]
+    total = tf.add_n(sizes) if len(sizes) > 1 else sizes[0]
+    return [size / total for size in sizes]
+
+
+def _first(tensors):
+    return [t for t in tensors if t is not None][:1]
+
+
+class Executor:
+    """Runs a schedule's actions over the stage runners of every replica.
+
+    Args:
+        replicas: `replicas[r][j]`, the `keras_pipe.stage.Stage` runner of
+            stage `j` in replica `r`; replica 0 holds the variables.
+        schedule: the name of a registered schedule.
+        stage_devices: per stage, the index of its device (in order of
+            first appearance), for schedules with several stages per device.
+    """
+
+    def __init__(self, replicas, schedule, stage_devices):
+        self.replicas = replicas
+        self.schedule = schedule
+        self.stage_devices = list(stage_devices)
+
+    @property
+    def num_stages(self):
+        return len(self.replicas[0])
+
+    @property
+    def num_replicas(self):
+        return len(self.replicas)
+
+    def ticks(self, num_micro_batches):
+        """The schedule's clock ticks for one replica's micro-batches."""
+        build = schedule_lib.get_schedule(self.schedule).build
+        return build(num_micro_batches, self.num_stages,
+                     1 + max(self.stage_devices))
+
+    def runner(self, step, i, j):
+        return self.replicas[step.replica[i]][j]
+
+    # ------------------------------------------------------------- a step
+
+    def start(self, inputs, num_micro_batches, training, remat,
+              differentiable):
+        """Splits the batch; reads weights and state once per step."""
+        micro_batches = microbatch.scatter(
+            inputs, num_micro_batches * self.num_replicas)
+        m, k = len(micro_batches), self.num_stages
+        state = [r.read_state() for r in self.replicas[0]]
+        return Step(
+            micro_batches=micro_batches, training=training,
+            differentiable=differentiable, remat=list(remat),
+            replica=[replica_of(i, m, self.num_replicas) for i in range(m)],
+            cells=[[Cell() for _ in range(k)] for _ in range(m)],
+            params=[[r.read_params(differentiable) for r in replica]
+                    for replica in self.replicas],
+            state=state, changed=[[False] * len(s) for s in state],
+            sums=[[[None] * len(r.trainable_variables) for r in replica]
+                  for replica in self.replicas])
+
+    def _shards(self, step):
+        """Per replica, the global indices of its micro-batches."""
+        shards = [[] for _ in self.replicas]
+        for i, r in enumerate(step.replica):
+            shards[r].append(i)
+        return [s for s in shards if s]
+
+    def actions(self, step, forward_only=False):
+        """The step's actions in issue order, with global micro-batch ids.
+
+        Each replica follows the schedule on its own micro-batches; their
+        ticks are merged tick by tick.
+        """
+        per_replica = []
+        for shard in self._shards(step):
+            ticks = (schedule_lib.gpipe(len(shard), self.num_stages)
+                     if forward_only else self.ticks(len(shard)))
+            per_replica.append([[dataclasses.replace(a, i=shard[a.i])
+                                 for a in tick
+                                 if not forward_only or a.kind == "F"]
+                                for tick in ticks])
+        merged = []
+        for k in range(max(len(t) for t in per_replica)):
+            merged += [a for ticks in per_replica if k < len(ticks)
+                       for a in ticks[k]]
+        return merged
+
+    def forward(self, step, observer=None):
+        """Runs every forward call (GPipe order): inference and `call`."""
+        for action in self.actions(step, forward_only=True):
+            self._forward(step, action.i, action.j, observer)
+
+    def run(self, step, head, observer=None):
+        """Runs the schedule's forward and backward calls.
+
+        `"W"` actions are part of `"B"` until a stage can split its backward
+        pass; they are accepted and issue nothing of their own.
+        """
+        for action in self.actions(step):
+            if action.kind == "F":
+                self._forward(step, action.i, action.j, observer)
+                if action.j == self.num_stages - 1:
+                    self._maybe_seed_part(step, head, action.i)
+            elif action.kind == "B":
+                self._backward(step, action.i, action.j, head, observer)
+
+    # ------------------------------------------------------------- forward
+
+    def _remat(self, step, i, j):
+        mode = step.remat[j]
+        return mode == "always" or (
+            mode == "except_last" and i < step.num_micro_batches - 1)
+
+    def _forward(self, step, i, j, observer):
+        """Issues the forward call of micro-batch `i` on stage `j`."""
+        runner = self.runner(step, i, j)
+        x = (step.micro_batches[i].inputs if j == 0
+             else step.cells[i][j - 1].run.outputs)
+        run, new_state = runner.forward(
+            x, step.params[step.replica[i]][j], step.state[j], step.training,
+            self._remat(step, i, j),
+            control_inputs=step.last.get(runner.device, []),
+            differentiable=step.differentiable,
+            name=f"stage{j}/mb{i}/forward", observer=observer)
+        step.last[runner.device] = keras.tree.flatten(run.outputs)[:1]
+        valid = step.micro_batches[i].valid
+        for s, new in enumerate(new_state):
+            if new is None:
+                continue
+            if valid is not True:
+                with tf.device(runner.device):
+                    new = tf.where(valid, new, step.state[j][s])
+            step.state[j][s] = new
+            step.changed[j][s] = True
+        step.cells[i][j].run = run
+
+    def assign_state(self, step):
+        """Assigns each stage's final state once; calls the step-end hooks."""
+        for runner, values, flags in zip(self.replicas[0], step.state,
+                                         step.changed):
+            with tf.device(runner.device):
+                for variable, value, flag in zip(runner.state_variables,
+                                                 values, flags):
+                    if flag:
+                        variable.assign(value)
+                if step.training:
+                    _finish_mini_batch(runner.layer)
+
+    def outputs(self, step):
+        """The last stage's outputs, merged over micro-batches."""
+        with tf.device(self.replicas[0][-1].device):
+            return microbatch.gather(
+                [row[-1].run.outputs for row in step.cells],
+                step.micro_batches)
+
+    def layer_losses(self, step, dtype):
+        """The losses layers added (`add_loss`) during the forward calls.
+
+        Keras divides an activity regularizer by the batch size, and most
+        `add_loss` terms are batch means: the full-batch value is the mean
+        of the micro-batch values weighted by micro-batch size.
+        """
+        shares = _shares(step.micro_batches, dtype)
+        terms = [tf.cast(tf.reduce_sum(l), dtype) * shares[i]
+                 for i, row in enumerate(step.cells) for cell in row
+                 for l in cell.run.losses]
+        return tf.add_n(terms) if terms else None
+
+    # ---------------------------------------------------------------- seeds
+
+    def _all_forwards_done(self, step):
+        return all(row[-1].run is not None for row in step.cells)
+
+    def _maybe_seed_part(self, step, head, i):
+        """Seeds micro-batch `i` from its loss part if backward starts early.
+
+        Called when micro-batch `i` left the last stage. If every forward
+        call is done and no part was seeded yet, the full-batch loss seeds
+        everything instead (at the first backward call).
+        """
+        if not step.seeded_by_parts and self._all_forwards_done(step):
+            return
+        step.seeded_by_parts = True
+        last = self.runner(step, i, self.num_stages - 1)
+        # The loss head joins the last stage's chain of calls.
+        with tf.device(last.device), tf.control_dependencies(
+                step.last.get(last.device, [])):
+            loss_i = head.part(step, i)
+        self._seed(step, head.scale(loss_i), [i])
+        self._seed_layer_losses(step, head.scale, [i])
+        step.last[last.device] = _first(
+            step.cells[i][-1].output_grads)
+
+    def _seed_full(self, step, head):
+        """The full-batch loss, once; seeds every micro-batch not yet seeded."""
+        y_pred = self.outputs(step)
+        with tf.device(self.replicas[0][-1].device):
+            loss = head.full(y_pred)
+            extra = self.layer_losses(step, loss.dtype)
+            step.loss = loss if extra is None else loss + extra
+        todo = [i for i, row in enumerate(step.cells)
+                if row[-1].output_grads is None]
+        self._seed(step, head.scale(step.loss), todo)
+        self._seed_layer_losses(step, head.scale, todo)
+
+    def _seed(self, step, loss, indices):
+        """Gradients of `loss` for the given micro-batches' stage outputs.
+
+        Only the loss head is differentiated here; each stage's backward
+        runs in `Stage.backward` on its device.
+        """
+        outputs = [keras.tree.flatten(step.cells[i][-1].run.outputs)
+                   for i in indices]
+        targets = [t for flat in outputs for t in flat if _is_float(t)]
+        with tf.device(self.replicas[0][-1].device):
+            grads = iter(tf.gradients(loss, targets,
+                                      unconnected_gradients="none"))
+        for i, flat in zip(indices, outputs):
+            step.cells[i][-1].output_grads = [
+                next(grads) if _is_float(t) else None for t in flat]
+
+    def _seed_layer_losses(self, step, scale, indices):
+        """Gradients of the total loss for the stages' `add_loss` terms."""
+        shares = _shares(step.micro_batches, tf.float32)
+        for i in indices:
+            for cell in step.cells[i]:
+                cell.loss_grads = [
+                    scale(tf.ones_like(l) * tf.cast(shares[i], l.dtype))
+                    for l in cell.run.losses]
+
+    # -------------------------------------------------------------- backward
+
+    def _backward(self, step, i, j, head, observer):
+        """Issues the backward call of micro-batch `i` on stage `j`."""
+        cell = step.cells[i][j]
+        if j == self.num_stages - 1 and cell.output_grads is None:
+            self._seed_full(step, head)
+        runner = self.runner(step, i, j)
+        sums = step.sums[step.replica[i]][j]
+        input_grads, totals = runner.backward(
+            cell.run, cell.output_grads, cell.loss_grads, training=True,
+            totals=list(sums), name=f"stage{j}/mb{i}/backward",
+            control_inputs=step.last.get(runner.device, []),
+            observer=observer)
+        step.last[runner.device] = _first(input_grads + totals)
+        if j:
+            step.cells[i][j - 1].output_grads = input_grads
+        sums[:] = totals
+        cell.backward_done = True
+        cell.output_grads = None  # released: nothing reads it again
+
+    def gradient_parts(self, step):
+        """`(variable, gradient)` per stage, replica and trainable variable."""
+        for replica, sums in zip(self.replicas, step.sums):
+            for runner, totals in zip(replica, sums):
+                for variable, total in zip(runner.trainable_variables,
+                                           totals):
+                    if total is not None:
+                        yield variable, total
+
+
+def sum_on_devices(variables, parts, device_of):
+    """Sums each variable's gradient parts on the variable's device.
+
+    Args:
+        variables: the model's trainable variables, in order.
+        parts: `(variable, gradient)` pairs, several per variable (stages
+            that share a layer, replicas, regularization).
+        device_of: `device_of(variable)`, the device to sum on.
+
+    Returns:
+        One gradient (or None) per variable.
+    """
+    index = {id(v): n for n, v in enumerate(variables)}
+    collected = [[] for _ in variables]
+    for variable, gradient in parts:
+        collected[index[id(variable)]].append(gradient)
+    gradients = []
+    for variable, grads in zip(variables, collected):
+        if not grads:
+            gradients.append(None)
+            continue
+        with tf.device(device_of(variable)):
+            gradients.append(sum_gradients(grads))
+    return gradients
+
+
+def _finish_mini_batch(layer):
+    """Calls `finish_mini_batch()` on each sub-layer of `layer` that has it.
+
+    The hook runs once per training step, after the state of every
+    micro-batch has been assigned: a layer that accumulates statistics over
+    micro-batches (`keras_pipe.layers.DeferredBatchNormalization`) applies
+    them here, once per mini-batch.
+    """
+    for sub in layer._flatten_layers():
+        finish = getattr(sub, "finish_mini_batch", None)
+        if callable(finish):
+            finish()

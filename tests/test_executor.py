@@ -1,0 +1,52 @@
+"""The executor runs any registered schedule: adding one is one function.
+
+Tolerances as in test_transparency: rtol 1e-5, atol 1e-6 (float32; only
+the order of sums changes).
+"""
+
+import pytest
+
+from keras_pipe import schedule
+from tests import helpers
+from tests.test_transparency import check_one_step, compile_both
+
+
+def backward_in_forward_order(num_micro_batches, num_stages,
+                              num_devices=None):
+    """GPipe, but each stage runs its backward passes in forward order."""
+    m, k = num_micro_batches, num_stages
+    return schedule.ticks_from_orders(
+        [[schedule.Action("F", i, j) for i in range(m)] +
+         [schedule.Action("B", i, j) for i in range(m)] for j in range(k)], k)
+
+
+schedule.register_schedule("test_gpipe_forward_order",
+                           backward_in_forward_order)
+
+
+def test_registered_schedule_is_followed(devices):
+    ticks = backward_in_forward_order(3, 2)
+    assert schedule.format_schedule(ticks) == (
+        "tick     0  1  2  3  4  5  6  7\n"
+        "stage 0 F0 F1 F2  .  . B0 B1 B2\n"
+        "stage 1  . F0 F1 F2 B0 B1 B2  .")
+    pipe, _ = helpers.pipeline_and_reference(
+        2, 3, "never", devices, schedule="test_gpipe_forward_order")
+    assert pipe.clock_ticks() == ticks
+
+
+@pytest.mark.parametrize("remat", ["never", "always"])
+def test_registered_schedule_gives_the_gpipe_gradients(devices, remat):
+    pipe, reference = helpers.pipeline_and_reference(
+        3, 4, remat, devices, schedule="test_gpipe_forward_order")
+    compile_both(pipe, reference, optimizer="adam")
+    x, y, _ = helpers.data(10)
+    check_one_step(pipe, reference, x, y)
+
+
+def test_per_stage_remat_is_exact(devices):
+    pipe, reference = helpers.pipeline_and_reference(
+        3, 4, ["always", "never", "except_last"], devices)
+    compile_both(pipe, reference, optimizer="adam")
+    x, y, _ = helpers.data(10)
+    check_one_step(pipe, reference, x, y)
