@@ -15,8 +15,9 @@ import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import keras_pipe  # noqa: E402
+from keras_pipe import validation  # noqa: E402
 
-REMAT_MODES = ("always", "except_last", "never")
+REMAT_MODES = validation.REMAT_MODES
 BALANCE_MODES = ("params", "flops", "time", "memory")
 
 

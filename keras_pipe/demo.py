@@ -15,12 +15,18 @@ import sys
 
 
 def parse_args(argv):
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    from keras_pipe import schedule, validation  # noqa: PLC0415 (TF import)
+
     parser = argparse.ArgumentParser(
         prog="python -m keras_pipe.demo", description=__doc__.split("\n")[0])
     parser.add_argument("--num-stages", type=int, default=4)
     parser.add_argument("--num-micro-batches", type=int, default=8)
     parser.add_argument("--remat", default="except_last",
-                        choices=["always", "except_last", "never"])
+                        choices=validation.REMAT_MODES)
+    parser.add_argument("--schedule", default="gpipe",
+                        choices=[n for n in schedule.schedule_names()
+                                 if n in ("gpipe", "1f1b", "zb_h1", "zb_h2")])
     parser.add_argument("--epochs", type=int, default=8)
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--samples", type=int, default=8192)
@@ -56,7 +62,6 @@ def make_stages(num_stages, num_classes=4, width=64):
 
 def main(argv=None):
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     import tensorflow as tf
 
     import keras_pipe
@@ -78,15 +83,16 @@ def main(argv=None):
 
     model = keras_pipe.PipelineModel(
         make_stages(args.num_stages), devices=devices,
-        num_micro_batches=args.num_micro_batches, remat=args.remat)
+        num_micro_batches=args.num_micro_batches, remat=args.remat,
+        schedule=args.schedule)
     model.build((None, x.shape[1]))
     model.compile(
         optimizer=keras.optimizers.Adam(3e-3),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         metrics=["accuracy"])
     print(model.summary_table())
-    print(f"\nGPipe schedule, {args.num_micro_batches} micro-batches on "
-          f"{args.num_stages} stages (bubble "
+    print(f"\n{args.schedule} schedule, {args.num_micro_batches} "
+          f"micro-batches on {args.num_stages} stages (GPipe's bubble "
           f"{keras_pipe.schedule.bubble_fraction(args.num_micro_batches, args.num_stages):.0%}):")
     print(keras_pipe.schedule.format_schedule(model.clock_ticks()))
     print(f"\nremat={args.remat!r}; training on {split} samples, "

@@ -30,9 +30,10 @@ import dataclasses
 from keras_pipe import validation
 
 __all__ = ["Action", "bubble_fraction", "check_placement", "format_schedule",
-           "get_schedule", "gpipe", "idle_fraction", "one_f_one_b",
-           "register_schedule", "schedule_names", "stage_placement",
-           "ticks_from_orders"]
+           "get_schedule", "gpipe", "idle_fraction", "interleaved_1f1b",
+           "list_schedule", "one_f_one_b", "register_schedule",
+           "schedule_names", "stage_placement", "ticks_from_orders",
+           "zb_h1", "zb_h2", "zbv"]
 
 KINDS = ("F", "B", "W")
 
@@ -190,6 +191,167 @@ def one_f_one_b(num_micro_batches, num_stages, num_devices=None):
     return ticks_from_orders(orders, k)
 
 
+def list_schedule(num_micro_batches, num_stages, stage_devices, max_forward,
+                  max_weight=None, forward_key=None):
+    """A schedule built tick by tick by a greedy list scheduler.
+
+    At each tick every device runs one ready action of its stages, in this
+    priority: a `"W"` when `max_weight[d]` weight-gradient actions are
+    pending (bounds the memory they hold), a `"B"` (the critical path:
+    earliest micro-batch, deepest stage first), an `"F"` while fewer than
+    `max_forward[d]` micro-batches are between their forward and backward
+    pass on the device (bounds activation memory), a `"W"` to fill a slot
+    that would be idle. With `max_weight=None` there are no `"W"` actions
+    (`"B"` computes the weight gradients too).
+
+    Args:
+        num_micro_batches: `M`.
+        num_stages: `K`.
+        stage_devices: per stage, its device index.
+        max_forward: per device, the most micro-batches in flight.
+        max_weight: per device, the most pending `"W"`, or None.
+        forward_key: orders ready forward actions, `key(i, j)`. Defaults
+            to micro-batch, then stage.
+
+    Returns:
+        The list of ticks.
+
+    Raises:
+        ValueError: if the bounds leave every device waiting (deadlock).
+    """
+    m, k = num_micro_batches, num_stages
+    split = max_weight is not None
+    forward_key = forward_key or (lambda i, j: (i, j))
+    num_devices = 1 + max(stage_devices)
+    stages_of = [[j for j in range(k) if stage_devices[j] == d]
+                 for d in range(num_devices)]
+    done, ticks = set(), []
+    total = m * k * (3 if split else 2)
+
+    def did(kind, i, j):
+        return Action(kind, i, j) in done
+
+    while len(done) < total:
+        tick = []
+        for d, stages in enumerate(stages_of):
+            cells = [(i, j) for i in range(m) for j in stages]
+            forward = [Action("F", i, j) for i, j in cells
+                       if not did("F", i, j) and (j == 0 or did("F", i, j - 1))
+                       and (i == 0 or did("F", i - 1, j))]
+            backward = [Action("B", i, j) for i, j in cells
+                        if did("F", i, j) and not did("B", i, j)
+                        and (j == k - 1 or did("B", i, j + 1))]
+            weight = [Action("W", i, j) for i, j in cells if split
+                      and did("B", i, j) and not did("W", i, j)]
+            in_flight = sum(did("F", i, j) and not did("B", i, j)
+                            for i, j in cells)
+            if weight and len(weight) >= max_weight[d]:
+                pick = min(weight)
+            elif backward:
+                pick = min(backward, key=lambda a: (a.i, -a.j))
+            elif forward and in_flight < max_forward[d]:
+                pick = min(forward, key=lambda a: forward_key(a.i, a.j))
+            elif weight:
+                pick = min(weight)
+            else:
+                continue
+            tick.append(pick)
+        if not tick:
+            raise ValueError(
+                f"The schedule deadlocks with max_forward={max_forward} for "
+                f"M={m}, K={k}: raise the bound.")
+        done.update(tick)
+        ticks.append(tick)
+    return ticks
+
+
+def zb_h1(num_micro_batches, num_stages, num_devices=None):
+    """Zero-bubble ZB-H1: 1F1B's order with weight gradients deferred.
+
+    Backward passes are split: `"B"` (input gradient, on the critical path)
+    runs as soon as it can and `"W"` (weight gradients) fills slots that
+    would be idle, with at most 2 pending per stage. Activation memory is
+    1F1B's (`K - j` micro-batches in flight on stage `j`); the bubble is
+    about a third of 1F1B's (Qi et al., 2024).
+
+    Args and raises: as `gpipe`.
+    """
+    _check_counts(num_micro_batches, num_stages, num_devices)
+    k = num_stages
+    return list_schedule(num_micro_batches, k, list(range(k)),
+                         [k - j for j in range(k)], [2] * k)
+
+
+def zb_h2(num_micro_batches, num_stages, num_devices=None):
+    """Zero-bubble ZB-H2: more warm-up, all weight gradients deferred.
+
+    Stage `j` keeps up to `2 (K - j) - 1` micro-batches in flight (about
+    twice 1F1B's activation memory) and defers every `"W"` until it has
+    nothing else to do, so the drain is filled with weight gradients and
+    the executor runs each stage's trailing `"W"`s as one call over the
+    concatenated micro-batches.
+
+    Args and raises: as `gpipe`.
+    """
+    _check_counts(num_micro_batches, num_stages, num_devices)
+    m, k = num_micro_batches, num_stages
+    return list_schedule(m, k, list(range(k)),
+                         [2 * (k - j) - 1 for j in range(k)], [m + 1] * k)
+
+
+def interleaved_1f1b(num_micro_batches, num_stages, num_devices=None):
+    """Interleaved 1F1B (Megatron-LM): `V` stages per device, in a loop.
+
+    Stage `j` runs on device `j % D`; forward passes go in groups of `D`
+    micro-batches through one stage of each device before the next, which
+    cuts the bubble by about `V` for the same number of micro-batches.
+
+    Args:
+        num_micro_batches: `M`, >= 1.
+        num_stages: `K = V * D`.
+        num_devices: `D`, a divisor of `K`. Defaults to `K // 2`.
+
+    Raises:
+        ValueError: if `D` does not divide `K`.
+    """
+    num_devices = num_devices or max(1, num_stages // 2)
+    _check_counts(num_micro_batches, num_stages, num_devices)
+    k, d = num_stages, num_devices
+    if k % d:
+        raise ValueError(f"interleaved_1f1b needs num_stages a multiple of "
+                         f"num_devices. Received: num_stages={k}, "
+                         f"num_devices={d}")
+    return list_schedule(
+        num_micro_batches, k, stage_placement(k, d, "loop"), [k + 1] * d,
+        forward_key=lambda i, j: (i // d, j // d, i % d))
+
+
+def zbv(num_micro_batches, num_stages, num_devices=None):
+    """Zero-bubble V schedule: two stages per device in a V, `"W"` deferred.
+
+    Device `d` holds stage `d` (down) and stage `2D - 1 - d` (back up), so
+    the first and the last stage share device 0 and the loss is computed
+    where the first stage's backward starts; weight gradients fill the
+    remaining slots.
+
+    Args:
+        num_micro_batches: `M`, >= 1.
+        num_stages: `K = 2 D`.
+        num_devices: `D = K / 2`. Defaults to `K // 2`.
+
+    Raises:
+        ValueError: if `K != 2 D`.
+    """
+    num_devices = num_devices or max(1, num_stages // 2)
+    _check_counts(num_micro_batches, num_stages, num_devices)
+    m, k, d = num_micro_batches, num_stages, num_devices
+    if k != 2 * d:
+        raise ValueError(f"zbv needs num_stages == 2 * num_devices. "
+                         f"Received: num_stages={k}, num_devices={d}")
+    return list_schedule(m, k, stage_placement(k, d, "v"), [k] * d,
+                         [m + 1] * d)
+
+
 @dataclasses.dataclass(frozen=True)
 class _Entry:
     build: object      # (num_micro_batches, num_stages, num_devices) -> ticks
@@ -333,3 +495,7 @@ def format_schedule(ticks):
 
 register_schedule("gpipe", gpipe)
 register_schedule("1f1b", one_f_one_b)
+register_schedule("zb_h1", zb_h1)
+register_schedule("zb_h2", zb_h2)
+register_schedule("interleaved_1f1b", interleaved_1f1b, placement="loop")
+register_schedule("zbv", zbv, placement="v", stages_per_device=2)

@@ -20,8 +20,9 @@ def backward_in_forward_order(num_micro_batches, num_stages,
          [schedule.Action("B", i, j) for i in range(m)] for j in range(k)], k)
 
 
-schedule.register_schedule("test_gpipe_forward_order",
-                           backward_in_forward_order)
+if "test_gpipe_forward_order" not in schedule.schedule_names():
+    schedule.register_schedule("test_gpipe_forward_order",
+                               backward_in_forward_order)
 
 
 def test_registered_schedule_is_followed(devices):
@@ -50,3 +51,50 @@ def test_per_stage_remat_is_exact(devices):
     compile_both(pipe, reference, optimizer="adam")
     x, y, _ = helpers.data(10)
     check_one_step(pipe, reference, x, y)
+
+
+@pytest.mark.parametrize("name,devices_of", [
+    ("1f1b", [0, 1, 2]), ("zb_h1", [0, 1, 2]), ("zb_h2", [0, 1, 2]),
+    ("interleaved_1f1b", [0, 1, 0, 1]), ("zbv", [0, 1, 1, 0])])
+@pytest.mark.parametrize("remat", ["never", "except_last"])
+def test_every_schedule_gives_the_unsplit_gradients(devices, name,
+                                                    devices_of, remat):
+    stages = len(devices_of)
+    pipe, reference = helpers.pair(
+        lambda: helpers.dense_stages(stages), [devices[d] for d in devices_of],
+        5, remat, schedule=name)
+    compile_both(pipe, reference, optimizer="adam")
+    x, y, _ = helpers.data(11)  # uneven micro-batches: 3, 2, 2, 2, 2
+    check_one_step(pipe, reference, x, y)
+
+
+@pytest.mark.parametrize("name", ["interleaved_1f1b", "zbv"])
+def test_schedules_with_stages_sharing_devices_check_the_order(devices,
+                                                               name):
+    with pytest.raises(ValueError, match=f"schedule='{name}' needs stage j "
+                       "on device"):
+        helpers.pair(lambda: helpers.dense_stages(4),
+                     [devices[0], devices[0], devices[1], devices[1]], 2,
+                     "never", schedule=name)
+
+
+@pytest.mark.parametrize("name", schedule.schedule_names())
+@pytest.mark.parametrize("m", [1, 2, 3, 8])
+@pytest.mark.parametrize("k", [2, 4])
+def test_every_registered_schedule_is_complete_and_ordered(name, m, k):
+    d = k // 2 if name in ("interleaved_1f1b", "zbv") else k
+    ticks = schedule.get_schedule(name).build(m, k, d)
+    when = {a: t for t, tick in enumerate(ticks) for a in tick}
+    kinds = {a.kind for a in when}
+    assert len(when) == sum(len(tick) for tick in ticks)  # no action twice
+    for i in range(m):
+        for j in range(k):
+            f, b = schedule.Action("F", i, j), schedule.Action("B", i, j)
+            assert f in when and b in when
+            assert when[f] < when[b]
+            if j:
+                assert when[schedule.Action("F", i, j - 1)] < when[f]
+            if j < k - 1:
+                assert when[schedule.Action("B", i, j + 1)] < when[b]
+            if "W" in kinds:
+                assert when[b] < when[schedule.Action("W", i, j)]
