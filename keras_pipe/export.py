@@ -42,7 +42,7 @@ def _input_spec(model):
 
 def _apply(layer, inputs):
     """Calls `layer` on KerasTensors, opening Sequential/Functional models."""
-    if not saving._is_container(layer):
+    if not saving.is_container(layer):
         return layer(inputs)
     if isinstance(layer, keras.Sequential):
         if layer._functional is not None:
@@ -52,7 +52,7 @@ def _apply(layer, inputs):
         return inputs
 
     def operation_fn(op):
-        if saving._is_container(op):
+        if saving.is_container(op):
             return lambda x, *args, **kwargs: _apply(op, x)
         return op
 
@@ -87,7 +87,7 @@ def to_model(model, name=None):
     spec = _input_spec(model)
     inputs = keras.tree.map_structure(
         lambda t: keras.Input(batch_shape=t.shape, dtype=t.dtype), spec)
-    graph = saving._graph_of(model.stages)
+    graph = saving.graph_of(model.stages)
     if graph is not None:  # Cut by from_model: the source model's graph.
         x = _apply(graph.functional, inputs)
     else:

@@ -26,9 +26,8 @@ import contextlib
 
 import keras
 import tensorflow as tf
-from keras.src import backend
-from keras.src.losses import loss as loss_lib
 
+from keras_pipe import internals
 from keras_pipe import microbatch
 from keras_pipe.executor import LossHead
 
@@ -52,16 +51,13 @@ def _check(loss):
 
 @contextlib.contextmanager
 def _standing_in(compile_loss, make):
-    """Replaces each loss of `compile_loss` by `make(n, loss)` meanwhile."""
-    originals = compile_loss._flat_losses
-    compile_loss._flat_losses = [
-        entry._replace(loss=make(n, entry.loss))
-        for n, entry in enumerate(originals)]
-    try:
+    """Replaces each loss of `compile_loss` by `make(n, loss)` meanwhile.
+
+    Yields the number of losses.
+    """
+    with internals.replaced_losses(compile_loss, make) as count:
         with keras.StatelessScope():  # no loss metric updates
-            yield
-    finally:
-        compile_loss._flat_losses = originals
+            yield count
 
 
 def weight_sums(compile_loss, y_true, y_pred, sample_weight):
@@ -80,9 +76,9 @@ def weight_sums(compile_loss, y_true, y_pred, sample_weight):
             return keras.ops.zeros((), loss.dtype)
         return probe
 
-    with _standing_in(compile_loss, make):
+    with _standing_in(compile_loss, make) as count:
         compile_loss(y_true, y_pred, sample_weight)
-    return [sums.get(n) for n in range(len(compile_loss._flat_losses))]
+    return [sums.get(n) for n in range(count)]
 
 
 def share(compile_loss, y_true, y_pred, sample_weight, total_rows, sums):
@@ -101,21 +97,21 @@ def share(compile_loss, y_true, y_pred, sample_weight, total_rows, sums):
         _check(loss)
 
         def part(y_t, y_p, w=None):
-            if backend.get_keras_mask(y_p) is not None:
+            if internals.get_keras_mask(y_p) is not None:
                 raise NotSplittable("masked outputs")
             y_p = keras.tree.map_structure(
                 lambda t: keras.ops.convert_to_tensor(t, loss.dtype), y_p)
             y_t = keras.tree.map_structure(
                 lambda t: keras.ops.convert_to_tensor(t, loss.dtype), y_t)
             values = loss.call(y_t, y_p)
-            if backend.get_keras_mask(values) is not None or len(
+            if internals.get_keras_mask(values) is not None or len(
                     values.shape) == 0:
                 raise NotSplittable("loss values without a batch axis")
             reduction = loss.reduction
             if reduction in ("none", None):
-                return loss_lib.reduce_weighted_values(
+                return internals.reduce_weighted_values(
                     values, w, reduction="none", dtype=loss.dtype)
-            total = loss_lib.reduce_weighted_values(
+            total = internals.reduce_weighted_values(
                 values, w, reduction="sum", dtype=loss.dtype)
             if reduction == "sum":
                 return total
@@ -125,7 +121,7 @@ def share(compile_loss, y_true, y_pred, sample_weight, total_rows, sums):
                 per_row = tf.reduce_prod(tf.shape(values)[1:])
                 divisor = tf.cast(total_rows, loss.dtype) * tf.cast(
                     per_row, loss.dtype)
-            return loss_lib.scale_loss_for_distribution(
+            return internals.scale_loss_for_distribution(
                 keras.ops.divide_no_nan(total, divisor))
         return part
 

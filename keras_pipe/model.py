@@ -1,19 +1,17 @@
 """PipelineModel: a Keras model whose stages run as a GPipe pipeline."""
 
-import contextlib
-
 import keras
 import tensorflow as tf
-from keras.src.backend.common import global_state
 
+from keras_pipe import building
 from keras_pipe import cluster
 from keras_pipe import executor as executor_lib
 from keras_pipe import export as export_lib
+from keras_pipe import internals
 from keras_pipe import losses as losses_lib
 from keras_pipe import placement
 from keras_pipe import replicas as replicas_lib
 from keras_pipe import saving
-from keras_pipe import schedule as schedule_lib
 from keras_pipe import validation
 from keras_pipe.stage import Stage
 
@@ -23,124 +21,6 @@ __all__ = ["PipelineModel"]
 # The executor is plain Python that builds a graph; it has no tensor-dependent
 # control flow for AutoGraph to convert (and conversion costs build time).
 _not_autograph = tf.autograph.experimental.do_not_convert
-
-
-@contextlib.contextmanager
-def _eager_scope():
-    """Leaves Keras' symbolic/stateless scopes and any FuncGraph.
-
-    Keras builds a model inside `backend.compute_output_spec`, where new
-    variables are deferred and later created outside any `tf.device` scope.
-    Stages must be built eagerly under their device instead.
-    """
-    names = ("stateless_scope", "symbolic_scope")
-    saved = {n: global_state.get_global_attribute(n) for n in names}
-    for n in names:
-        global_state.set_global_attribute(n, None)
-    try:
-        with tf.init_scope():
-            yield
-    finally:
-        for n, value in saved.items():
-            global_state.set_global_attribute(n, value)
-
-
-def _is_shape(value):
-    return isinstance(value, (tuple, list)) and all(
-        d is None or isinstance(d, int) for d in value)
-
-
-def _to_spec(shapes):
-    """Turns a nested structure of shapes into KerasTensors (float32)."""
-    if _is_shape(shapes):
-        return keras.KerasTensor(tuple(shapes))
-    if isinstance(shapes, dict):
-        return {k: _to_spec(v) for k, v in shapes.items()}
-    if isinstance(shapes, (tuple, list)):
-        return type(shapes)(_to_spec(v) for v in shapes)
-    raise TypeError(f"Cannot read an input shape from {shapes!r}.")
-
-
-def _describe(spec):
-    return keras.tree.map_structure(
-        lambda t: (tuple(t.shape), t.dtype) if hasattr(t, "shape") else t,
-        spec)
-
-
-def _known_input_spec(layer):
-    """The input KerasTensors of a Functional/Sequential stage, else None."""
-    try:
-        inputs = layer.inputs
-    except (AttributeError, ValueError):
-        return None
-    if not inputs:
-        return None
-    if isinstance(inputs, (list, tuple)) and len(inputs) == 1:
-        return inputs[0]
-    return inputs
-
-
-def _validate(stages, devices, num_micro_batches, remat, schedule="gpipe"):
-    """Checks the arguments; returns (stages, resolved devices)."""
-    if isinstance(stages, keras.layers.Layer) or not isinstance(
-            stages, (list, tuple)):
-        raise TypeError(
-            "stages must be a list of Keras layers or models, one per stage. "
-            f"Received: stages={stages!r}")
-    if not stages:
-        raise ValueError("stages must not be empty: pass at least one Keras "
-                         "layer or model. Received: stages=[]")
-    for j, stage in enumerate(stages):
-        if not isinstance(stage, keras.layers.Layer):
-            raise TypeError(
-                f"stages[{j}] must be a Keras layer or model. Received: "
-                f"{stage!r} of type {type(stage).__name__}")
-    for j, stage in enumerate(stages):
-        for jj in range(j):
-            if stages[jj] is stage:
-                raise ValueError(
-                    f"stages[{jj}] and stages[{j}] are the same layer "
-                    f"{stage.name!r}: a stage can live on one device only. "
-                    "Pass a distinct layer for each stage.")
-    validation.check_positive_int("num_micro_batches", num_micro_batches)
-    schedule_lib.get_schedule(schedule)
-    validation.check_remat(remat, len(stages))
-    if devices is None:
-        resolved = placement.default_devices(len(stages))
-    else:
-        validation.check_device_list(devices, len(stages))
-        resolved = placement.resolve_devices(devices)
-    schedule_lib.check_placement(schedule, _device_indices(resolved))
-    _check_known_shapes(stages)
-    return list(stages), resolved
-
-
-def _device_indices(devices):
-    """Per stage, its device's index in order of first appearance."""
-    order = list(dict.fromkeys(devices))
-    return [order.index(d) for d in devices]
-
-
-def _check_known_shapes(stages):
-    """Checks stage j against stage j - 1 where both are already built."""
-    spec = _known_input_spec(stages[0])
-    for j, stage in enumerate(stages):
-        if spec is None or not stage.built:
-            return
-        try:
-            out = stage.compute_output_spec(spec)
-        except Exception as exc:  # Keras raises many types here.
-            raise ValueError(_mismatch_message(stages, j, spec, exc)) from exc
-        spec = out
-
-
-def _mismatch_message(stages, j, spec, exc):
-    source = (f"the output of stages[{j - 1}] ({stages[j - 1].name!r})"
-              if j else "the model input")
-    fix = (f"Make stage {j}'s input match stage {j - 1}'s output" if j
-           else "Make stage 0 accept the model input")
-    return (f"stages[{j}] ({stages[j].name!r}) cannot take {source}: "
-            f"{_describe(spec)}. {fix}. Error: {exc}")
 
 
 @keras.saving.register_keras_serializable(package="keras_pipe")
@@ -200,8 +80,8 @@ class PipelineModel(keras.Model):
 
     def __init__(self, stages, devices=None, num_micro_batches=1,
                  remat="except_last", schedule="gpipe", **kwargs):
-        stages, resolved = _validate(stages, devices, num_micro_batches,
-                                     remat, schedule)
+        stages, resolved = building.check_stages(
+            stages, devices, num_micro_batches, remat, schedule)
         super().__init__(**kwargs)
         self._stage_layers = stages
         self._given_devices = list(devices) if devices is not None else list(
@@ -214,14 +94,14 @@ class PipelineModel(keras.Model):
         self._schedule = schedule
         self._runners = [Stage(s, d) for s, d in zip(stages, resolved)]
         self._executor = executor_lib.Executor(
-            [self._runners], schedule, _device_indices(resolved))
+            [self._runners], schedule, building.device_indices(resolved))
         # Set by `keras_pipe.callbacks.Timeline` while it records: makes
         # the observer that stamps each stage call of a traced step.
         self._step_observer = None
         for stage, device in zip(stages, resolved):
             if stage.built:
                 placement.place_variables(stage, device)
-        if all(stage.built for stage in stages) and _known_input_spec(
+        if all(stage.built for stage in stages) and building.known_input_spec(
                 stages[0]) is not None:
             self.built = True
 
@@ -369,24 +249,11 @@ class PipelineModel(keras.Model):
         `fit`, `evaluate` and `predict` build from the first batch instead,
         with its real dtypes.
         """
-        self._build_from_spec(_to_spec(input_shape))
+        self._build_from_spec(building.to_spec(input_shape))
 
     def _build_from_spec(self, spec):
-        first = _known_input_spec(self._stage_layers[0])
-        if first is not None:
-            spec = first
-        with _eager_scope():
-            for j, (stage, device) in enumerate(
-                    zip(self._stage_layers, self._resolved_devices)):
-                with tf.device(device):
-                    try:
-                        out = stage.compute_output_spec(spec) if stage.built \
-                            else stage(spec)
-                    except Exception as exc:
-                        raise ValueError(_mismatch_message(
-                            self._stage_layers, j, spec, exc)) from exc
-                placement.place_variables(stage, device)
-                spec = out
+        building.build_stages(self._stage_layers, self._resolved_devices,
+                              spec)
         self.built = True
         self._build_optimizer()
 
@@ -398,7 +265,7 @@ class PipelineModel(keras.Model):
         """
         optimizer = getattr(self, "optimizer", None)
         if self.built and optimizer is not None and not optimizer.built:
-            with _eager_scope():
+            with internals.eager_scope():
                 optimizer.build(self.trainable_variables)
 
     def _ensure_built(self, x):
@@ -504,7 +371,7 @@ class PipelineModel(keras.Model):
         if compile_loss is not None and not compile_loss.built:
             spec = self.compute_output_spec(keras.tree.map_structure(
                 lambda t: keras.KerasTensor(t.shape, t.dtype.name), x))
-            with _eager_scope():
+            with internals.eager_scope():
                 compile_loss.build(y, spec)
 
     @_not_autograph

@@ -12,11 +12,10 @@ module fixes each of them:
   `logical_cpu_devices` splits it into several.
 """
 
-import re
-
 import keras
 import tensorflow as tf
-from keras import ops
+
+from keras_pipe import internals
 
 __all__ = ["logical_cpu_devices", "resolve_devices", "default_devices",
            "place_variables", "colocate_optimizer", "device_of"]
@@ -172,9 +171,7 @@ def place_variables(layer, device):
             continue
         value = tf.identity(variable.value)
         with tf.device(device):
-            # `_initialize` is the one place where Keras' TF backend
-            # creates the underlying tf.Variable.
-            variable._initialize(tf.identity(value))
+            internals.reinitialize_variable(variable, tf.identity(value))
         moved += 1
     return moved
 
@@ -184,111 +181,16 @@ def colocate_optimizer(optimizer):
 
     Keras' TF optimizer colocates a slot with its variable only through the
     distribution strategy, which is a no-op for the default strategy, and
-    runs `update_step` under no device scope: every slot and every update
-    op land on the default device. This wraps the two per-variable hooks of
-    this optimizer object (not its class) in `tf.device(variable.device)`.
+    runs `update_step`, gradient clipping, its default-strategy
+    "all-reduce" (one `IdentityN` op over every gradient) and a
+    `LossScaleOptimizer`'s finiteness check and unscaling under no device
+    scope: every slot and every update op land on one device, and TF moves
+    every gradient there and back each step. This patches the hooks of this
+    optimizer object (not its class) so that each runs on the device of its
+    variable or gradient (see `keras_pipe.internals.colocate_optimizer`).
     Idempotent.
+
+    Returns:
+        `optimizer`.
     """
-    if getattr(optimizer, "_keras_pipe_colocated", False):
-        return optimizer
-    inner = getattr(optimizer, "inner_optimizer", None)  # LossScaleOptimizer
-    if inner is not None:
-        colocate_optimizer(inner)
-        _colocate_loss_scaling(optimizer)
-    add_slot = optimizer.add_variable_from_reference
-    update_step = optimizer.update_step
-
-    def add_variable_from_reference(reference_variable, *args, **kwargs):
-        with tf.device(device_of(reference_variable)):
-            return add_slot(reference_variable, *args, **kwargs)
-
-    def colocated_update_step(gradient, variable, *args, **kwargs):
-        device = device_of(variable)
-        # Named after the device so that placement tests can read it back.
-        scope = "update_on_" + re.sub(r"[^A-Za-z0-9_.\-]", "_", device)
-        with tf.device(device), tf.name_scope(scope):
-            return update_step(gradient, variable, *args, **kwargs)
-
-    all_reduce = optimizer._all_reduce_sum_gradients
-
-    def local_sum_gradients(grads_and_vars):
-        # Under the default strategy the "all-reduce" is one IdentityN op
-        # over every gradient: TF would ship all of them to one device
-        # and back (on worker processes, over gRPC, each step).
-        if not tf.distribute.has_strategy():
-            return list(grads_and_vars)
-        return all_reduce(grads_and_vars)
-
-    optimizer.add_variable_from_reference = add_variable_from_reference
-    optimizer.update_step = colocated_update_step
-    optimizer._all_reduce_sum_gradients = local_sum_gradients
-    optimizer._clip_gradients = lambda grads: _clip_on_devices(optimizer,
-                                                               grads)
-    optimizer._keras_pipe_colocated = True
-    return optimizer
-
-
-def _colocate_loss_scaling(optimizer):
-    """A `LossScaleOptimizer`'s checks and unscaling on each gradient's device.
-
-    Keras runs its finiteness check and its division by the loss scale under
-    no device scope, so TF moved every gradient to one device and back.
-    `_stateful_handle_finite_grads` is Keras 3.15's, with the division placed.
-    """
-    optimizer.check_finite = lambda grads: ops.all(ops.stack([
-        _on_device(g, lambda g: ops.all(ops.isfinite(g)))
-        for g in grads if g is not None]))
-
-    def handle_finite_grads(grads, trainable_variables):
-        scale = optimizer.dynamic_scale
-        tvs = trainable_variables or optimizer._trainable_variables
-        unscaled = [
-            g if g is None or optimizer._overwrite_variable_with_gradient(v)
-            else _on_device(g, lambda g: ops.divide(g, scale))
-            for g, v in zip(grads, tvs)]
-        optimizer.inner_optimizer.apply(
-            unscaled, trainable_variables=trainable_variables)
-
-        def upscale():
-            optimizer.step_counter.assign(0)
-            optimizer.dynamic_scale.assign(
-                ops.multiply(optimizer.dynamic_scale, 2.0))
-
-        def increment():
-            optimizer.step_counter.assign_add(1)
-
-        ops.cond(ops.equal(optimizer.step_counter,
-                           optimizer.dynamic_growth_steps - 1),
-                 upscale, increment)
-
-    optimizer._stateful_handle_finite_grads = handle_finite_grads
-
-
-def _on_device(g, fn):
-    """`fn(g)` on the device of gradient `g` (None stays None)."""
-    if g is None:
-        return None
-    with tf.device(g.device):
-        return fn(g)
-
-
-def _clip_on_devices(optimizer, grads):
-    """Keras' `_clip_gradients`, with each gradient's ops on its device.
-
-    Keras creates the clipping ops under no device scope, so TF would run
-    them (and move the gradients) on one device. Same math as Keras.
-    """
-    if optimizer.clipnorm and optimizer.clipnorm > 0:
-        return [_on_device(g, optimizer._clip_by_norm) for g in grads]
-    if optimizer.global_clipnorm and optimizer.global_clipnorm > 0:
-        clip_norm = optimizer.global_clipnorm
-        squares = [_on_device(g, lambda g: ops.sum(ops.square(g)))
-                   for g in grads if g is not None]
-        norm = ops.sqrt(ops.sum(ops.stack(squares)))
-        scale = clip_norm * ops.minimum(1.0 / norm, 1.0 / clip_norm)
-        scale = scale + (norm - norm)  # NaN for a non-finite norm, as Keras
-        return [_on_device(g, lambda g: g * scale) for g in grads]
-    if optimizer.clipvalue and optimizer.clipvalue > 0:
-        v = optimizer.clipvalue
-        return [_on_device(g, lambda g: ops.clip(g, -v, v)) for g in grads]
-    return grads
+    return internals.colocate_optimizer(optimizer, device_of)

@@ -55,13 +55,13 @@ _LOADING = threading.local()
 
 # ----------------------------------------------------------------- layout
 
-def _is_container(layer):
+def is_container(layer):
     """Sequential and plain Functional models are opened; other layers are not."""
     from keras.src.models.functional import Functional
     return type(layer) in (keras.Sequential, Functional)
 
 
-def _graph_of(stages):
+def graph_of(stages):
     """The `keras_pipe.graph.Graph` the stages were cut from, else None.
 
     Stages made by `PipelineModel.from_model` (`partition.GraphStage`) run
@@ -82,7 +82,7 @@ def _stage_layers(stage):
         ops = [c.operation for c in stage.calls]
         return [leaf for op in ops if isinstance(op, keras.layers.Layer)
                 for leaf in _stage_layers(op)]
-    if not _is_container(stage):
+    if not is_container(stage):
         return [stage]
     return [leaf for layer in stage.layers for leaf in _stage_layers(layer)]
 
@@ -171,7 +171,7 @@ def get_config(model, base_config):
               "num_micro_batches": model.num_micro_batches,
               "remat": model.remat,
               "schedule": model.schedule}
-    graph = _graph_of(model.stages)
+    graph = graph_of(model.stages)
     if graph is not None:
         config["source_model"] = keras.saving.serialize_keras_object(
             graph.model)

@@ -1,0 +1,215 @@
+"""Keras and TensorFlow internals, behind one door.
+
+keras_pipe needs a few things that Keras and TensorFlow do not offer as
+public API. Every `keras.src` / `tensorflow.python` import and every patch
+of a Keras object is here, so that a Keras or TF upgrade breaks one module,
+loudly: the versions it was written for are checked at import, and
+`tests/test_internals.py` has a test per hook.
+
+Written for Keras 3.15.x and TensorFlow 2.21.x. Code copied from Keras
+(gradient clipping, the loss-scale optimizer's unscaling) is Keras 3.15.0's,
+with only the device placement changed, and says so where it stands.
+"""
+
+import contextlib
+import re
+
+import keras
+import tensorflow as tf
+from keras import ops
+
+SUPPORTED = {"keras": "3.15", "tensorflow": "2.21"}
+
+
+def check_versions(versions):
+    """Raises ImportError unless each version is in the supported series.
+
+    Args:
+        versions: `{"keras": "3.15.0", "tensorflow": "2.21.0"}`.
+    """
+    bad = [f"{name} {version}" for name, version in versions.items()
+           if not (version == SUPPORTED[name]
+                   or version.startswith(SUPPORTED[name] + "."))]
+    if bad:
+        raise ImportError(
+            f"keras_pipe supports Keras {SUPPORTED['keras']}.x and TensorFlow "
+            f"{SUPPORTED['tensorflow']}.x; found {', '.join(bad)}. Install "
+            f"'keras=={SUPPORTED['keras']}.*' and "
+            f"'tensorflow=={SUPPORTED['tensorflow']}.*' (see setup.py).")
+
+
+check_versions({"keras": keras.__version__, "tensorflow": tf.__version__})
+
+# Imported after the check: on another version these may not exist.
+from keras.src.backend import get_keras_mask  # noqa: E402
+from keras.src.backend.common import global_state  # noqa: E402
+from keras.src.losses import loss as _loss_lib  # noqa: E402
+
+__all__ = ["SUPPORTED", "check_versions", "colocate_optimizer",
+           "eager_scope", "get_keras_mask", "reduce_weighted_values",
+           "reinitialize_variable", "replaced_losses",
+           "scale_loss_for_distribution"]
+
+reduce_weighted_values = _loss_lib.reduce_weighted_values
+scale_loss_for_distribution = _loss_lib.scale_loss_for_distribution
+
+
+@contextlib.contextmanager
+def eager_scope():
+    """Leaves Keras' symbolic/stateless scopes and any FuncGraph.
+
+    Keras builds a model inside `backend.compute_output_spec`, where new
+    variables are deferred and later created outside any `tf.device` scope.
+    Stages must be built eagerly under their device instead.
+    """
+    names = ("stateless_scope", "symbolic_scope")
+    saved = {n: global_state.get_global_attribute(n) for n in names}
+    for n in names:
+        global_state.set_global_attribute(n, None)
+    try:
+        with tf.init_scope():
+            yield
+    finally:
+        for n, value in saved.items():
+            global_state.set_global_attribute(n, value)
+
+
+def reinitialize_variable(variable, value):
+    """Re-creates the tf.Variable behind a Keras variable, in the device scope.
+
+    `_initialize` is the one place where Keras' TF backend creates the
+    underlying `tf.Variable`; the Keras variable, its name and path stay.
+    """
+    variable._initialize(value)
+
+
+@contextlib.contextmanager
+def replaced_losses(compile_loss, make):
+    """Replaces each loss of a `CompileLoss` by `make(n, loss)` meanwhile.
+
+    Keras still matches outputs, targets, per-output sample weights and
+    loss weights; the losses it calls are ours for the length of the block.
+    """
+    originals = compile_loss._flat_losses
+    compile_loss._flat_losses = [
+        entry._replace(loss=make(n, entry.loss))
+        for n, entry in enumerate(originals)]
+    try:
+        yield len(originals)
+    finally:
+        compile_loss._flat_losses = originals
+
+
+def colocate_optimizer(optimizer, device_of):
+    """Patches `optimizer`'s per-variable hooks to run on each variable's device.
+
+    Patched on the object, not its class: `add_variable_from_reference`
+    and `update_step` (slots and update math under
+    `tf.device(device_of(variable))`), `_all_reduce_sum_gradients` (skipped
+    without a `tf.distribute` strategy), `_clip_gradients` (Keras' math,
+    each gradient on its device) and, for a `LossScaleOptimizer`,
+    `check_finite` and `_stateful_handle_finite_grads`. Idempotent.
+    """
+    if getattr(optimizer, "_keras_pipe_colocated", False):
+        return optimizer
+    inner = getattr(optimizer, "inner_optimizer", None)  # LossScaleOptimizer
+    if inner is not None:
+        colocate_optimizer(inner, device_of)
+        _colocate_loss_scaling(optimizer)
+    add_slot = optimizer.add_variable_from_reference
+    update_step = optimizer.update_step
+
+    def add_variable_from_reference(reference_variable, *args, **kwargs):
+        with tf.device(device_of(reference_variable)):
+            return add_slot(reference_variable, *args, **kwargs)
+
+    def colocated_update_step(gradient, variable, *args, **kwargs):
+        device = device_of(variable)
+        # Named after the device so that placement tests can read it back.
+        scope = "update_on_" + re.sub(r"[^A-Za-z0-9_.\-]", "_", device)
+        with tf.device(device), tf.name_scope(scope):
+            return update_step(gradient, variable, *args, **kwargs)
+
+    all_reduce = optimizer._all_reduce_sum_gradients
+
+    def local_sum_gradients(grads_and_vars):
+        # Under the default strategy the "all-reduce" is one IdentityN op
+        # over every gradient: TF would ship all of them to one device
+        # and back (on worker processes, over gRPC, each step).
+        if not tf.distribute.has_strategy():
+            return list(grads_and_vars)
+        return all_reduce(grads_and_vars)
+
+    optimizer.add_variable_from_reference = add_variable_from_reference
+    optimizer.update_step = colocated_update_step
+    optimizer._all_reduce_sum_gradients = local_sum_gradients
+    optimizer._clip_gradients = lambda grads: _clip_on_devices(optimizer,
+                                                               grads)
+    optimizer._keras_pipe_colocated = True
+    return optimizer
+
+
+def _colocate_loss_scaling(optimizer):
+    """A `LossScaleOptimizer`'s checks and unscaling on each gradient's device.
+
+    Keras runs its finiteness check and its division by the loss scale under
+    no device scope, so TF moved every gradient to one device and back.
+    `_stateful_handle_finite_grads` is Keras 3.15's, with the division placed.
+    """
+    optimizer.check_finite = lambda grads: ops.all(ops.stack([
+        _on_device(g, lambda g: ops.all(ops.isfinite(g)))
+        for g in grads if g is not None]))
+
+    def handle_finite_grads(grads, trainable_variables):
+        scale = optimizer.dynamic_scale
+        tvs = trainable_variables or optimizer._trainable_variables
+        unscaled = [
+            g if g is None or optimizer._overwrite_variable_with_gradient(v)
+            else _on_device(g, lambda g: ops.divide(g, scale))
+            for g, v in zip(grads, tvs)]
+        optimizer.inner_optimizer.apply(
+            unscaled, trainable_variables=trainable_variables)
+
+        def upscale():
+            optimizer.step_counter.assign(0)
+            optimizer.dynamic_scale.assign(
+                ops.multiply(optimizer.dynamic_scale, 2.0))
+
+        def increment():
+            optimizer.step_counter.assign_add(1)
+
+        ops.cond(ops.equal(optimizer.step_counter,
+                           optimizer.dynamic_growth_steps - 1),
+                 upscale, increment)
+
+    optimizer._stateful_handle_finite_grads = handle_finite_grads
+
+
+def _on_device(g, fn):
+    """`fn(g)` on the device of gradient `g` (None stays None)."""
+    if g is None:
+        return None
+    with tf.device(g.device):
+        return fn(g)
+
+
+def _clip_on_devices(optimizer, grads):
+    """Keras' `_clip_gradients`, with each gradient's ops on its device.
+
+    Keras creates the clipping ops under no device scope, so TF would run
+    them (and move the gradients) on one device. Same math as Keras.
+    """
+    if optimizer.clipnorm and optimizer.clipnorm > 0:
+        return [_on_device(g, optimizer._clip_by_norm) for g in grads]
+    if optimizer.global_clipnorm and optimizer.global_clipnorm > 0:
+        clip_norm = optimizer.global_clipnorm
+        squares = [_on_device(g, lambda g: ops.sum(ops.square(g)))
+                   for g in grads if g is not None]
+        norm = ops.sqrt(ops.sum(ops.stack(squares)))
+        scale = clip_norm * ops.minimum(1.0 / norm, 1.0 / clip_norm)
+        scale = scale + (norm - norm)  # NaN for a non-finite norm, as Keras
+        return [_on_device(g, lambda g: g * scale) for g in grads]
+    if optimizer.clipvalue and optimizer.clipvalue > 0:
+        v = optimizer.clipvalue
+        return [_on_device(g, lambda g: ops.clip(g, -v, v)) for g in grads]
+    return grads

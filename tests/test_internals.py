@@ -1,0 +1,103 @@
+"""One test per hook into Keras/TF internals (`keras_pipe.internals`).
+
+If a Keras or TF upgrade changes one of them, the test naming it fails.
+"""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from keras_pipe import internals
+
+
+def test_version_check_names_the_supported_series():
+    internals.check_versions({"keras": "3.15.2", "tensorflow": "2.21.0"})
+    with pytest.raises(ImportError, match=r"supports Keras 3\.15\.x and "
+                       r"TensorFlow 2\.21\.x; found keras 3\.16\.0.*"
+                       r"'keras==3\.15\.\*'"):
+        internals.check_versions({"keras": "3.16.0", "tensorflow": "2.21.0"})
+    with pytest.raises(ImportError, match="found tensorflow 2.210"):
+        internals.check_versions({"keras": "3.15.0", "tensorflow": "2.210"})
+
+
+def test_eager_scope_leaves_and_restores_keras_scopes():
+    with keras.StatelessScope():
+        assert keras.backend.is_keras_tensor is not None
+        from keras.src.backend.common.stateless_scope import (  # noqa: PLC0415
+            in_stateless_scope)
+        assert in_stateless_scope()
+        with internals.eager_scope():
+            assert not in_stateless_scope()
+            assert tf.executing_eagerly()
+        assert in_stateless_scope()
+
+
+def test_reinitialize_variable_moves_it_and_keeps_its_identity(devices):
+    with tf.device(devices[0]):
+        variable = keras.Variable(np.arange(3, dtype="float32"), name="v")
+    path = variable.path
+    with tf.device(devices[1]):
+        internals.reinitialize_variable(variable, tf.constant([5.0, 6, 7]))
+    assert variable.value.device.endswith("CPU:1")
+    assert variable.path == path
+    np.testing.assert_array_equal(variable.numpy(), [5.0, 6, 7])
+
+
+def test_replaced_losses_swaps_each_loss_and_restores_them():
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    model.compile("sgd", "mse")
+    y, p = np.ones((4, 1), "float32"), np.zeros((4, 1), "float32")
+    compile_loss = model._compile_loss
+    compile_loss.build(y, p)
+    before = float(compile_loss(y, p))
+    with internals.replaced_losses(
+            compile_loss, lambda n, loss: lambda *a, **k: 42.0) as count:
+        assert count == 1
+        assert float(compile_loss(y, p)) == 42.0
+    assert float(compile_loss(y, p)) == before == 1.0
+
+
+def test_loss_helpers_reduce_like_keras():
+    values = tf.constant([[1.0, 2.0], [3.0, 4.0]])
+    weights = tf.constant([[1.0], [0.0]])  # row weights
+    total = internals.reduce_weighted_values(values, weights,
+                                             reduction="sum")
+    assert float(total) == 3.0
+    assert float(internals.scale_loss_for_distribution(total)) == 3.0
+    assert internals.get_keras_mask(values) is None
+
+
+@pytest.mark.parametrize("loss_scale", [False, True])
+def test_colocate_optimizer_patches_the_object_not_the_class(loss_scale):
+    optimizer = keras.optimizers.SGD(0.1, clipnorm=1.0)
+    if loss_scale:
+        optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
+    devices_seen = []
+
+    def device_of(variable):
+        devices_seen.append(variable.name)
+        return "/device:CPU:0"
+
+    assert internals.colocate_optimizer(optimizer, device_of) is optimizer
+    hooks = ["add_variable_from_reference", "update_step",
+             "_all_reduce_sum_gradients", "_clip_gradients"]
+    if loss_scale:
+        hooks += ["check_finite", "_stateful_handle_finite_grads"]
+    for hook in hooks:
+        assert hook in vars(optimizer), hook  # on the object
+    assert "update_step" not in vars(keras.optimizers.SGD(0.1))
+    # Idempotent: a second call wraps nothing twice.
+    update_step = optimizer.update_step
+    internals.colocate_optimizer(optimizer, device_of)
+    assert optimizer.update_step is update_step
+    # Keras' own math after the patch: one SGD step with clipping.
+    variable = keras.Variable([3.0, 4.0], name="w")
+    optimizer.build([variable])
+    grad = tf.constant([30.0, 40.0])  # norm 50, clipped to 1
+    if loss_scale:
+        grad = grad * optimizer.dynamic_scale
+    optimizer.apply_gradients([(grad, variable)])
+    np.testing.assert_allclose(variable.numpy(), [3.0 - 0.06, 4.0 - 0.08],
+                               rtol=1e-6)
+    assert {name.split(":")[0] for name in devices_seen} == {"w"}

@@ -1,0 +1,138 @@
+"""The package's shape: no import cycle, no private name across modules.
+
+Read from the source with `ast`, so the test needs no TF session.
+"""
+
+import ast
+import os
+
+import pytest
+
+PACKAGE = os.path.join(os.path.dirname(os.path.dirname(__file__)),
+                       "keras_pipe")
+
+
+def _modules():
+    """`{dotted name: ast tree}` for every module of the package."""
+    found = {}
+    for root, _, files in os.walk(PACKAGE):
+        for name in files:
+            if not name.endswith(".py"):
+                continue
+            path = os.path.join(root, name)
+            rel = os.path.relpath(path, os.path.dirname(PACKAGE))[:-3]
+            dotted = rel.replace(os.sep, ".")
+            if dotted.endswith(".__init__"):
+                dotted = dotted[:-len(".__init__")]
+            with open(path, encoding="utf-8") as f:
+                found[dotted] = ast.parse(f.read(), path)
+    return found
+
+
+def _imports(tree, modules):
+    """`(module, names)` pairs that `tree` imports from within the package."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.startswith("keras_pipe"):
+                    yield alias.name, []
+        elif isinstance(node, ast.ImportFrom) and node.module and (
+                node.module.startswith("keras_pipe")):
+            for alias in node.names:
+                full = f"{node.module}.{alias.name}"
+                if full in modules:  # `from keras_pipe import schedule`
+                    yield full, []
+                else:
+                    yield node.module, [alias.name]
+
+
+def _graph():
+    modules = _modules()
+    return {name: {target for target, _ in _imports(tree, modules)
+                   if target != name and target in modules}
+            for name, tree in modules.items()}
+
+
+def _cycle(graph):
+    """One import cycle as a list of modules, or None."""
+    state = {}
+
+    def visit(node, path):
+        state[node] = "open"
+        for nxt in sorted(graph[node]):
+            if nxt == "keras_pipe":  # the package's own re-exports
+                continue
+            if state.get(nxt) == "open":
+                return path + [node, nxt]
+            if nxt not in state:
+                found = visit(nxt, path + [node])
+                if found:
+                    return found
+        state[node] = "done"
+        return None
+
+    for node in sorted(graph):
+        if node not in state:
+            found = visit(node, [])
+            if found:
+                return found[found.index(found[-1]):]
+    return None
+
+
+def test_no_import_cycle_among_modules():
+    graph = _graph()
+    assert "keras_pipe.executor" in graph
+    assert _cycle(graph) is None, " -> ".join(_cycle(graph))
+
+
+def test_cycle_finder_finds_one():
+    # The check above can fail: a planted cycle is found.
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c",
+                                                            "a"]
+
+
+def _module_aliases(tree, modules):
+    """Local names bound to package modules (`from keras_pipe import x`)."""
+    aliases = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and (
+                node.module.startswith("keras_pipe")):
+            for alias in node.names:
+                if f"{node.module}.{alias.name}" in modules:
+                    aliases[alias.asname or alias.name] = alias.name
+    return aliases
+
+
+def _private_uses(modules):
+    bad = [f"{name} imports {target}.{n}"
+           for name, tree in modules.items()
+           for target, names in _imports(tree, modules)
+           for n in names if n.startswith("_") and not n.startswith("__")]
+    for name, tree in modules.items():
+        aliases = _module_aliases(tree, modules)
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute)
+                    and isinstance(node.value, ast.Name)
+                    and node.value.id in aliases
+                    and node.attr.startswith("_")
+                    and not node.attr.startswith("__")):
+                bad.append(f"{name} uses {node.value.id}.{node.attr}")
+    return bad
+
+
+def test_no_private_name_imported_across_modules():
+    bad = _private_uses(_modules())
+    assert not bad, bad
+
+
+def test_private_use_finder_finds_one():
+    tree = ast.parse("from keras_pipe import saving\nsaving._graph_of(1)\n")
+    assert _private_uses({"keras_pipe.x": tree,
+                          "keras_pipe.saving": ast.parse("")}) == [
+        "keras_pipe.x uses saving._graph_of"]
+
+
+@pytest.mark.parametrize("core", ["keras_pipe.executor", "keras_pipe.stage",
+                                  "keras_pipe.schedule", "keras_pipe.model"])
+def test_core_does_not_import_the_timeline(core):
+    assert "keras_pipe.timeline" not in _graph()[core]
