@@ -511,15 +511,35 @@ def _replay_problems(op):
     """Why `_replay` cannot rebuild `op` ([] if it can)."""
     if op.type == "Const":
         return []
-    function = getattr(tf.raw_ops, op.type, None)
-    if function is None:
+    if getattr(tf.raw_ops, op.type, None) is None:
         return [f"op {op.name!r} ({op.type}) has no tf.raw_ops wrapper"]
-    names = inspect.signature(function).parameters
-    missing = [a.name for a in op.op_def.input_arg if a.name not in names]
-    if missing:
-        return [f"op {op.name!r} ({op.type}): tf.raw_ops.{op.type} has no "
-                f"argument {missing}"]
+    if _wrapper_names(op) is None:
+        return [f"op {op.name!r} ({op.type}): the arguments of "
+                f"tf.raw_ops.{op.type} do not match its op_def"]
     return []
+
+
+def _wrapper_names(op):
+    """`tf.raw_ops` argument names for the op's input args and attrs.
+
+    The generated wrapper takes the input args in op_def order, then the
+    attrs not inferred from inputs, those without a default first, then
+    `name`; it may rename both (Sum's `reduction_indices` is `axis`,
+    Squeeze's `squeeze_dims` is `axis`). Returns None if the counts differ.
+    """
+    names = list(inspect.signature(getattr(tf.raw_ops, op.type)).parameters)
+    op_def = op.op_def
+    inferred = {getattr(arg, field) for arg in op_def.input_arg
+                for field in ("type_attr", "number_attr", "type_list_attr")}
+    attrs = [a for a in op_def.attr if a.name not in inferred]
+    attrs = ([a for a in attrs if not a.HasField("default_value")] +
+             [a for a in attrs if a.HasField("default_value")])
+    if names[-1:] != ["name"] or (
+            len(names) != len(op_def.input_arg) + len(attrs) + 1):
+        return None
+    num_inputs = len(op_def.input_arg)
+    return (list(zip(op_def.input_arg, names[:num_inputs])),
+            list(zip(attrs, names[num_inputs:-1])))
 
 
 def _replay(op, inputs):
@@ -527,22 +547,20 @@ def _replay(op, inputs):
     if op.type == "Const":
         return [tf.constant(tf.make_ndarray(op.get_attr("value")),
                             dtype=op.outputs[0].dtype)]
-    function = getattr(tf.raw_ops, op.type)
-    names = inspect.signature(function).parameters
+    input_names, attr_names = _wrapper_names(op)
     inputs, kwargs = iter(inputs), {}
-    for arg in op.op_def.input_arg:
+    for arg, name in input_names:
         if arg.number_attr:
             count = op.get_attr(arg.number_attr)
         elif arg.type_list_attr:
             count = len(op.get_attr(arg.type_list_attr))
         else:
-            kwargs[arg.name] = next(inputs)
+            kwargs[name] = next(inputs)
             continue
-        kwargs[arg.name] = [next(inputs) for _ in range(count)]
-    for attr in op.op_def.attr:
-        if attr.name in names and attr.name not in kwargs:
-            kwargs[attr.name] = op.get_attr(attr.name)
-    return tf.nest.flatten(function(**kwargs))
+        kwargs[name] = [next(inputs) for _ in range(count)]
+    for attr, name in attr_names:
+        kwargs[name] = op.get_attr(attr.name)
+    return tf.nest.flatten(getattr(tf.raw_ops, op.type)(**kwargs))
 
 
 def _is_stateful(op):
