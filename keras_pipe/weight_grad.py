@@ -409,17 +409,15 @@ def _fill_stash(plan, output_grads, ys, grad_ys):
         m.x_slots = {i: slot_of(m.op.inputs[i]) for i in m.x_slots}
         m.grad_slots = {}
         for k, g in grads.items():
-            m.grad_slots[k] = len(stash)
             g = tf.convert_to_tensor(g)
             g.set_shape(g.shape.merge_with(m.op.outputs[k].shape))
-            stash.append(g)
+            m.grad_slots[k] = slot_of(g)
         kept.append(m)
     plan.mixing = kept
     seeds = {y.ref(): g for y, g in zip(ys, grad_ys)}
     direct = []
     for y, _ in plan.direct:
-        direct.append((y, len(stash)))
-        stash.append(seeds[y.ref()])
+        direct.append((y, slot_of(seeds[y.ref()])))
     plan.direct = direct
     plan.stash_specs = [_relaxed_type_spec(t) for t in stash]
     return stash
@@ -434,9 +432,10 @@ def _replayed_gradients(plan, params, stashes):
             outs = _replay(op, [values[t.ref()] for t in op.inputs])
             values.update((t.ref(), v) for t, v in zip(op.outputs, outs))
         ys, grad_ys = [], []
+        concatenated = _Concatenated(stashes)
         for m in plan.mixing:
             if m.concat and len(stashes) > 1:
-                batches = [_ConcatView(stashes, m)]
+                batches = [concatenated]
             else:
                 batches = stashes
             for stash in batches:
@@ -454,16 +453,17 @@ def _replayed_gradients(plan, params, stashes):
                          unconnected_gradients=tf.UnconnectedGradients.NONE)
 
 
-class _ConcatView:
-    """The stashed slots of one mixing op, concatenated over micro-batches."""
+class _Concatenated:
+    """Stash slots concatenated over micro-batches, each concatenated once."""
 
-    def __init__(self, stashes, mixing):
-        slots = list(mixing.x_slots.values()) + list(
-            mixing.grad_slots.values())
-        self._values = {slot: tf.concat([s[slot] for s in stashes], 0)
-                        for slot in slots}
+    def __init__(self, stashes):
+        self._stashes = stashes
+        self._values = {}
 
     def __getitem__(self, slot):
+        if slot not in self._values:
+            self._values[slot] = tf.concat([s[slot] for s in self._stashes],
+                                           0)
         return self._values[slot]
 
 

@@ -158,6 +158,41 @@ def test_add_loss_of_activations_and_of_weights():
     assert len(plan.direct) == 1  # the kernel's loss reaches W directly
 
 
+class _TwoHeads(keras.layers.Layer):
+    """Outputs x @ k1, tanh(x @ k2) and 2 * k1 itself (a P output)."""
+
+    def build(self, input_shape):
+        self.k1 = self.add_weight((input_shape[-1], 3))
+        self.k2 = self.add_weight((input_shape[-1], 4))
+
+    def call(self, inputs):
+        return (keras.ops.matmul(inputs, self.k1),
+                keras.ops.tanh(keras.ops.matmul(inputs, self.k2)),
+                2.0 * self.k1)
+
+
+def test_weight_as_output_and_output_without_gradient():
+    rng = np.random.default_rng(1)
+    x = tf.constant(rng.normal(size=(3, 6)), "float32")
+    stage, params, state = _stage(_TwoHeads(name="two_heads"), x)
+    split = weight_grad.SplitBackward(stage.call_inline, True)
+    stashes, expected = [], [None, None]
+    for n in (3, 5, 2):
+        x = tf.constant(rng.normal(size=(n, 6)), "float32")
+        output_grads = [tf.constant(rng.normal(size=(n, 3)), "float32"),
+                        None,  # the second head does not reach the loss
+                        tf.constant(rng.normal(size=(6, 3)), "float32")]
+        _, ref = _fused(stage, x, params, state, True, output_grads, [])
+        expected = [remat.add_gradients(t, g) for t, g in zip(expected, ref)]
+        _, stash = split.backward_input(x, params, state, output_grads, [])
+        stashes.append(stash)
+    (plan,) = split._plans.values()
+    assert len(plan.direct) == 1 and len(plan.mixing) == 1, plan.describe()
+    k1, k2 = split.backward_weight(params, stashes)
+    assert expected[1] is None and k2 is None
+    _assert_close(k1, expected[0], RTOL, ATOL)
+
+
 def test_dropout_same_state_same_mask():
     layer = keras.Sequential([
         keras.layers.Dense(8, activation="relu"),
@@ -170,6 +205,9 @@ def test_mixed_float16_dense():
     layer = keras.Sequential([
         keras.layers.Dense(8, activation="tanh", dtype="mixed_float16"),
         keras.layers.Dense(3)])
+    # W's kernel gradient is one float16 product over all micro-batches, the
+    # reference sums float16 products per micro-batch in float32: float16
+    # rounding (eps 9.8e-4) of the gradient's scale.
     split, *_ = _check(layer, _floats(6), rtol=1e-3, atol=1e-3)
     (plan,) = split._plans.values()
     assert "Cast" in {op.type for op in plan.replay}
