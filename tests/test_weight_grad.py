@@ -213,6 +213,28 @@ def test_mixed_float16_dense():
     assert "Cast" in {op.type for op in plan.replay}
 
 
+class _RawEinsum(keras.layers.Layer):
+    """tf.einsum of the inputs and a kernel, then a learned per-row scale."""
+
+    def build(self, input_shape):
+        self.k = self.add_weight((input_shape[-1], 3, 2))
+        self.s = self.add_weight((3, 2), initializer="ones")
+
+    def call(self, inputs):
+        y = tf.einsum("btc,cde->btde", inputs, self.k)
+        # x's batch axis is summed out: rows mix, replayed per micro-batch.
+        z = tf.einsum("btc,cde->de", inputs, self.k)
+        return y - self.s, z * self.s
+
+
+def test_einsum_concatenated_only_when_rows_stay_apart():
+    split, *_ = _check(_RawEinsum(name="raw_einsum"), _floats(4, 5),
+                       sizes=(3, 5, 2))
+    (plan,) = split._plans.values()
+    kinds = [(m.op.type, m.concat) for m in plan.mixing]
+    assert ("Einsum", True) in kinds and ("Einsum", False) in kinds, kinds
+
+
 def _live_ops(function):
     """The ops of a concrete function's graph that its outputs depend on."""
     graph = function.graph
