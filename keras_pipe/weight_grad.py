@@ -78,6 +78,7 @@ class _Mixing:
     x_slots: dict       # input index -> stash slot
     grad_slots: dict    # output index -> stash slot
     concat: bool
+    zeros: tuple = ()   # X inputs W feeds as zeros (additive ops)
 
 
 @dataclasses.dataclass
@@ -380,12 +381,15 @@ def _make_plan(ops, inputs, params, ys):
             problems += _replay_problems(op)
     if problems:
         return SplitPlan(False, "; ".join(problems))
-    mixing = [_Mixing(op, {i: None for i, t in enumerate(op.inputs)
-                           if kind_of(t) == "X"},
-                      {k: None for k, t in enumerate(op.outputs)
-                       if t.dtype.is_floating},
-                      _concatenable(op, kind_of))
-              for op in mixing_ops]
+    mixing = []
+    for op in mixing_ops:
+        xs = [i for i, t in enumerate(op.inputs) if kind_of(t) == "X"]
+        zeros = tuple(xs) if _additive(op, xs) else ()
+        mixing.append(_Mixing(
+            op, {i: None for i in xs if i not in zeros},
+            {k: None for k, t in enumerate(op.outputs)
+             if t.dtype.is_floating},
+            _concatenable(op, kind_of), zeros))
     return SplitPlan(True, params=list(params), replay=replay, mixing=mixing,
                      direct=[(y, None) for y in direct])
 
@@ -439,8 +443,9 @@ def _replayed_gradients(plan, params, stashes):
             else:
                 batches = stashes
             for stash in batches:
-                inputs = [stash[m.x_slots[i]] if i in m.x_slots
-                          else values[t.ref()]
+                inputs = [stash[m.x_slots[i]] if i in m.x_slots else
+                          tf.zeros_like(stash[m.grad_slots[0]])
+                          if i in m.zeros else values[t.ref()]
                           for i, t in enumerate(m.op.inputs)]
                 outs = _replay(m.op, inputs)
                 for k, slot in m.grad_slots.items():
@@ -465,6 +470,21 @@ class _Concatenated:
             self._values[slot] = tf.concat([s[slot] for s in self._stashes],
                                            0)
         return self._values[slot]
+
+
+def _additive(op, xs):
+    """Whether the op's P gradient needs only X's shape, which dY has.
+
+    `x + p`, `x - p`, `bias_add(x, p)`: the gradient of p reduces dY, so W
+    runs the op on zeros shaped like dY and the stash skips x.
+    """
+    if op.type not in ("AddV2", "Add", "Sub", "BiasAdd") or len(xs) != 1:
+        return False
+    x, y = op.inputs[xs[0]], op.outputs[0]
+    p = op.inputs[1 - xs[0]]
+    return (x.dtype == y.dtype and p.shape.is_fully_defined() and
+            x.shape.rank is not None and x.shape.as_list() == y.shape.as_list()
+            and x.shape[1:].is_fully_defined())
 
 
 def _concatenable(op, kind_of):

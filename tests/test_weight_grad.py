@@ -252,6 +252,8 @@ def test_weight_gradients_of_micro_batches_are_one_matmul_per_kernel():
     layer = keras.Sequential([keras.layers.Dense(8, activation="relu"),
                               keras.layers.Dense(3)])
     split, stage, params, stashes = _check(layer, _floats(6))
+    # Per Dense: its input and dY (the bias gradient needs no input).
+    assert len(stashes[0]) == 4
     (key,) = split._plans
     dense = (False,) * len(params)
     function = split._traced_weight(key, 4, params, dense)
