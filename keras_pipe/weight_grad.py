@@ -354,7 +354,10 @@ def _make_plan(ops, inputs, params, ys):
             mixing_ops.append(op)
     problems = []
     for op in mixing_ops:
-        if op.type in _CALLS:
+        if "_gradient_op_type" in op.node_def.attr:
+            problems.append(f"mixing op {op.name!r} has a custom gradient "
+                            f"({op.type})")
+        elif op.type in _CALLS:
             problems.append(f"mixing op {op.name!r} is control flow or a "
                             f"function call ({op.type})")
         elif _is_stateful(op):
@@ -374,7 +377,10 @@ def _make_plan(ops, inputs, params, ys):
         stack.extend(t.op.inputs)
     replay = [op for op in ops if op in wanted]
     for op in replay:
-        if op.type in _CALLS:
+        if "_gradient_op_type" in op.node_def.attr:
+            problems.append(f"op {op.name!r} on the params has a custom "
+                            f"gradient ({op.type})")
+        elif op.type in _CALLS:
             problems.append(f"op {op.name!r} on the params is control flow "
                             f"or a function call ({op.type})")
         else:

@@ -270,6 +270,40 @@ def test_lstm_falls_back_to_fused_backward():
     assert "While" in split.reason, split.reason
 
 
+class _Unusual(keras.layers.Layer):
+    """x @ k through a custom gradient or a Python function."""
+
+    def __init__(self, path, **kwargs):
+        super().__init__(**kwargs)
+        self.route = path
+
+    def build(self, input_shape):
+        self.k = self.add_weight((input_shape[-1], 3))
+
+    def call(self, inputs):
+        k = tf.convert_to_tensor(self.k)
+        if self.route == "custom_gradient":
+            @tf.custom_gradient
+            def product(x, k):
+                def grad(dy):  # twice the true gradient, on purpose
+                    return (2.0 * tf.matmul(dy, k, transpose_b=True),
+                            2.0 * tf.matmul(x, dy, transpose_a=True))
+                return tf.matmul(x, k), grad
+            return product(inputs, k)
+        y = tf.numpy_function(lambda a, b: a @ b, [inputs, k], tf.float32,
+                              stateful=True)
+        return tf.ensure_shape(y, (None, 3)) * tf.reduce_sum(k)
+
+
+@pytest.mark.parametrize("path, reason", [
+    ("custom_gradient", "custom gradient"), ("numpy_function", "stateful")])
+def test_custom_gradient_and_python_function_fall_back(path, reason):
+    split, *_ = _check(_Unusual(path, name="unusual"), _floats(6),
+                       sizes=(3, 5, 2))
+    assert not split.splittable
+    assert reason in split.reason, split.reason
+
+
 def test_call_must_be_callable():
     with pytest.raises(TypeError, match="`call` must be callable"):
         weight_grad.SplitBackward("not a function", training=True)
