@@ -41,11 +41,20 @@ element-wise ops whose P operand broadcasts over axis 0, Einsum whose X
 batch label is not a P label and leads the output, GatherV2 on P params
 with X indices (the gradient is IndexedSlices: concatenation is the sum).
 Other mixing ops (BatchNormalization's per-channel products, say) are
-replayed once per micro-batch.
+replayed once per micro-batch. Additive ops (`x + b`, `bias_add`) stash no
+X input: the gradient of `b` only reduces dY, so W feeds zeros shaped like
+dY; a Dense layer stashes its input and dY, nothing more. A P tensor that is
+itself an output or a loss (a penalty on a kernel) gets, in W, the sum of
+its stashed gradients.
 
-A stage that cannot be split this way -- a mixing op that is control flow
-(an RNN's `While`), a function call, a stateful op or an op without a
-`tf.raw_ops` wrapper, sparse or ragged inputs -- is reported
+    B of micro-batch i    (inputs, params, state, dY_i) -> dX_i, stash_i
+    W of micro-batches I  (params, stash_i for i in I)  -> sum_i dW_i
+
+A stage that cannot be split this way -- a mixing op (or an op of the
+P chain) that is control flow (an RNN's `While`), a function call, has a
+custom gradient (`tf.custom_gradient`: replayed, it would get the stock
+one), is stateful (`tf.numpy_function`) or has no matching `tf.raw_ops`
+wrapper; sparse or ragged inputs -- is reported
 (`SplitPlan.splittable=False` and the reason) and runs fused: B computes
 all gradients and its stash holds the weight gradients, which W sums. Never
 wrong, only not split.
@@ -106,7 +115,11 @@ class SplitPlan:
 
 
 class Stash(list):
-    """B's stash: a flat list of tensors, plus the key of the plan it follows."""
+    """B's stash: a flat list of tensors, plus the key of the plan it follows.
+
+    Pass the `Stash` object itself to `backward_weight` (a plain list of its
+    tensors loses `key`, which says how W reads them).
+    """
 
     def __init__(self, tensors, key):
         super().__init__(tensors)
@@ -122,7 +135,13 @@ class SplitBackward:
     the weight gradients summed over the micro-batches of its stashes. Both
     are traced `tf.function`s, not inlined (one op per call), like
     `keras_pipe.remat.Stage`'s; B per input signature with the batch size
-    left open, W per number of micro-batches.
+    left open (and per pattern of `None` gradients), W per B signature,
+    number of micro-batches and pattern of dense running sums. Call them
+    under the stage's `tf.device`.
+
+    `splittable` is False (and `reason` says why) once a traced signature
+    cannot be split; B then computes every gradient (its stash holds the
+    weight gradients) and W sums them, so results stay exact either way.
 
     ```python
     stage = keras_pipe.remat.Stage(layer, "/device:CPU:0")
