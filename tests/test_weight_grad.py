@@ -261,6 +261,12 @@ def test_weight_gradients_of_micro_batches_are_one_matmul_per_kernel():
     assert len(matmuls) == 2  # one per kernel, not one per micro-batch
     concats = [op for op in _live_ops(function) if op.type == "ConcatV2"]
     assert concats
+    # B's outputs need dX per Dense and the first Dense's product (for the
+    # ReLU), not dW (its tape builds dW too; nothing reads it, so it does
+    # not run), nor the product of the last Dense (its output is unused).
+    (b,) = [f for k, f in split._functions.items() if k == key]
+    matmuls = [op for op in _live_ops(b) if op.type == "MatMul"]
+    assert len(matmuls) == 3
 
 
 def test_lstm_falls_back_to_fused_backward():
