@@ -165,7 +165,8 @@ class SplitBackward:
 
     def __init__(self, call, training):
         if not callable(call):
-            raise TypeError(f"`call` must be callable. Received: call={call!r}")
+            raise TypeError(
+                f"`call` must be callable. Received: call={call!r}")
         self.call = call
         self.training = bool(training)
         self._plans = {}
@@ -508,12 +509,12 @@ def _additive(op, xs):
     x, y = op.inputs[xs[0]], op.outputs[0]
     p = op.inputs[1 - xs[0]]
     return (x.dtype == y.dtype and p.shape.is_fully_defined() and
-            x.shape.rank is not None and x.shape.as_list() == y.shape.as_list()
-            and x.shape[1:].is_fully_defined())
+            x.shape.rank is not None and x.shape[1:].is_fully_defined() and
+            x.shape.as_list() == y.shape.as_list())
 
 
 def _concatenable(op, kind_of):
-    """Whether the op on concatenated micro-batches gives the summed gradient."""
+    """Whether the op on concatenated micro-batches gives the summed grads."""
     xs = [i for i, t in enumerate(op.inputs) if kind_of(t) == "X"]
     if not xs or any(op.inputs[i].shape.rank in (None, 0) or
                      op.inputs[i].shape[0] is not None for i in xs):
