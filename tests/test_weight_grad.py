@@ -106,6 +106,9 @@ def test_dense_stack():
         keras.layers.Dense(3)])
     split, *_ = _check(layer, _floats(6))
     assert split.splittable and split.reason == ""
+    # One B for all micro-batch sizes, one W for both groups of two.
+    kinds = sorted(k[0] == "weight" for k in split._functions)
+    assert kinds == [False, True]
 
 
 def test_conv_batch_norm_pooling():
