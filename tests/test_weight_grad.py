@@ -106,9 +106,10 @@ def test_dense_stack():
         keras.layers.Dense(3)])
     split, *_ = _check(layer, _floats(6))
     assert split.splittable and split.reason == ""
-    # One B for all micro-batch sizes, one W for both groups of two.
+    # One B for all micro-batch sizes; W for two micro-batches twice: once
+    # without running sums, once adding to them.
     kinds = sorted(k[0] == "weight" for k in split._functions)
-    assert kinds == [False, True]
+    assert kinds == [False, True, True]
 
 
 def test_conv_batch_norm_pooling():
