@@ -29,7 +29,7 @@ import tensorflow as tf
 from keras_pipe import microbatch
 from keras_pipe import schedule as schedule_lib
 from keras_pipe.replicas import replica_of
-from keras_pipe.stage import sum_gradients
+from keras_pipe.gradients import sum_gradients
 
 __all__ = ["Cell", "Executor", "LossHead", "Step", "sum_on_devices"]
 
@@ -58,7 +58,8 @@ class Cell:
     run: object = None           # the `StageRun` of the forward call
     output_grads: list = None    # gradients for `tree.flatten(run.outputs)`
     loss_grads: list = None      # gradients for `run.losses`
-    backward_done: bool = False
+    split: bool = False          # the schedule has a "W" action for it
+    stash: object = None         # B's stash for W (split backward)
 
 
 @dataclasses.dataclass
@@ -209,18 +210,34 @@ class Executor:
             self._forward(step, action.i, action.j, observer)
 
     def run(self, step, head, observer=None):
-        """Runs the schedule's forward and backward calls.
+        """Runs the schedule's forward, backward and weight calls.
 
-        `"W"` actions are part of `"B"` until a stage can split its backward
-        pass; they are accepted and issue nothing of their own.
+        Consecutive `"W"` actions of one stage on a device run as one call
+        over their micro-batches (`keras_pipe.weight_grad`: one product
+        over the concatenated micro-batches where that is exact).
         """
-        for action in self.actions(step):
+        actions = self.actions(step)
+        for a in actions:
+            if a.kind == "W":
+                step.cells[a.i][a.j].split = True
+        pending = {}  # device -> [(i, j)]: W actions not yet issued
+        for action in actions:
+            i, j = action.i, action.j
+            device = self.runner(step, i, j).device
+            group = pending.get(device)
+            if group and (action.kind != "W" or action.j != group[0][1]
+                          or step.replica[i] != step.replica[group[0][0]]):
+                self._weight(step, pending.pop(device), observer)
             if action.kind == "F":
-                self._forward(step, action.i, action.j, observer)
-                if action.j == self.num_stages - 1:
-                    self._maybe_seed_part(step, head, action.i)
+                self._forward(step, i, j, observer)
+                if j == self.num_stages - 1:
+                    self._maybe_seed_part(step, head, i)
             elif action.kind == "B":
-                self._backward(step, action.i, action.j, head, observer)
+                self._backward(step, i, j, head, observer)
+            else:
+                pending.setdefault(device, []).append((i, j))
+        for group in pending.values():
+            self._weight(step, group, observer)
 
     # ------------------------------------------------------------- forward
 
@@ -234,9 +251,11 @@ class Executor:
         runner = self.runner(step, i, j)
         x = (step.micro_batches[i].inputs if j == 0
              else step.cells[i][j - 1].run.outputs)
+        # A split backward pass recomputes the stage in B: the forward
+        # pass keeps no activations for it.
         run, new_state = runner.forward(
             x, step.params[step.replica[i]][j], step.state[j], step.training,
-            self._remat(step, i, j),
+            self._remat(step, i, j) or step.cells[i][j].split,
             control_inputs=step.last.get(runner.device, []),
             differentiable=step.differentiable,
             name=f"stage{j}/mb{i}/forward", observer=observer)
@@ -355,6 +374,17 @@ class Executor:
             self._seed_full(step, head)
         runner = self.runner(step, i, j)
         sums = step.sums[step.replica[i]][j]
+        if cell.split:
+            input_grads, cell.stash = runner.backward_input(
+                cell.run, cell.output_grads, cell.loss_grads, training=True,
+                name=f"stage{j}/mb{i}/backward",
+                control_inputs=step.last.get(runner.device, []),
+                observer=observer)
+            step.last[runner.device] = _first(input_grads + list(cell.stash))
+            if j:
+                step.cells[i][j - 1].output_grads = input_grads
+            cell.output_grads = None
+            return
         input_grads, totals = runner.backward(
             cell.run, cell.output_grads, cell.loss_grads, training=True,
             totals=list(sums), name=f"stage{j}/mb{i}/backward",
@@ -364,9 +394,24 @@ class Executor:
         if j:
             step.cells[i][j - 1].output_grads = input_grads
         sums[:] = totals
-        cell.backward_done = True
         cell.output_grads = None  # released: nothing reads it again
 
+    def _weight(self, step, group, observer):
+        """Issues the weight gradients of `group`'s (i, j), one stage, as one
+        call that adds them to the stage's running sums."""
+        i, j = group[0]
+        runner = self.runner(step, i, j)
+        sums = step.sums[step.replica[i]][j]
+        stashes = [step.cells[ii][j].stash for ii, _ in group]
+        totals = runner.backward_weight(
+            step.params[step.replica[i]][j], stashes, sums, training=True,
+            name=f"stage{j}/mb{i}/weight",
+            control_inputs=step.last.get(runner.device, []),
+            observer=observer)
+        step.last[runner.device] = _first(totals)
+        sums[:] = totals
+        for ii, _ in group:
+            step.cells[ii][j].stash = None
     def gradient_parts(self, step):
         """`(variable, gradient)` per stage, replica and trainable variable."""
         for replica, sums in zip(self.replicas, step.sums):

@@ -41,7 +41,10 @@ import dataclasses
 import keras
 import tensorflow as tf
 
-__all__ = ["Stage", "StageRun", "add_gradients", "sum_gradients"]
+from keras_pipe.gradients import add_gradients
+from keras_pipe.weight_grad import SplitBackward
+
+__all__ = ["Stage", "StageRun"]
 
 
 def _is_float(t):
@@ -72,6 +75,7 @@ class Stage:
         self.layer = layer
         self.device = device
         self._functions = {}
+        self._split = {}  # training flag -> `SplitBackward`
 
     @property
     def trainable_variables(self):
@@ -237,6 +241,51 @@ class Stage:
             return ([next(input_grads) if _is_float(t) else None
                      for t in flat_inputs], totals)
 
+    def backward_input(self, run, output_grads, loss_grads, training,
+                       name="backward", control_inputs=(), observer=None):
+        """B of a split backward pass: input gradients now, a stash for W.
+
+        Recomputes the stage from the state of the forward pass (see
+        `keras_pipe.weight_grad`), on the stage's device.
+
+        Returns:
+            `(input_grads, stash)`: gradients for `tree.flatten(run.inputs)`
+            (None for non-float inputs) and what `backward_weight` needs.
+        """
+        split = self._split.setdefault(
+            bool(training), SplitBackward(self.call_inline, training))
+        with tf.device(self.device), tf.name_scope(name):
+            after = list(control_inputs)
+            if observer is not None:
+                after = [observer.start(name, [g for g in output_grads
+                                               if g is not None] + after)]
+            with tf.control_dependencies(after):
+                grads, stash = split.backward_input(
+                    run.inputs, list(run.params), list(run.state),
+                    list(output_grads), list(loss_grads))
+            if observer is not None:
+                observer.end(name, [g for g in grads if g is not None] +
+                             list(stash))
+        return grads, stash
+
+    def backward_weight(self, params, stashes, totals, training,
+                        name="weight", control_inputs=(), observer=None):
+        """W of a split backward pass: weight gradients of several
+        micro-batches in one call, added to the running `totals`."""
+        split = self._split.setdefault(
+            bool(training), SplitBackward(self.call_inline, training))
+        with tf.device(self.device), tf.name_scope(name):
+            after = list(control_inputs)
+            if observer is not None:
+                after = [observer.start(name, [t for s in stashes for t in s]
+                                        + after)]
+            with tf.control_dependencies(after):
+                totals = split.backward_weight(list(params), stashes,
+                                               list(totals))
+            if observer is not None:
+                observer.end(name, [t for t in totals if t is not None])
+        return totals
+
     def _taped_backward(self, run, output_grads, loss_grads, name,
                         control_inputs, observer):
         ys, grad_ys = _pairs(keras.tree.flatten(run.outputs) + run.losses,
@@ -346,23 +395,3 @@ def _pairs(ys, grads):
     pairs = [(y, g) for y, g in zip(ys, grads)
              if g is not None and _is_float(y)]
     return [y for y, _ in pairs], [g for _, g in pairs]
-
-
-def add_gradients(total, gradient):
-    """`total + gradient`; either may be None; IndexedSlices stay sparse."""
-    if total is None:
-        return gradient
-    if gradient is None:
-        return total
-    return sum_gradients([total, gradient])
-
-
-def sum_gradients(parts):
-    """Sums gradients; a sum of IndexedSlices stays sparse (concatenated)."""
-    if len(parts) == 1:
-        return parts[0]
-    if all(isinstance(g, tf.IndexedSlices) for g in parts):
-        return tf.IndexedSlices(tf.concat([g.values for g in parts], 0),
-                                tf.concat([g.indices for g in parts], 0),
-                                parts[0].dense_shape)
-    return tf.add_n([tf.convert_to_tensor(g) for g in parts])

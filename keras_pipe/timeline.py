@@ -23,8 +23,9 @@ from keras_pipe import schedule as schedule_lib
 __all__ = ["Timeline", "Recorder", "bubble_of", "render_png",
            "to_chrome_trace"]
 
-KINDS = ("forward", "recompute", "backward")
-_KEY = re.compile(r"stage(\d+)/mb(\d+)/(forward|backward)(/recompute)?$")
+KINDS = ("forward", "recompute", "backward", "weight")
+_KEY = re.compile(
+    r"stage(\d+)/mb(\d+)/(forward|backward|weight)(/recompute)?$")
 
 
 def _now(anchor):
@@ -91,7 +92,7 @@ class Recorder:
         self._buffer.assign(self.stacked())
 
     def stacked(self):
-        """All stamps as a `[3, M, K, 2]` float64 tensor, -1 where none."""
+        """All stamps as a `[4, M, K, 2]` float64 tensor, -1 where none."""
         missing = tf.constant(-1.0, tf.float64)
         rows = []
         for kind in KINDS:
@@ -105,7 +106,7 @@ class Recorder:
 
 
 def events_of(stamps):
-    """Turns a `[3, M, K, 2]` array of stamps into a list of event dicts."""
+    """Turns a `[4, M, K, 2]` array of stamps into a list of event dicts."""
     stamps = np.asarray(stamps)
     t0 = stamps[stamps >= 0].min()
     events = []
@@ -143,7 +144,8 @@ def to_chrome_trace(events, devices):
     trace = [dict(ph="M", name="thread_name", pid=1, tid=j,
                   args=dict(name=f"stage {j} ({device})"))
              for j, device in enumerate(devices)]
-    letter = {"forward": "F", "recompute": "R", "backward": "B"}
+    letter = {"forward": "F", "recompute": "R", "backward": "B",
+              "weight": "W"}
     for e in events:
         trace.append(dict(
             ph="X", pid=1, tid=e["stage"], cat=e["kind"],
@@ -161,7 +163,8 @@ def render_png(events, num_stages, path, title=""):
     import matplotlib.pyplot as plt
 
     colors = plt.get_cmap("tab20").colors
-    hatch = {"forward": None, "recompute": "..", "backward": "//"}
+    hatch = {"forward": None, "recompute": "..", "backward": "//",
+             "weight": "xx"}
     fig, ax = plt.subplots(figsize=(10, 0.6 * num_stages + 1.4), dpi=90)
     for e in events:
         ax.broken_barh([(e["start"] * 1e3, (e["end"] - e["start"]) * 1e3)],
@@ -172,8 +175,8 @@ def render_png(events, num_stages, path, title=""):
     ax.set_yticks(range(num_stages))
     ax.set_yticklabels([f"stage {j}" for j in range(num_stages)])
     ax.invert_yaxis()
-    ax.set_xlabel("ms (plain: forward, dots: recompute, hatched: backward;"
-                  " colour: micro-batch)")
+    ax.set_xlabel("ms (plain: forward, dots: recompute, hatched: backward,"
+                  " crossed: weight gradients; colour: micro-batch)")
     ax.set_title(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path)

@@ -11,7 +11,7 @@ the number of full-size weight-gradient matrices.
 
 Why per op and not per layer: a stage is any Keras layer run as the pure
 function `(inputs, params, state) -> (outputs, new_state, losses)` of
-`keras_pipe.remat`; knowing each layer's backward pass would mean a table of
+`keras_pipe.stage`; knowing each layer's backward pass would mean a table of
 layers. The traced ops of the stage say all that is needed. Inside the
 traced B function, each tensor the stage computes is
 
@@ -66,7 +66,7 @@ import inspect
 import keras
 import tensorflow as tf
 
-from keras_pipe import remat
+from keras_pipe import gradients as gradients_lib
 
 __all__ = ["SplitBackward", "SplitPlan", "Stash"]
 
@@ -134,7 +134,7 @@ class SplitBackward:
     returns the input gradients and a stash; `backward_weight` (W) returns
     the weight gradients summed over the micro-batches of its stashes. Both
     are traced `tf.function`s, not inlined (one op per call), like
-    `keras_pipe.remat.Stage`'s; B per input signature with the batch size
+    `keras_pipe.stage.Stage`'s; B per input signature with the batch size
     left open (and per pattern of `None` gradients), W per B signature,
     number of micro-batches and pattern of dense running sums. Call them
     under the stage's `tf.device`.
@@ -144,7 +144,7 @@ class SplitBackward:
     weight gradients) and W sums them, so results stay exact either way.
 
     ```python
-    stage = keras_pipe.remat.Stage(layer, "/device:CPU:0")
+    stage = keras_pipe.stage.Stage(layer, "/device:CPU:0")
     split = SplitBackward(stage.call_inline, training=True)
     stashes = []
     for x, dy in zip(micro_batches, output_grads):
@@ -156,7 +156,7 @@ class SplitBackward:
     Args:
         call: the stage as a pure function `call(inputs, params, state,
             training) -> (outputs, new_state, losses)`, e.g.
-            `keras_pipe.remat.Stage.call_inline`.
+            `keras_pipe.stage.Stage.call_inline`.
         training: the `training` flag passed to `call`.
 
     Raises:
@@ -243,7 +243,7 @@ class SplitBackward:
                 params, [list(s) for s in group],
                 [t for t, d in zip(totals, dense) if d])
             sums = iter(sums)
-            totals = [next(sums) if d else remat.add_gradients(t, g)
+            totals = [next(sums) if d else gradients_lib.add_gradients(t, g)
                       for t, g, d in zip(totals, grads, dense)]
         return totals
 
@@ -309,10 +309,10 @@ class SplitBackward:
             if plan.splittable:
                 grads = _replayed_gradients(plan, params, stashes)
             else:
-                grads = [None if slot is None else remat.sum_gradients(
+                grads = [None if slot is None else gradients_lib.sum_gradients(
                     [s[slot] for s in stashes]) for slot in plan.param_slots]
             sums = iter(sums)
-            new_sums = [remat.add_gradients(next(sums), g)
+            new_sums = [gradients_lib.add_gradients(next(sums), g)
                         for g, d in zip(grads, dense) if d]
             new_sums = [tf.convert_to_tensor(s) for s in new_sums]
             # Gradients summed inside are not returned on their own.

@@ -48,7 +48,7 @@ def test_timeline_writes_trace_png_and_bubble(devices, tmp_path):
              for kind in timeline.KINDS}
     # except_last: every micro-batch but the last is recomputed.
     assert count == {"forward": m * k, "recompute": (m - 1) * k,
-                     "backward": m * k}
+                     "backward": m * k, "weight": 0}
     forward = sorted((e for e in events if e["kind"] == "forward"),
                      key=lambda e: (e["stage"], e["micro_batch"]))
     for e in forward:
@@ -71,6 +71,28 @@ def test_timeline_writes_trace_png_and_bubble(devices, tmp_path):
     assert os.path.getsize(tmp_path / "step1.png") > 1000
     # Steps that are not recorded run the ordinary step function.
     assert model._step_observer is None
+
+
+def test_timeline_records_split_weight_gradients(devices, tmp_path):
+    # zb_h2 defers every W; consecutive W of a stage run as one call, which
+    # the timeline shows once, at its first micro-batch.
+    k, m = 2, 4
+    model = keras_pipe.PipelineModel(
+        [SlowDense(0.01) for _ in range(k)], devices=devices[:k],
+        num_micro_batches=m, schedule="zb_h2")
+    model.compile("sgd", "mse")
+    recorder = timeline.Timeline(str(tmp_path), steps=(1,), verbose=False)
+    x = np.ones((16, 3), "float32")
+    model.fit(x, x, batch_size=8, epochs=1, callbacks=[recorder], verbose=0)
+    events = recorder.results[0]["events"]
+    weights = [e for e in events if e["kind"] == "weight"]
+    backward = {(e["stage"], e["micro_batch"]): e for e in events
+                if e["kind"] == "backward"}
+    assert len(backward) == m * k
+    assert 1 <= len(weights) < m * k  # grouped
+    for w in weights:  # after the B of its micro-batch (5 ms of slack)
+        assert w["start"] >= backward[(w["stage"], w["micro_batch"])][
+            "end"] - 0.005
 
 
 def test_timeline_rejects_bad_steps():
@@ -109,5 +131,6 @@ def test_consecutive_recorded_steps_share_one_traced_function(devices,
     # plain one after step 2; none between steps 1 and 2.
     assert rebuilt.count(True) == 2, rebuilt
     for result in recorder.results:
-        assert {e["kind"] for e in result["events"]} == set(timeline.KINDS)
+        assert {e["kind"] for e in result["events"]} == {
+            "forward", "recompute", "backward"}
     assert model._step_observer is None

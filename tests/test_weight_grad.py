@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from keras_pipe import remat
+from keras_pipe import gradients
+from keras_pipe import stage as stage_lib
 from keras_pipe import weight_grad
 
 SIZES = (3, 5, 2, 4)
@@ -22,7 +23,7 @@ RTOL, ATOL = 1e-5, 1e-6
 def _stage(layer, example):
     """A built stage, its params and state."""
     layer(example)
-    stage = remat.Stage(layer, "/device:CPU:0")
+    stage = stage_lib.Stage(layer, "/device:CPU:0")
     return stage, stage.read_params(), stage.read_state()
 
 
@@ -73,7 +74,7 @@ def _check(layer, make_input, training=True, rtol=RTOL, atol=ATOL,
         output_grads, loss_grads = _seeds(rng, outputs, losses)
         ref_inputs, ref_params = _fused(stage, x, params, state, training,
                                         output_grads, loss_grads)
-        expected = [remat.add_gradients(t, g)
+        expected = [gradients.add_gradients(t, g)
                     for t, g in zip(expected, ref_params)]
         input_grads, stash = split.backward_input(
             x, params, state, output_grads, loss_grads)
@@ -187,7 +188,7 @@ def test_weight_as_output_and_output_without_gradient():
                         None,  # the second head does not reach the loss
                         tf.constant(rng.normal(size=(6, 3)), "float32")]
         _, ref = _fused(stage, x, params, state, True, output_grads, [])
-        expected = [remat.add_gradients(t, g) for t, g in zip(expected, ref)]
+        expected = [gradients.add_gradients(t, g) for t, g in zip(expected, ref)]
         _, stash = split.backward_input(x, params, state, output_grads, [])
         stashes.append(stash)
     (plan,) = split._plans.values()
