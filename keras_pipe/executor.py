@@ -77,9 +77,16 @@ class Step:
         cells: `cells[i][j]`, a `Cell` per micro-batch and stage.
         params: `params[r][j]`, the trainable values stage `j` of replica
             `r` reads, once per step, on its device.
-        state: `state[j]`, stage `j`'s current state values (threaded from
-            one micro-batch to the next).
-        changed: `changed[j][s]`, whether state value `s` was updated.
+        start_state: `start_state[j]`, stage `j`'s state values at the
+            start of the step.
+        state: `state[r][j]`, the current state values of stage `j` as
+            replica `r` threads them (see `Stage.state_kinds`: seed states
+            stay at the start value, moving statistics are threaded per
+            replica, other state from call to call across replicas).
+        new_seeds: `new_seeds[j][s]`, the advanced seed state (the same
+            from every micro-batch), or None.
+        updates: `updates[r][j][s]`, how many micro-batches of replica `r`
+            updated state value `s` (int or tensor; padding slots do not).
         sums: `sums[r][j]`, per trainable variable of the stage, the running
             sum of its gradients (None until the first one).
         last: per device, the tensors of the last call issued there: the
@@ -97,8 +104,10 @@ class Step:
     replica: list
     cells: list
     params: list
+    start_state: list
     state: list
-    changed: list
+    new_seeds: list
+    updates: list
     sums: list
     last: dict = dataclasses.field(default_factory=dict)
     loss: object = None
@@ -107,6 +116,14 @@ class Step:
     @property
     def num_micro_batches(self):
         return len(self.micro_batches)
+
+    @property
+    def total_rows(self):
+        """The rows of the (global) batch: an int or a scalar tensor."""
+        sizes = [mb.size for mb in self.micro_batches]
+        if all(isinstance(n, int) for n in sizes):
+            return sum(sizes)
+        return tf.add_n([tf.cast(n, tf.int32) for n in sizes])
 
 
 def _is_float(t):
@@ -165,7 +182,8 @@ class Executor:
         micro_batches = microbatch.scatter(
             inputs, num_micro_batches * self.num_replicas)
         m, k = len(micro_batches), self.num_stages
-        state = [r.read_state() for r in self.replicas[0]]
+        start = [r.read_state() for r in self.replicas[0]]
+        r_count = self.num_replicas
         return Step(
             micro_batches=micro_batches, training=training,
             differentiable=differentiable, remat=list(remat),
@@ -173,7 +191,10 @@ class Executor:
             cells=[[Cell() for _ in range(k)] for _ in range(m)],
             params=[[r.read_params(differentiable) for r in replica]
                     for replica in self.replicas],
-            state=state, changed=[[False] * len(s) for s in state],
+            start_state=start,
+            state=[[list(s) for s in start] for _ in range(r_count)],
+            new_seeds=[[None] * len(s) for s in start],
+            updates=[[[0] * len(s) for s in start] for _ in range(r_count)],
             sums=[[[None] * len(r.trainable_variables) for r in replica]
                   for replica in self.replicas])
 
@@ -253,32 +274,75 @@ class Executor:
              else step.cells[i][j - 1].run.outputs)
         # A split backward pass recomputes the stage in B: the forward
         # pass keeps no activations for it.
+        r = step.replica[i]
+        micro_batch = step.micro_batches[i]
+        rows = tf.stack([tf.cast(micro_batch.offset, tf.int32),
+                         tf.cast(step.total_rows, tf.int32)])
         run, new_state = runner.forward(
-            x, step.params[step.replica[i]][j], step.state[j], step.training,
+            x, step.params[r][j], step.state[r][j] + [rows], step.training,
             self._remat(step, i, j) or step.cells[i][j].split,
             control_inputs=step.last.get(runner.device, []),
             differentiable=step.differentiable,
             name=f"stage{j}/mb{i}/forward", observer=observer)
         step.last[runner.device] = keras.tree.flatten(run.outputs)[:1]
-        valid = step.micro_batches[i].valid
+        self._thread_state(step, i, j, runner, new_state)
+        step.cells[i][j].run = run
+
+    def _thread_state(self, step, i, j, runner, new_state):
+        """Records micro-batch `i`'s state updates on stage `j`."""
+        r, valid = step.replica[i], step.micro_batches[i].valid
         for s, new in enumerate(new_state):
             if new is None:
                 continue
+            kind, _ = runner.state_kinds[s]
+            if kind == "seed":
+                if step.new_seeds[j][s] is None:
+                    step.new_seeds[j][s] = new
+                continue
+            old = step.state[r][j][s]
             if valid is not True:
                 with tf.device(runner.device):
-                    new = tf.where(valid, new, step.state[j][s])
-            step.state[j][s] = new
-            step.changed[j][s] = True
-        step.cells[i][j].run = run
+                    new = tf.where(valid, new, old)
+            step.updates[r][j][s] = step.updates[r][j][s] + (
+                1 if valid is True else tf.cast(valid, tf.int32))
+            replicas = [r] if kind == "ema" else range(self.num_replicas)
+            for rr in replicas:
+                step.state[rr][j][s] = new
+
+    def _final_state(self, step, j, s):
+        """Stage `j`'s state value `s` after the step, or None if unchanged.
+
+        Moving statistics threaded by several replicas are merged as if
+        the replicas' micro-batches had run one after another:
+        `m = momentum^n_r * m + (m_r - momentum^n_r * m_0)` for replica `r`
+        with `n_r` updates, starting from `m_0`, which is exact for
+        `m * momentum + x * (1 - momentum)` updates.
+        """
+        kind, momentum = self.replicas[0][j].state_kinds[s]
+        if kind == "seed":
+            return step.new_seeds[j][s]
+        touched = [r for r in range(self.num_replicas)
+                   if not (isinstance(step.updates[r][j][s], int)
+                           and step.updates[r][j][s] == 0)]
+        if not touched:
+            return None
+        if kind == "chain" or len(touched) == 1:
+            return step.state[touched[-1]][j][s]
+        start = step.start_state[j][s]
+        merged = step.state[touched[0]][j][s]
+        for r in touched[1:]:
+            decay = tf.pow(tf.cast(momentum, start.dtype),
+                           tf.cast(step.updates[r][j][s], start.dtype))
+            merged = decay * merged + (step.state[r][j][s] - decay * start)
+        return merged
 
     def assign_state(self, step):
         """Assigns each stage's final state once; calls the step-end hooks."""
-        for runner, values, flags in zip(self.replicas[0], step.state,
-                                         step.changed):
+        for j, runner in enumerate(self.replicas[0]):
             with tf.device(runner.device):
-                for variable, value, flag in zip(runner.state_variables,
-                                                 values, flags):
-                    if flag:
+                for s, variable in enumerate(runner.state_variables):
+                    value = self._final_state(step, j, s)
+                    if value is not None:
                         variable.assign(value)
                 if step.training:
                     _finish_mini_batch(runner.layer)

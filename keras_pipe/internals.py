@@ -213,3 +213,105 @@ def _clip_on_devices(optimizer, grads):
         v = optimizer.clipvalue
         return [_on_device(g, lambda g: ops.clip(g, -v, v)) for g in grads]
     return grads
+
+
+# ------------------------------------------------ randomness keyed by row
+
+from keras.src.backend.tensorflow import random as _tf_random  # noqa: E402
+from keras.src.random.seed_generator import SeedGenerator  # noqa: E402
+from keras.src.random.seed_generator import draw_seed  # noqa: E402
+
+
+def _rows_of(shape, rows, draw):
+    """`draw(shape)` for a batch-first shape, keyed by the global row.
+
+    `rows` is `[offset, total]`: this micro-batch's first row in the global
+    batch and the global batch's size. A shape whose first dimension is
+    known at trace time is not a batch (stage functions are traced with the
+    batch size left open) and is drawn as is, the same for every
+    micro-batch; otherwise the rows of the whole global batch are drawn and
+    this micro-batch's rows are sliced out, so row `r` sees the same numbers
+    whatever micro-batch, stage or replica it lands in.
+    """
+    dims = list(shape) if not isinstance(shape, tf.Tensor) else [
+        shape[k] for k in range(shape.shape[0])]
+    if not dims or isinstance(dims[0], int):
+        return draw(shape)
+    full = draw(tf.stack([tf.cast(rows[1], tf.int32)] + [
+        tf.cast(d, tf.int32) for d in dims[1:]]))
+    start = tf.cast(rows[0], tf.int32)
+    return full[start:start + tf.cast(dims[0], tf.int32)]
+
+
+@contextlib.contextmanager
+def keyed_random(rows):
+    """Random draws of Keras layers keyed by global row, meanwhile.
+
+    Patches Keras' TF random backend (`uniform`, `normal`,
+    `truncated_normal`, `dropout`: what Dropout, SpatialDropout,
+    GaussianNoise, GaussianDropout and AlphaDropout call) so that each row
+    of a batch-first draw depends only on the seed (the layer's seed
+    generator at the start of the step) and the row's index in the global
+    batch (see `_rows_of`). Only while tracing a stage call.
+    """
+    originals = {name: getattr(_tf_random, name) for name in (
+        "uniform", "normal", "truncated_normal", "dropout")}
+
+    def seeded(seed):
+        return originals_cast(draw_seed(seed))
+
+    def originals_cast(seed):
+        return _tf_random._cast_seed(seed)
+
+    def uniform(shape, minval=0.0, maxval=1.0, dtype=None, seed=None):
+        s = seeded(seed)
+        return _rows_of(shape, rows, lambda sh: originals["uniform"](
+            sh, minval=minval, maxval=maxval, dtype=dtype, seed=s))
+
+    def normal(shape, mean=0.0, stddev=1.0, dtype=None, seed=None):
+        s = seeded(seed)
+        return _rows_of(shape, rows, lambda sh: originals["normal"](
+            sh, mean=mean, stddev=stddev, dtype=dtype, seed=s))
+
+    def truncated_normal(shape, mean=0.0, stddev=1.0, dtype=None, seed=None):
+        s = seeded(seed)
+        return _rows_of(shape, rows, lambda sh: originals[
+            "truncated_normal"](sh, mean=mean, stddev=stddev, dtype=dtype,
+                                seed=s))
+
+    def dropout(inputs, rate, noise_shape=None, seed=None):
+        if rate == 1.0:
+            return tf.zeros_like(inputs)
+        if rate == 0.0:
+            return inputs
+        s = seeded(seed)
+        noise_shape = _tf_random._get_concrete_noise_shape(inputs,
+                                                           noise_shape)
+        dims = [tf.shape(inputs)[0]] + [noise_shape[k] for k in range(
+            1, len(inputs.shape))]
+        if isinstance(noise_shape, list) and isinstance(noise_shape[0], int):
+            dims[0] = noise_shape[0]  # shared over the batch
+        keep = _rows_of(dims, rows, lambda sh: tf.random.stateless_uniform(
+            sh, seed=s, dtype=inputs.dtype)) >= rate
+        scale = tf.cast(1.0 / (1.0 - rate), inputs.dtype)
+        return tf.where(keep, inputs * scale, tf.zeros_like(inputs))
+
+    patched = {"uniform": uniform, "normal": normal,
+               "truncated_normal": truncated_normal, "dropout": dropout}
+    for name, fn in patched.items():
+        setattr(_tf_random, name, fn)
+    try:
+        yield
+    finally:
+        for name, fn in originals.items():
+            setattr(_tf_random, name, fn)
+
+
+def seed_state_variables(layer):
+    """The state variables of the seed generators of `layer`'s sub-layers."""
+    found = []
+    for sub in layer._flatten_layers():
+        for value in vars(sub).values():
+            if isinstance(value, SeedGenerator):
+                found.append(value.state)
+    return found

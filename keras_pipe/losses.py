@@ -193,7 +193,11 @@ def loss_head(model, x, y, sample_weight, training):
         outputs = step.cells[i][-1].run.outputs
         compile_loss = getattr(model, "_compile_loss", None)
         if not rows:
-            rows.append(_Rows.of(model, compile_loss, step, y, sample_weight))
+            # Every micro-batch's rows: outside the caller's control
+            # dependencies, or every part would wait for this one's stage.
+            with tf.control_dependencies(None):
+                rows.append(_Rows.of(model, compile_loss, step, y,
+                                     sample_weight))
         if rows[0]:
             parts = rows[0]
             y_pred, y_i, w_i = micro_batch.real_rows(

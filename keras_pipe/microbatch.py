@@ -45,11 +45,13 @@ class MicroBatch:
             the batch size is dynamic.
         valid: `True`, or a scalar bool tensor that is false for a padding
             slot (dynamic batch smaller than `M`).
+        offset: the index in the batch of its first row (int or tensor).
     """
 
     inputs: object
     size: object
     valid: object = True
+    offset: object = 0  # the index of its first row in the batch
 
     @property
     def padded(self):
@@ -92,7 +94,7 @@ def scatter(batch, num_micro_batches):
         for size in split_sizes(batch_size, num_micro_batches):
             stop = start + size
             micro_batches.append(MicroBatch(
-                _rows(batch, start, stop), size))
+                _rows(batch, start, stop), size, offset=start))
             start = stop
         return micro_batches
 
@@ -107,7 +109,7 @@ def scatter(batch, num_micro_batches):
         hi = lo + tf.maximum(size, 1)
         micro_batches.append(MicroBatch(
             _rows(batch, lo, hi), size,
-            valid=size > 0))
+            valid=size > 0, offset=lo))
     return micro_batches
 
 

@@ -41,6 +41,7 @@ import dataclasses
 import keras
 import tensorflow as tf
 
+from keras_pipe import internals
 from keras_pipe.gradients import add_gradients
 from keras_pipe.weight_grad import SplitBackward
 
@@ -76,6 +77,7 @@ class Stage:
         self.device = device
         self._functions = {}
         self._split = {}  # training flag -> `SplitBackward`
+        self._kinds = None
 
     @property
     def trainable_variables(self):
@@ -99,6 +101,36 @@ class Stage:
             if differentiable:
                 return values
             return [tf.stop_gradient(v) for v in values]
+
+    @property
+    def state_kinds(self):
+        """Per state variable, how a step combines micro-batches' updates.
+
+        `("seed", None)`: a seed generator's state. Random draws are keyed
+        by row (`call_inline`), so every micro-batch starts from the state
+        of the step's start and the state advances once per step.
+        `("ema", momentum)`: a BatchNormalization moving statistic, updated
+        as `m * momentum + x * (1 - momentum)`; replicas thread it on their
+        own and the step merges them (`keras_pipe.executor`).
+        `("chain", None)`: anything else, threaded from one micro-batch to
+        the next in issue order.
+        """
+        if self._kinds is None:
+            seeds = {id(v) for v in internals.seed_state_variables(
+                self.layer)}
+            ema = {}
+            for sub in self.layer._flatten_layers():
+                if (isinstance(sub, keras.layers.BatchNormalization)
+                        and not getattr(sub, "renorm", False)
+                        and not hasattr(sub, "finish_mini_batch")
+                        and getattr(sub, "moving_mean", None) is not None):
+                    for v in (sub.moving_mean, sub.moving_variance):
+                        ema[id(v)] = float(sub.momentum)
+            self._kinds = [
+                ("seed", None) if id(v) in seeds else
+                ("ema", ema[id(v)]) if id(v) in ema else ("chain", None)
+                for v in self.state_variables]
+        return self._kinds
 
     def read_state(self):
         with tf.device(self.device):
@@ -146,11 +178,21 @@ class Stage:
         return self._functions[key]
 
     def call_inline(self, inputs, params, state, training):
-        """`call` without the traced function: the layer's ops, in place."""
+        """`call` without the traced function: the layer's ops, in place.
+
+        `state` holds one value per state variable and, optionally, one
+        more: `[offset, total]`, the micro-batch's first row in the global
+        batch and the global batch size, which keys random draws by row
+        (`keras_pipe.internals.keyed_random`).
+        """
+        n = len(self.state_variables)
+        rows = state[n] if len(state) > n else None
         mapping = list(zip(self.trainable_variables, params))
-        mapping += list(zip(self.state_variables, state))
-        with keras.StatelessScope(state_mapping=mapping,
-                                  collect_losses=True) as scope:
+        mapping += list(zip(self.state_variables, state[:n]))
+        keyed = (internals.keyed_random(rows) if rows is not None
+                 else contextlib.nullcontext())
+        with keyed, keras.StatelessScope(state_mapping=mapping,
+                                         collect_losses=True) as scope:
             before = [scope.get_current_value(v) for v in self.state_variables]
             outputs = self.layer(inputs, training=training)
         new_state = [None if new is old else new for new, old in zip(
