@@ -91,6 +91,7 @@ class Step:
             sum of its gradients (None until the first one).
         last: per device, the tensors of the last call issued there: the
             next call on that device waits for them.
+        total_rows: the rows of the global batch (int or scalar tensor).
         loss: the full-batch loss, once computed within the step.
         seeded_by_parts: whether micro-batches are seeded from their own
             parts of the loss (some backward call starts before the last
@@ -109,6 +110,7 @@ class Step:
     new_seeds: list
     updates: list
     sums: list
+    total_rows: object = None
     last: dict = dataclasses.field(default_factory=dict)
     loss: object = None
     seeded_by_parts: bool = False
@@ -117,13 +119,7 @@ class Step:
     def num_micro_batches(self):
         return len(self.micro_batches)
 
-    @property
-    def total_rows(self):
-        """The rows of the (global) batch: an int or a scalar tensor."""
-        sizes = [mb.size for mb in self.micro_batches]
-        if all(isinstance(n, int) for n in sizes):
-            return sum(sizes)
-        return tf.add_n([tf.cast(n, tf.int32) for n in sizes])
+
 
 
 def _is_float(t):
@@ -135,6 +131,13 @@ def _shares(micro_batches, dtype):
     sizes = [tf.cast(mb.size, dtype) for mb in micro_batches]
     total = tf.add_n(sizes) if len(sizes) > 1 else sizes[0]
     return [size / total for size in sizes]
+
+
+def _total_rows(micro_batches):
+    sizes = [mb.size for mb in micro_batches]
+    if all(isinstance(n, int) for n in sizes):
+        return sum(sizes)
+    return tf.add_n([tf.cast(n, tf.int32) for n in sizes])
 
 
 def _first(tensors):
@@ -196,7 +199,8 @@ class Executor:
             new_seeds=[[None] * len(s) for s in start],
             updates=[[[0] * len(s) for s in start] for _ in range(r_count)],
             sums=[[[None] * len(r.trainable_variables) for r in replica]
-                  for replica in self.replicas])
+                  for replica in self.replicas],
+            total_rows=_total_rows(micro_batches))
 
     def _shards(self, step):
         """Per replica, the global indices of its micro-batches."""
