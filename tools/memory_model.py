@@ -1,0 +1,190 @@
+"""Predicted vs measured peak memory per stage (validates keras_pipe.memory).
+
+    python tools/memory_model.py --out docs/memory_model.json
+
+Each stage `j` of a K-stage cut is measured alone at its place in the
+schedule: the pipeline runs stage `j`'s real layers on logical CPU device
+`j` and identity stages elsewhere, so the process-wide TF allocator peak
+(`tf.config.experimental.get_memory_info`; logical CPU devices share one
+allocator, so per-device stats of a full pipeline are not separable) is
+the peak of that stage's device, plus the mini-batch it is fed and the loss
+head on its outputs, which the prediction counts too (`first=True,
+last=True`). Measured: the peak of a warm training step minus the
+allocator's bytes before the pipeline was built. One child process per
+model.
+"""
+
+import argparse
+import gc
+import json
+import os
+import subprocess
+import sys
+
+MODELS = ("mlp", "resnet", "transformer")
+SCHEDULES = ("gpipe", "1f1b")
+REMATS = ("never", "except_last", "always")
+
+
+def build_model(keras, name):
+    """A small MLP, ResNet or Transformer, and its (batch_size, x, y)."""
+    import numpy as np
+    rng = np.random.default_rng(0)
+    if name == "mlp":
+        x = keras.Input((512,))
+        h = x
+        for _ in range(6):
+            h = keras.layers.Dense(512, activation="relu")(h)
+        out = keras.layers.Dense(10)(h)
+        batch = 1024
+        data = rng.normal(size=(batch, 512)).astype("float32")
+    elif name == "resnet":
+        x = keras.Input((32, 32, 3))
+        h = keras.layers.Conv2D(32, 3, padding="same", activation="relu")(x)
+        for _ in range(3):
+            r = keras.layers.Conv2D(32, 3, padding="same")(h)
+            r = keras.layers.BatchNormalization()(r)
+            r = keras.layers.Activation("relu")(r)
+            r = keras.layers.Conv2D(32, 3, padding="same")(r)
+            r = keras.layers.BatchNormalization()(r)
+            h = keras.layers.Activation("relu")(keras.layers.Add()([h, r]))
+        h = keras.layers.GlobalAveragePooling2D()(h)
+        out = keras.layers.Dense(10)(h)
+        batch = 64
+        data = rng.normal(size=(batch, 32, 32, 3)).astype("float32")
+    else:
+        x = keras.Input((64,), dtype="int32")
+        h = keras.layers.Embedding(1000, 128)(x)
+        for _ in range(3):
+            a = keras.layers.MultiHeadAttention(4, 32)(h, h)
+            h = keras.layers.LayerNormalization()(keras.layers.Add()([h, a]))
+            f = keras.layers.Dense(512, activation="gelu")(h)
+            f = keras.layers.Dense(128)(f)
+            h = keras.layers.LayerNormalization()(keras.layers.Add()([h, f]))
+        h = keras.layers.GlobalAveragePooling1D()(h)
+        out = keras.layers.Dense(10)(h)
+        batch = 64
+        data = rng.integers(0, 1000, size=(batch, 64)).astype("int32")
+    model = keras.Model(x, out, name=name)
+    labels = rng.integers(0, 10, size=(batch,)).astype("int32")
+    return model, batch, data, labels
+
+
+def _like(np, tensors, batch, rng):
+    return tuple(rng.normal(size=(batch,) + tuple(t.shape[1:])).astype(
+        "float32") for t in tensors)
+
+
+def measure_model(name, num_stages, num_micro_batches):
+    """Child: measured and predicted peaks of every stage, schedule, remat."""
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    import keras_pipe
+    devices = keras_pipe.logical_cpu_devices(num_stages)
+    import keras
+    import numpy as np
+    import tensorflow as tf
+    from keras_pipe import memory, partition
+
+    keras.utils.set_random_seed(0)
+    model, batch, data, labels = build_model(keras, name)
+    part = partition.cut(model, num_stages, balance="flops")
+    stages = partition.build_stages(part)
+    rng = np.random.default_rng(1)
+    info = tf.config.experimental.get_memory_info
+    rows = -(-batch // num_micro_batches)
+    profile = memory.Profile(part.graph, rows)
+    results, start = [], 0
+    for j, size in enumerate(part.sizes):
+        block = profile.block(start, start + size)
+        start += size
+        x = data if j == 0 else _like(np, part.stage_inputs(j), batch, rng)
+        last = j == num_stages - 1
+        y = labels if last else _like(np, part.stage_outputs(j), batch, rng)
+        loss = (keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+                if last else "mse")
+        for schedule in SCHEDULES:
+            actions = memory.stage_actions(schedule, num_micro_batches,
+                                           num_stages)[j]
+            for remat in REMATS:
+                gc.collect()
+                before = info("CPU:0")["current"]
+                layers = [keras.layers.Identity() for _ in range(num_stages)]
+                layers[j] = stages[j]
+                pipe = keras_pipe.PipelineModel(
+                    layers, devices=devices,
+                    num_micro_batches=num_micro_batches, remat=remat,
+                    schedule=schedule)
+                pipe.compile(keras.optimizers.Adam(1e-4), loss)
+                pipe.train_on_batch(x, y)
+                gc.collect()
+                tf.config.experimental.reset_memory_stats("CPU:0")
+                pipe.train_on_batch(x, y)
+                measured = info("CPU:0")["peak"] - before
+                predicted = memory.stage_memory(
+                    block, actions, remat, num_micro_batches, first=True,
+                    last=True)
+                results.append({
+                    "model": name, "stage": j, "schedule": schedule,
+                    "remat": remat, "measured": measured,
+                    "predicted": predicted.total,
+                    "parts": {k: v for k, v in vars(predicted).items()},
+                    "error": predicted.total / measured - 1})
+                del pipe
+    return results
+
+
+def format_table(results):
+    rows = ["| model | schedule | remat | " + " | ".join(
+        f"stage {j} MiB pred / meas (err)" for j in range(
+            1 + max(r["stage"] for r in results))) + " |"]
+    rows.append("|---" * (3 + 1 + max(r["stage"] for r in results)) + "|")
+    keys = []
+    for r in results:
+        key = (r["model"], r["schedule"], r["remat"])
+        if key not in keys:
+            keys.append(key)
+    for key in keys:
+        cells = []
+        for r in results:
+            if (r["model"], r["schedule"], r["remat"]) == key:
+                cells.append(f"{r['predicted'] / 2**20:.1f} / "
+                             f"{r['measured'] / 2**20:.1f} "
+                             f"({r['error']:+.0%})")
+        rows.append(f"| {key[0]} | {key[1]} | {key[2]} | "
+                    + " | ".join(cells) + " |")
+    errors = [abs(r["error"]) for r in results]
+    rows.append("")
+    rows.append(f"{len(errors)} stage peaks: mean |error| "
+                f"{sum(errors) / len(errors):.1%}, max {max(errors):.1%}, "
+                f"{sum(e <= 0.15 for e in errors)} within 15%.")
+    return "\n".join(rows)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--num-stages", type=int, default=3)
+    parser.add_argument("--num-micro-batches", type=int, default=4)
+    parser.add_argument("--out", default=None, help="write results as JSON")
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        print(json.dumps(measure_model(args.child, args.num_stages,
+                                       args.num_micro_batches)))
+        return
+    results = []
+    for name in args.models.split(","):
+        done = subprocess.run(
+            [sys.executable, __file__, "--child", name, "--num-stages",
+             str(args.num_stages), "--num-micro-batches",
+             str(args.num_micro_batches)], capture_output=True, text=True,
+            check=True)
+        results += json.loads(done.stdout.strip().splitlines()[-1])
+    print(format_table(results))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
