@@ -26,14 +26,16 @@ import dataclasses
 import math
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from keras_pipe import schedule as schedule_lib
 from keras_pipe import validation
 from keras_pipe.balance import cost as cost_lib
 
-__all__ = ["StageMemory", "Profile", "stage_actions", "in_flight",
-           "stage_memory", "predict"]
+__all__ = ["Block", "FEATURES", "Profile", "StageMemory", "features",
+           "in_flight", "moments", "predict", "stage_actions",
+           "stage_memory"]
 
 _SCHEDULES = {"gpipe": schedule_lib.gpipe, "1f1b": schedule_lib.one_f_one_b}
 
@@ -226,12 +228,77 @@ class StageMemory:
     boundary: int      # held boundary inputs of micro-batches in flight
     activations: int   # held tape activations, and a recompute's
     transient: int     # gradients passing through, mini-batch, loss head
-    in_flight: int     # micro-batches held at the peak
 
     @property
     def total(self):
         return (self.weights + self.optimizer_slots + self.gradients
                 + self.boundary + self.activations + self.transient)
+
+
+FEATURES = ("inputs", "outputs", "activations", "trainable", "largest",
+            "largest_variable")
+_CATEGORIES = ("boundary", "activations", "gradients", "transient")
+
+
+def _unit(name, times=1.0):
+    vector = np.zeros(len(FEATURES))
+    vector[FEATURES.index(name)] = times
+    return vector
+
+
+def moments(actions, mode, num_micro_batches, first=False, last=False):
+    """The moments a stage's peak may fall at, as linear forms of its sizes.
+
+    Each moment is a `(4, len(FEATURES))` array: per category of
+    `StageMemory` (boundary, activations, gradients, transient), the
+    coefficients of a `Block`'s sizes. The planner evaluates them for every
+    candidate block at once.
+    """
+    m = num_micro_batches
+    zero = np.zeros(len(FEATURES))
+    fixed = zero.copy()
+    if first:
+        # The mini-batch stays alive all step; micro-batches are its slices.
+        fixed = fixed + _unit("inputs", m)
+    if last:
+        # Merged outputs, targets and the loss gradient.
+        fixed = fixed + _unit("outputs", 3 * m)
+    held, sums, result = {}, zero, []
+    boundary_of = zero if first else _unit("inputs")
+    for kind, i in actions:
+        remat = mode == "always" or (mode == "except_last" and i < m - 1)
+        boundary = sum((v[0] for v in held.values()), zero)
+        kept = sum((v[1] for v in held.values()), zero)
+        if kind == "F":
+            held[i] = (boundary_of, zero if remat else _unit("activations"))
+            result.append(np.stack([
+                boundary + boundary_of, kept + _unit("activations"), sums,
+                fixed + _unit("outputs")]))
+            continue
+        if remat:
+            # One traced call: recompute, backward, old and new sums, and
+            # the gradient of the variable being added.
+            recompute = _unit("activations")
+            grads = _unit("trainable", 2 if sums.any() else 1) + (
+                _unit("largest_variable") if sums.any() else zero)
+        else:
+            # The tape returns every weight gradient, then they are added.
+            recompute = zero
+            grads = _unit("trainable", 2 if sums.any() else 1)
+        result.append(np.stack([
+            boundary, kept + recompute, grads,
+            fixed + _unit("outputs") + _unit("inputs") + _unit("largest", 2)]))
+        held.pop(i, None)
+        sums = _unit("trainable")
+    # The optimizer step: summed gradients and the update's temporaries.
+    result.append(np.stack([zero, zero, _unit("trainable"),
+                            fixed + _unit("largest_variable", 2)]))
+    return np.unique(np.stack(result), axis=0)
+
+
+def features(block):
+    """A `Block`'s sizes in the order of `FEATURES`."""
+    return np.array([getattr(block, name) for name in FEATURES], float)
 
 
 def stage_memory(block, actions, mode, num_micro_batches, optimizer_slots=2,
@@ -245,53 +312,21 @@ def stage_memory(block, actions, mode, num_micro_batches, optimizer_slots=2,
         num_micro_batches: `M`.
         optimizer_slots: optimizer variables per trainable weight (Adam 2,
             SGD 0). Defaults to `2`.
-        first: the stage holds the mini-batch's inputs. Defaults to `False`.
-        last: the stage holds the merged outputs and the loss gradient.
-            Defaults to `False`.
+        first: the stage takes the mini-batch (stage 0). Defaults to
+            `False`.
+        last: the stage holds the merged outputs, targets and loss
+            gradient (the last stage). Defaults to `False`.
 
     Returns:
         A `StageMemory`.
     """
-    m = num_micro_batches
-    fixed = 0
-    if first:
-        fixed += m * block.inputs        # the mini-batch itself
-    if last:
-        fixed += 2 * m * block.outputs   # merged outputs and their gradient
-    held, sums = {}, 0
-    best = None
-    for kind, i in actions:
-        remat = mode == "always" or (mode == "except_last" and i < m - 1)
-        boundary = sum(v[0] for v in held.values())
-        kept = sum(v[1] for v in held.values())
-        if kind == "F":
-            keep = (block.inputs, 0 if remat else block.activations)
-            # Forward: the new micro-batch's activations are being made.
-            now = (boundary + block.inputs, kept + block.activations,
-                   sums, block.outputs)
-            held[i] = keep
-        else:
-            # Backward: recompute (remat), gradients in and out, a
-            # micro-batch's weight gradients (and the new running sum).
-            recompute = block.activations if remat else 0
-            grads = block.trainable * (2 if sums else 1)
-            now = (boundary, kept + recompute, grads,
-                   block.outputs + block.inputs + 2 * block.largest)
-            held.pop(i, None)
-            sums = block.trainable
-        total = sum(now)
-        if best is None or total > best[0]:
-            best = (total, now, len(held) + (kind == "B"))
-    # The optimizer step: summed gradients and the update's temporaries.
-    apply = (0, 0, block.trainable, 2 * block.largest_variable)
-    if best is None or sum(apply) > best[0]:
-        best = (sum(apply), apply, 0)
-    _, (boundary, activations, gradients, transient), count = best
+    forms = moments(actions, mode, num_micro_batches, first, last)
+    values = forms @ features(block)          # (moments, categories)
+    peak = values[int(np.argmax(values.sum(axis=1)))]
     return StageMemory(
         weights=block.weights,
         optimizer_slots=optimizer_slots * block.trainable,
-        gradients=gradients, boundary=boundary, activations=activations,
-        transient=transient + fixed, in_flight=count)
+        **{name: int(v) for name, v in zip(_CATEGORIES, peak)})
 
 
 def predict(partition, batch_size, num_micro_batches, remat="except_last",

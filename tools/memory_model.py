@@ -10,7 +10,8 @@ allocator, so per-device stats of a full pipeline are not separable) is
 the peak of that stage's device, plus the mini-batch it is fed and the loss
 head on its outputs, which the prediction counts too (`first=True,
 last=True`). Measured: the peak of a warm training step minus the
-allocator's bytes before the pipeline was built. One child process per
+allocator's bytes before the pipeline was built, plus the stage's weights
+(the model, built before, already holds them). One child process per
 model.
 """
 
@@ -75,8 +76,12 @@ def _like(np, tensors, batch, rng):
         "float32") for t in tensors)
 
 
-def measure_model(name, num_stages, num_micro_batches):
-    """Child: measured and predicted peaks of every stage, schedule, remat."""
+def measure_model(name, num_stages, num_micro_batches, known=None):
+    """Child: measured and predicted peaks of every stage, schedule, remat.
+
+    With `known` ({(stage, schedule, remat): bytes}, from an earlier run)
+    nothing is trained: only the predictions are recomputed.
+    """
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     import keras_pipe
     devices = keras_pipe.logical_cpu_devices(num_stages)
@@ -90,7 +95,6 @@ def measure_model(name, num_stages, num_micro_batches):
     part = partition.cut(model, num_stages, balance="flops")
     stages = partition.build_stages(part)
     rng = np.random.default_rng(1)
-    info = tf.config.experimental.get_memory_info
     rows = -(-batch // num_micro_batches)
     profile = memory.Profile(part.graph, rows)
     results, start = [], 0
@@ -106,31 +110,47 @@ def measure_model(name, num_stages, num_micro_batches):
             actions = memory.stage_actions(schedule, num_micro_batches,
                                            num_stages)[j]
             for remat in REMATS:
-                gc.collect()
-                before = info("CPU:0")["current"]
-                layers = [keras.layers.Identity() for _ in range(num_stages)]
-                layers[j] = stages[j]
-                pipe = keras_pipe.PipelineModel(
-                    layers, devices=devices,
-                    num_micro_batches=num_micro_batches, remat=remat,
-                    schedule=schedule)
-                pipe.compile(keras.optimizers.Adam(1e-4), loss)
-                pipe.train_on_batch(x, y)
-                gc.collect()
-                tf.config.experimental.reset_memory_stats("CPU:0")
-                pipe.train_on_batch(x, y)
-                measured = info("CPU:0")["peak"] - before
                 predicted = memory.stage_memory(
                     block, actions, remat, num_micro_batches, first=True,
                     last=True)
+                if known is not None:
+                    measured = known[f"{j}/{schedule}/{remat}"]
+                else:
+                    measured = _measure(keras, keras_pipe, tf, stages[j], j,
+                                        devices, num_micro_batches, remat,
+                                        schedule, loss, x, y)
                 results.append({
                     "model": name, "stage": j, "schedule": schedule,
                     "remat": remat, "measured": measured,
                     "predicted": predicted.total,
                     "parts": {k: v for k, v in vars(predicted).items()},
                     "error": predicted.total / measured - 1})
-                del pipe
     return results
+
+
+def _measure(keras, keras_pipe, tf, stage, j, devices, num_micro_batches,
+             remat, schedule, loss, x, y):
+    """Allocator peak of a warm step, stage `j` real, the others identity."""
+    info = tf.config.experimental.get_memory_info
+    num_stages = len(devices)
+    gc.collect()
+    before = info("CPU:0")["current"]
+    layers = [keras.layers.Identity() for _ in range(num_stages)]
+    layers[j] = stage
+    pipe = keras_pipe.PipelineModel(
+        layers, devices=devices,
+        num_micro_batches=num_micro_batches, remat=remat,
+        schedule=schedule)
+    pipe.compile(keras.optimizers.Adam(1e-4), loss)
+    pipe.train_on_batch(x, y)
+    gc.collect()
+    tf.config.experimental.reset_memory_stats("CPU:0")
+    pipe.train_on_batch(x, y)
+    # The model's weights were allocated before `before`: add the stage's.
+    weights = sum(v.numpy().nbytes for v in stage.weights)
+    measured = info("CPU:0")["peak"] - before + weights
+    del pipe
+    return measured
 
 
 def format_table(results):
@@ -166,19 +186,32 @@ def main(argv=None):
     parser.add_argument("--num-stages", type=int, default=3)
     parser.add_argument("--num-micro-batches", type=int, default=4)
     parser.add_argument("--out", default=None, help="write results as JSON")
+    parser.add_argument("--predict", default=None, help="recompute the "
+                        "predictions for the measurements of this JSON")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--known", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
+        known = json.loads(args.known) if args.known else None
         print(json.dumps(measure_model(args.child, args.num_stages,
-                                       args.num_micro_batches)))
+                                       args.num_micro_batches, known)))
         return
+    old = {}
+    if args.predict:
+        with open(args.predict) as f:
+            for r in json.load(f):
+                old.setdefault(r["model"], {})[
+                    f"{r['stage']}/{r['schedule']}/{r['remat']}"] = \
+                    r["measured"]
     results = []
-    for name in args.models.split(","):
+    names = list(old) if old else args.models.split(",")
+    for name in names:
+        extra = ["--known", json.dumps(old[name])] if old else []
         done = subprocess.run(
             [sys.executable, __file__, "--child", name, "--num-stages",
              str(args.num_stages), "--num-micro-batches",
-             str(args.num_micro_batches)], capture_output=True, text=True,
-            check=True)
+             str(args.num_micro_batches)] + extra, capture_output=True,
+            text=True, check=True)
         results += json.loads(done.stdout.strip().splitlines()[-1])
     print(format_table(results))
     if args.out:
