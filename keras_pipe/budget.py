@@ -22,7 +22,7 @@ from keras_pipe import partition as partition_lib
 from keras_pipe import validation
 from keras_pipe.balance import cost as cost_lib
 
-__all__ = ["Choice", "search"]
+__all__ = ["Choice", "pipeline_arguments", "search"]
 
 # Fastest first: the search takes the first mode that fits.
 _MODES = ("never", "except_last", "always")
@@ -97,6 +97,7 @@ def _grid(profile, n):
     gap = np.array([profile.input_bytes] + profile._gap + [0], float)
     outputs = np.array([0] + profile._gap + [profile.output_bytes], float)
     saved = np.array(profile._saved, float)
+    recomputed = np.array(profile._recomputed, float)
     trainable = np.array(profile._trainable, float)
     weights = np.array(profile._weights, float)
     largest = np.zeros((n + 1, n + 1))
@@ -110,6 +111,7 @@ def _grid(profile, n):
         "inputs": np.broadcast_to(gap[:, None], (n + 1, n + 1)),
         "outputs": np.broadcast_to(outputs[None, :], (n + 1, n + 1)),
         "activations": saved[e] - saved[a],
+        "recompute": recomputed[e] - recomputed[a],
         "trainable": trainable[e] - trainable[a],
         "largest": largest, "largest_variable": largest_var}
     return (np.stack([grid[f] for f in memory_lib.FEATURES], -1),
@@ -260,3 +262,28 @@ def _show(budget):
     if isinstance(budget, (list, tuple)):
         return "[" + ", ".join(_mib(b) for b in budget) + "]"
     return f"{budget} ({_mib(budget)})"
+
+
+def pipeline_arguments(model, num_stages, memory_budget, batch_size,
+                       **kwargs):
+    """`(balance, num_micro_batches, remat)` for `PipelineModel.from_model`.
+
+    ```python
+    balance, m, remat = keras_pipe.budget.pipeline_arguments(
+        model, 2, memory_budget=512 * 2**20, batch_size=256)
+    ```
+
+    Args:
+        model, num_stages, memory_budget, batch_size: as in `search`.
+        **kwargs: the other arguments of `search` (`schedule`,
+            `optimizer_slots`, ...).
+
+    Returns:
+        The cut as layer-call counts per stage, `M`, and one remat mode per
+        stage.
+
+    Raises:
+        TypeError, ValueError: as `search`.
+    """
+    choice = search(model, num_stages, memory_budget, batch_size, **kwargs)
+    return list(choice.sizes), choice.num_micro_batches, list(choice.remat)

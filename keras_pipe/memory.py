@@ -108,9 +108,29 @@ def _variable_bytes(v):
     return math.prod(v.shape) * _dtype_size(v.dtype)
 
 
-def _saved_bytes(call, rows):
-    """Bytes the tape keeps for one call of `rows` rows (its outputs, and
-    for attention and non-trivial activations the inner tensors too)."""
+# What the tape keeps per layer, in multiples of the layer's output, as
+# measured for Keras 3.15 on TF 2.21 (eager tape, `tools/memory_model.py`):
+# Keras' LayerNormalization is built from several ops, the exact GELU from
+# erf and its factors.
+_NORMALIZATION_FACTORS = ((keras.layers.LayerNormalization, 6.5),
+                          (keras.layers.GroupNormalization, 6.5),
+                          (keras.layers.BatchNormalization, 3.0))
+_ACTIVATION_FACTORS = {"gelu": 7.0}
+_OTHER_ACTIVATION = 3.0
+# Inside the traced recompute-and-backward function a tensor lives only
+# until its last gradient op: fewer are alive at once than the forward
+# function keeps for a tape (measured likewise, whole stages).
+_RECOMPUTE_NORMALIZATION = ((keras.layers.LayerNormalization, 2.0),
+                            (keras.layers.GroupNormalization, 2.0),
+                            (keras.layers.BatchNormalization, 1.0))
+_RECOMPUTE_ACTIVATION = 2.0
+
+
+def _saved_bytes(call, rows, recompute=False):
+    """Bytes the tape keeps for one call of `rows` rows: its outputs, and
+    the inner tensors of attention, normalization and activations whose
+    gradient needs more than the output. With `recompute`, what is alive
+    at once in the traced recompute-and-backward function instead."""
     out = sum(cost_lib.tensor_bytes(x, rows) for x in call.outputs)
     op = call.operation
     if isinstance(op, keras.layers.MultiHeadAttention):
@@ -121,17 +141,22 @@ def _saved_bytes(call, rows):
             t_v = math.prod(cost_lib._dims(call.inputs[1].shape, rows)[1:-1])
         value_dim = op.value_dim or op.key_dim
         heads = op.num_heads
-        projections = rows * heads * (t_q * op.key_dim + t_v * op.key_dim
+        # Query (and its scaled copy), key, value and attention output.
+        projections = rows * heads * (2 * t_q * op.key_dim
+                                      + t_v * op.key_dim
                                       + t_v * value_dim + t_q * value_dim)
-        scores = 2 * rows * heads * t_q * t_v  # logits and softmax
-        return out + 4 * (projections + scores)
+        scores = rows * heads * t_q * t_v  # logits, softmax, dropout
+        return out + 4 * (projections + (2 if recompute else 3) * scores)
+    for layer_type, factor in (_RECOMPUTE_NORMALIZATION if recompute
+                               else _NORMALIZATION_FACTORS):
+        if isinstance(op, layer_type):
+            return int(factor * out)
     activation = getattr(op, "activation", None)
     name = getattr(activation, "__name__", "linear")
     if activation is not None and name not in _OUTPUT_ONLY:
-        return 2 * out
-    if isinstance(op, (keras.layers.LayerNormalization,
-                       keras.layers.BatchNormalization)):
-        return 2 * out
+        if recompute:
+            return int(_RECOMPUTE_ACTIVATION * out)
+        return int(_ACTIVATION_FACTORS.get(name, _OTHER_ACTIVATION) * out)
     return out
 
 
@@ -144,6 +169,7 @@ class Block:
     inputs: int         # boundary input, one micro-batch
     outputs: int        # boundary output, one micro-batch
     activations: int    # what the tape keeps, one micro-batch
+    recompute: int      # alive at once in a recompute, one micro-batch
     largest: int        # the largest single call output, one micro-batch
     largest_variable: int
 
@@ -158,9 +184,11 @@ class Profile:
     def __init__(self, graph, rows):
         self.graph, self.rows = graph, rows
         n = len(graph.calls)
-        self._saved = [0]
+        self._saved, self._recomputed = [0], [0]
         for call in graph.calls:
             self._saved.append(self._saved[-1] + _saved_bytes(call, rows))
+            self._recomputed.append(self._recomputed[-1] + _saved_bytes(
+                call, rows, recompute=True))
         self._out = [sum(cost_lib.tensor_bytes(x, rows) for x in c.outputs)
                      for c in graph.calls]
         weights, trainable, largest_var = [0], [0], [0] * n
@@ -210,6 +238,7 @@ class Profile:
             inputs=self.input_bytes if a == 0 else self._gap[a - 1],
             outputs=self.output_bytes if b == n else self._gap[b - 1],
             activations=self._saved[b] - self._saved[a],
+            recompute=self._recomputed[b] - self._recomputed[a],
             largest=max(self._out[a:b]),
             largest_variable=max(self._largest_var[a:b]))
 
@@ -235,8 +264,8 @@ class StageMemory:
                 + self.boundary + self.activations + self.transient)
 
 
-FEATURES = ("inputs", "outputs", "activations", "trainable", "largest",
-            "largest_variable")
+FEATURES = ("inputs", "outputs", "activations", "recompute", "trainable",
+            "largest", "largest_variable")
 _CATEGORIES = ("boundary", "activations", "gradients", "transient")
 
 
@@ -261,8 +290,8 @@ def moments(actions, mode, num_micro_batches, first=False, last=False):
         # The mini-batch stays alive all step; micro-batches are its slices.
         fixed = fixed + _unit("inputs", m)
     if last:
-        # Merged outputs, targets and the loss gradient.
-        fixed = fixed + _unit("outputs", 3 * m)
+        # Merged outputs and the loss gradient.
+        fixed = fixed + _unit("outputs", 2 * m)
     held, sums, result = {}, zero, []
     boundary_of = zero if first else _unit("inputs")
     for kind, i in actions:
@@ -271,15 +300,16 @@ def moments(actions, mode, num_micro_batches, first=False, last=False):
         kept = sum((v[1] for v in held.values()), zero)
         if kind == "F":
             held[i] = (boundary_of, zero if remat else _unit("activations"))
+            making = _unit("largest", 2) if remat else _unit("activations")
             result.append(np.stack([
-                boundary + boundary_of, kept + _unit("activations"), sums,
+                boundary + boundary_of, kept + making, sums,
                 fixed + _unit("outputs")]))
             continue
         if remat:
-            # One traced call: recompute, backward, old and new sums, and
-            # the gradient of the variable being added.
-            recompute = _unit("activations")
-            grads = _unit("trainable", 2 if sums.any() else 1) + (
+            # One traced call: recompute, backward, and the running sums,
+            # each variable's gradient added as soon as it is made.
+            recompute = _unit("recompute")
+            grads = _unit("trainable") + (
                 _unit("largest_variable") if sums.any() else zero)
         else:
             # The tape returns every weight gradient, then they are added.
