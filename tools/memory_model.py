@@ -4,12 +4,12 @@
 
 Each stage `j` of a K-stage cut is measured alone at its place in the
 schedule: the pipeline runs stage `j`'s real layers on logical CPU device
-`j` and identity stages elsewhere, so the process-wide TF allocator peak
+`j`, a weightless head averaging its outputs next, identity stages
+elsewhere, so the process-wide TF allocator peak
 (`tf.config.experimental.get_memory_info`; logical CPU devices share one
 allocator, so per-device stats of a full pipeline are not separable) is
-the peak of that stage's device, plus the mini-batch it is fed and the loss
-head on its outputs, which the prediction counts too (`first=True,
-last=True`). Measured: the peak of a warm training step minus the
+the peak of that stage's device, plus the mini-batch it is fed, which the
+prediction counts too (`first=True`). Measured: the peak of a warm training step minus the
 allocator's bytes before the pipeline was built, plus the stage's weights
 (the model, built before, already holds them). One child process per
 model.
@@ -103,22 +103,20 @@ def measure_model(name, num_stages, num_micro_batches, known=None):
         start += size
         x = data if j == 0 else _like(np, part.stage_inputs(j), batch, rng)
         last = j == num_stages - 1
-        y = labels if last else _like(np, part.stage_outputs(j), batch, rng)
-        loss = (keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-                if last else "mse")
+        loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
         for schedule in SCHEDULES:
             actions = memory.stage_actions(schedule, num_micro_batches,
                                            num_stages)[j]
             for remat in REMATS:
                 predicted = memory.stage_memory(
                     block, actions, remat, num_micro_batches, first=True,
-                    last=True)
+                    last=last)
                 if known is not None:
                     measured = known[f"{j}/{schedule}/{remat}"]
                 else:
-                    measured = _measure(keras, keras_pipe, tf, stages[j], j,
-                                        devices, num_micro_batches, remat,
-                                        schedule, loss, x, y)
+                    measured = measure_stage(stages[j], j, devices,
+                                             num_micro_batches, remat,
+                                             schedule, x, labels, loss)
                 results.append({
                     "model": name, "stage": j, "schedule": schedule,
                     "remat": remat, "measured": measured,
@@ -128,15 +126,34 @@ def measure_model(name, num_stages, num_micro_batches, known=None):
     return results
 
 
-def _measure(keras, keras_pipe, tf, stage, j, devices, num_micro_batches,
-             remat, schedule, loss, x, y):
-    """Allocator peak of a warm step, stage `j` real, the others identity."""
+def measure_stage(stage, j, devices, num_micro_batches, remat, schedule,
+                  x, y=None, loss=None):
+    """Allocator peak of a warm step of stage `j` alone at its place.
+
+    Stage `j`'s layers run on device `j`; stage `j + 1` is a weightless
+    head that averages stage `j`'s outputs to one number per row (its
+    gradient keeps nothing, so stage `j` sees the output gradients it would
+    see in the pipeline), the other stages are identities. `x` is a
+    mini-batch of stage `j`'s inputs; for the last stage, `y` and `loss`
+    are the targets and the loss. Returns bytes: the step's peak minus what
+    was allocated before, plus the stage's weights (the model allocated
+    them before).
+    """
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    import keras_pipe
     info = tf.config.experimental.get_memory_info
     num_stages = len(devices)
-    gc.collect()
-    before = info("CPU:0")["current"]
     layers = [keras.layers.Identity() for _ in range(num_stages)]
     layers[j] = stage
+    if j < num_stages - 1:
+        layers[j + 1] = _head()
+        rows = len(keras.tree.flatten(x)[0])
+        y, loss = np.zeros((rows, 1), "float32"), "mse"
+    gc.collect()
+    before = info("CPU:0")["current"]
     pipe = keras_pipe.PipelineModel(
         layers, devices=devices,
         num_micro_batches=num_micro_batches, remat=remat,
@@ -151,6 +168,21 @@ def _measure(keras, keras_pipe, tf, stage, j, devices, num_micro_batches,
     measured = info("CPU:0")["peak"] - before + weights
     del pipe
     return measured
+
+
+def _head():
+    """A weightless layer: the mean of each row over every tensor: (B, 1)."""
+    import keras
+
+    class Head(keras.layers.Layer):
+
+        def call(self, inputs):
+            parts = [keras.ops.mean(keras.ops.reshape(
+                t, (keras.ops.shape(t)[0], -1)), axis=1, keepdims=True)
+                for t in keras.tree.flatten(inputs)]
+            return sum(parts[1:], parts[0])
+
+    return Head()
 
 
 def format_table(results):
