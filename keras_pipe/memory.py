@@ -109,28 +109,68 @@ def _variable_bytes(v):
 
 
 # What the tape keeps per layer, in multiples of the layer's output, as
-# measured for Keras 3.15 on TF 2.21 (eager tape, `tools/memory_model.py`):
+# measured for Keras 3.15 on TF 2.21 (per layer on an eager tape; the
+# BatchNormalization factor from whole stages, `tools/memory_model.py`):
 # Keras' LayerNormalization is built from several ops, the exact GELU from
 # erf and its factors.
 _NORMALIZATION_FACTORS = ((keras.layers.LayerNormalization, 6.5),
                           (keras.layers.GroupNormalization, 6.5),
-                          (keras.layers.BatchNormalization, 3.0))
+                          (keras.layers.BatchNormalization, 2.5))
 _ACTIVATION_FACTORS = {"gelu": 7.0}
 _OTHER_ACTIVATION = 3.0
-# Inside the traced recompute-and-backward function a tensor lives only
-# until its last gradient op: fewer are alive at once than the forward
-# function keeps for a tape (measured likewise, whole stages).
-_RECOMPUTE_NORMALIZATION = ((keras.layers.LayerNormalization, 2.0),
-                            (keras.layers.GroupNormalization, 2.0),
-                            (keras.layers.BatchNormalization, 1.0))
-_RECOMPUTE_ACTIVATION = 2.0
+# Inside the traced recompute-and-backward function a tensor stays alive
+# only if a gradient op needs it: a call's output when its own gradient
+# needs it (relu, tanh, ...) or a consumer's gradient needs its input
+# (layers with weights, products, max pooling); sums, reshapes, average
+# pooling need neither.
+_NEEDS_NOTHING = (keras.layers.Add, keras.layers.Subtract,
+                  keras.layers.Average, keras.layers.Concatenate,
+                  keras.layers.Flatten, keras.layers.Reshape,
+                  keras.layers.Identity, keras.layers.Dropout,
+                  keras.layers.GlobalAveragePooling1D,
+                  keras.layers.GlobalAveragePooling2D,
+                  keras.layers.AveragePooling2D, keras.layers.ReLU,
+                  keras.layers.Softmax, keras.layers.Activation)
+
+
+def _gradient_needs(op):
+    """(needs its input, needs its output) for the gradient of a layer."""
+    activation = getattr(op, "activation", None)
+    name = getattr(activation, "__name__", "linear")
+    output_only = name in _OUTPUT_ONLY and name != "linear"
+    if isinstance(op, (keras.layers.ReLU, keras.layers.Softmax)):
+        return False, True
+    if isinstance(op, _NEEDS_NOTHING) and not getattr(op, "weights", None):
+        if isinstance(op, keras.layers.Activation) and not output_only:
+            return True, False
+        return False, output_only
+    return True, output_only
+
+
+def _inner_recompute_bytes(call, rows):
+    """Tensors inside a layer that its gradient keeps (not its output)."""
+    out = sum(cost_lib.tensor_bytes(x, rows) for x in call.outputs)
+    op = call.operation
+    if isinstance(op, keras.layers.MultiHeadAttention):
+        return _saved_bytes(call, rows, recompute=True) - out
+    if isinstance(op, (keras.layers.LayerNormalization,
+                       keras.layers.GroupNormalization)):
+        return out
+    if isinstance(op, keras.layers.Dropout) and op.rate:
+        return out  # the mask
+    activation = getattr(op, "activation", None)
+    name = getattr(activation, "__name__", "linear")
+    if activation is not None and name not in _OUTPUT_ONLY and getattr(
+            op, "weights", None):
+        return out  # the pre-activation
+    return 0
 
 
 def _saved_bytes(call, rows, recompute=False):
     """Bytes the tape keeps for one call of `rows` rows: its outputs, and
     the inner tensors of attention, normalization and activations whose
-    gradient needs more than the output. With `recompute`, what is alive
-    at once in the traced recompute-and-backward function instead."""
+    gradient needs more than the output. (`recompute`: attention's inner
+    tensors as a recompute keeps them.)"""
     out = sum(cost_lib.tensor_bytes(x, rows) for x in call.outputs)
     op = call.operation
     if isinstance(op, keras.layers.MultiHeadAttention):
@@ -147,15 +187,12 @@ def _saved_bytes(call, rows, recompute=False):
                                       + t_v * value_dim + t_q * value_dim)
         scores = rows * heads * t_q * t_v  # logits, softmax, dropout
         return out + 4 * (projections + (2 if recompute else 3) * scores)
-    for layer_type, factor in (_RECOMPUTE_NORMALIZATION if recompute
-                               else _NORMALIZATION_FACTORS):
+    for layer_type, factor in _NORMALIZATION_FACTORS:
         if isinstance(op, layer_type):
             return int(factor * out)
     activation = getattr(op, "activation", None)
     name = getattr(activation, "__name__", "linear")
     if activation is not None and name not in _OUTPUT_ONLY:
-        if recompute:
-            return int(_RECOMPUTE_ACTIVATION * out)
         return int(_ACTIVATION_FACTORS.get(name, _OTHER_ACTIVATION) * out)
     return out
 
@@ -184,11 +221,23 @@ class Profile:
     def __init__(self, graph, rows):
         self.graph, self.rows = graph, rows
         n = len(graph.calls)
+        needs_input = {}
+        for call in graph.calls:
+            wants = isinstance(call.operation, keras.layers.Layer) and \
+                _gradient_needs(call.operation)[0]
+            for x in call.inputs:
+                needs_input[id(x)] = needs_input.get(id(x), False) or wants
         self._saved, self._recomputed = [0], [0]
         for call in graph.calls:
             self._saved.append(self._saved[-1] + _saved_bytes(call, rows))
-            self._recomputed.append(self._recomputed[-1] + _saved_bytes(
-                call, rows, recompute=True))
+            kept = _inner_recompute_bytes(call, rows)
+            op = call.operation
+            own = isinstance(op, keras.layers.Layer) and _gradient_needs(
+                op)[1]
+            for x in call.outputs:
+                if own or needs_input.get(id(x), False):
+                    kept += cost_lib.tensor_bytes(x, rows)
+            self._recomputed.append(self._recomputed[-1] + kept)
         self._out = [sum(cost_lib.tensor_bytes(x, rows) for x in c.outputs)
                      for c in graph.calls]
         weights, trainable, largest_var = [0], [0], [0] * n
@@ -311,13 +360,17 @@ def moments(actions, mode, num_micro_batches, first=False, last=False):
             recompute = _unit("recompute")
             grads = _unit("trainable") + (
                 _unit("largest_variable") if sums.any() else zero)
+            passing = _unit("outputs") + _unit("inputs") + _unit(
+                "largest", 2)
         else:
-            # The tape returns every weight gradient, then they are added.
+            # The tape returns every weight gradient, then they are added;
+            # the micro-batch's kept activations are freed as its
+            # gradients are made.
             recompute = zero
             grads = _unit("trainable", 2 if sums.any() else 1)
+            passing = _unit("outputs") + _unit("largest")
         result.append(np.stack([
-            boundary, kept + recompute, grads,
-            fixed + _unit("outputs") + _unit("inputs") + _unit("largest", 2)]))
+            boundary, kept + recompute, grads, fixed + passing]))
         held.pop(i, None)
         sums = _unit("trainable")
     # The optimizer step: summed gradients and the update's temporaries.
