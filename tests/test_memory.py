@@ -88,3 +88,21 @@ def test_moments_are_linear_in_the_sizes():
     forms = memory.moments(actions, "never", 4)
     assert forms.shape[1:] == (4, len(memory.FEATURES))
     assert np.all(forms >= 0)
+
+
+def test_cost_memory_accepts_a_remat_list():
+    # Before: cost.memory refused a list ("remat must be one of ..."), so
+    # balance="memory" failed with per-stage remat.
+    from keras_pipe.balance import cost
+    from keras_pipe.graph import read_graph
+    graph = read_graph(_mlp(width=64, depth=4))
+    assert cost.memory(graph, 8, 4, ["always", "always"]) == cost.memory(
+        graph, 8, 4, "always")
+    mixed = cost.memory(graph, 8, 4, ["never", "always"])
+    never = cost.memory(graph, 8, 4, "never")
+    always = cost.memory(graph, 8, 4, "always")
+    assert mixed[0] == never[0] and mixed[-1] == always[-1]
+    part = partition.cut(_mlp(width=64, depth=4), 2, balance="memory",
+                         num_micro_batches=4, remat=["never", "always"],
+                         batch_size=32)
+    assert sum(part.sizes) == 5

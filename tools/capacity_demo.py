@@ -160,12 +160,13 @@ def _run_child(name, args, cap=None, limited=True, timeout=1800):
     lines = done.stdout.strip().splitlines()
     if done.returncode == 0 and lines:
         return json.loads(lines[-1])
-    errors = [line for line in done.stderr.splitlines() if any(
-        word in line for word in ("ResourceExhausted", "OOM", "bad_alloc",
-                                  "MemoryError", "Error", "Killed"))]
-    tail = (errors or done.stderr.strip().splitlines() or ["(none)"])[-1]
+    errors = [line.strip()[:300] for line in done.stderr.splitlines()
+              if any(word in line for word in (
+                  "ResourceExhausted", "OOM", "bad_alloc", "MemoryError",
+                  "llocat", "Cannot allocate", "terminate", "Aborted"))]
     return {"failed": True, "returncode": done.returncode,
-            "error": tail.strip()[:300]}
+            "signal": -done.returncode if done.returncode < 0 else None,
+            "errors": errors[:5]}
 
 
 def _free_port():
@@ -250,7 +251,9 @@ def main(argv=None):
           f"({unsplit / cap:.2f}x the cap), VmHWM "
           f"{mib(report['unsplit']['VmHWM'])}, loss "
           f"{report['unsplit']['loss']}")
-    print(f"unsplit, capped: {report['unsplit_capped']}")
+    capped = report["unsplit_capped"]
+    print("unsplit, capped: " + ("trained?!" if not capped.get("failed")
+                                 else f"failed: {capped}"))
     pipe = report["pipelined"]
     if pipe.get("failed"):
         print(f"pipelined: FAILED {pipe}")
