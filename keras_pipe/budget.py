@@ -183,6 +183,10 @@ def search(model, num_stages, memory_budget, batch_size, schedule="gpipe",
             fit when no cut, `M` and remat fit `memory_budget`.
     """
     validation.check_positive_int("num_stages", num_stages)
+    if batch_size is None:
+        raise ValueError(
+            "memory_budget needs batch_size: activation memory grows with "
+            "the rows per step. Received: batch_size=None")
     validation.check_positive_int("batch_size", batch_size)
     validation.check_positive_int("optimizer_slots + 1", optimizer_slots + 1)
     budgets = _budgets(memory_budget, num_stages)

@@ -197,10 +197,6 @@ def plan(model, num_stages=None, num_micro_batches=1, balance="params",
         num_stages = len(devices)
     choice = None
     if memory_budget is not None:
-        if batch_size is None:
-            raise ValueError(
-                "memory_budget needs batch_size: activation memory grows "
-                "with the rows per step. Received: batch_size=None")
         choice = budget_lib.search(
             model, num_stages, memory_budget, batch_size, schedule=schedule,
             optimizer_slots=optimizer_slots,

@@ -163,7 +163,8 @@ def _run_child(name, args, cap=None, limited=True, timeout=1800):
     errors = [line.strip()[:300] for line in done.stderr.splitlines()
               if any(word in line for word in (
                   "ResourceExhausted", "OOM", "bad_alloc", "MemoryError",
-                  "llocat", "Cannot allocate", "terminate", "Aborted"))]
+                  "llocat", "Cannot allocate", "terminate", "Aborted",
+                  "Check failed"))]
     return {"failed": True, "returncode": done.returncode,
             "signal": -done.returncode if done.returncode < 0 else None,
             "errors": errors[:5]}
