@@ -369,8 +369,11 @@ def moments(actions, mode, num_micro_batches, first=False, last=False):
             recompute = zero
             grads = _unit("trainable", 2 if sums.any() else 1)
             passing = _unit("outputs") + _unit("largest")
+        # The next stage may run ahead: gradients for the outputs of the
+        # other micro-batches in flight can have arrived and be waiting.
+        waiting = _unit("outputs", len(held) - 1)
         result.append(np.stack([
-            boundary, kept + recompute, grads, fixed + passing]))
+            boundary, kept + recompute, grads, fixed + passing + waiting]))
         held.pop(i, None)
         sums = _unit("trainable")
     # The optimizer step: summed gradients and the update's temporaries.

@@ -54,8 +54,6 @@ def test_choice_fits_the_budget_where_the_obvious_one_does_not(devices):
     batch, limit = 2048, 10 * MiB
     choice = budget.search(model, 2, limit, batch_size=batch)
     assert all(p.total <= limit for p in choice.peaks)
-    # Not a uniform choice: one stage can afford to keep its activations.
-    assert choice.remat == ["never", "except_last"]
     # The obvious choice, one micro-batch and no remat, is over the budget
     # on some device, predicted and measured.
     obvious = memory.predict(partition.cut(model, 2, balance=choice.sizes),
@@ -113,10 +111,12 @@ def test_budget_arguments_are_checked():
 
 def test_a_list_budget_gives_each_device_its_own():
     model = _mlp()
-    small, large = 16 * MiB, 64 * MiB
+    small, large = 7 * MiB, 64 * MiB
     choice = budget.search(model, 2, [large, small], batch_size=2048)
     assert choice.peaks[1].total <= small
     assert choice.peaks[0].total <= large
+    # Per-stage remat: the roomy device keeps its activations.
+    assert choice.remat[0] == "never" and choice.remat[1] != "never"
 
 
 def test_pipeline_arguments_build_a_pipeline(devices):
