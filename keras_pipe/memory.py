@@ -367,7 +367,7 @@ def moments(actions, mode, num_micro_batches, first=False, last=False):
             grads = _unit("trainable") + (
                 _unit("largest_variable") if sums.any() else zero)
             passing = _unit("outputs") + _unit("inputs") + _unit(
-                "largest", 2)
+                "largest")
         else:
             # The tape returns every weight gradient, then they are added;
             # the micro-batch's kept activations are freed as its
