@@ -1,6 +1,8 @@
 """Predicted vs measured peak memory per stage (validates keras_pipe.memory).
 
-    python tools/memory_model.py --out docs/memory_model.json
+    python tools/memory_model.py --out docs/memory_model.json  # ~6 min
+    python tools/memory_model.py --predict docs/memory_model.json
+                                   # new predictions, stored measurements
 
 Each stage `j` of a K-stage cut is measured alone at its place in the
 schedule: the pipeline runs stage `j`'s real layers on logical CPU device
@@ -9,10 +11,10 @@ elsewhere, so the process-wide TF allocator peak
 (`tf.config.experimental.get_memory_info`; logical CPU devices share one
 allocator, so per-device stats of a full pipeline are not separable) is
 the peak of that stage's device, plus the mini-batch it is fed, which the
-prediction counts too (`first=True`). Measured: the peak of a warm training step minus the
-allocator's bytes before the pipeline was built, plus the stage's weights
-(the model, built before, already holds them). One child process per
-model.
+prediction counts too (`first=True`). Measured: the peak of a warm
+training step minus the allocator's bytes before the pipeline was built,
+plus the stage's weights (the model, built before, already holds them).
+One child process per model.
 """
 
 import argparse
@@ -71,7 +73,8 @@ def build_model(keras, name):
     return model, batch, data, labels
 
 
-def _like(np, tensors, batch, rng):
+def _like(tensors, batch, rng):
+    """Random float32 arrays shaped like `tensors`, `batch` rows."""
     return tuple(rng.normal(size=(batch,) + tuple(t.shape[1:])).astype(
         "float32") for t in tensors)
 
@@ -87,9 +90,8 @@ def measure_model(name, num_stages, num_micro_batches, known=None):
     devices = keras_pipe.logical_cpu_devices(num_stages)
     import keras
     import numpy as np
-    import tensorflow as tf
-    from keras_pipe import memory, partition
 
+    from keras_pipe import memory, partition
     keras.utils.set_random_seed(0)
     model, batch, data, labels = build_model(keras, name)
     part = partition.cut(model, num_stages, balance="flops")
@@ -101,7 +103,7 @@ def measure_model(name, num_stages, num_micro_batches, known=None):
     for j, size in enumerate(part.sizes):
         block = profile.block(start, start + size)
         start += size
-        x = data if j == 0 else _like(np, part.stage_inputs(j), batch, rng)
+        x = data if j == 0 else _like(part.stage_inputs(j), batch, rng)
         last = j == num_stages - 1
         loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
         for schedule in SCHEDULES:
