@@ -127,3 +127,16 @@ def test_pipeline_arguments_build_a_pipeline(devices):
         partition.split_model(model, 2, balance=sizes), devices=devices[:2],
         num_micro_batches=m, remat=remat)
     assert pipe.num_micro_batches == m and pipe.remat == remat
+
+
+def _smallest(model, schedule):
+    with pytest.raises(ValueError) as info:
+        budget.search(model, 3, 1024, batch_size=2048, schedule=schedule)
+    return int(str(info.value).split("smallest budget that fits is ")[1]
+               .split(" bytes")[0])
+
+
+def test_1f1b_fits_a_smaller_budget_than_gpipe():
+    # 1F1B holds at most K - j micro-batches on stage j, GPipe all M.
+    model = _mlp(width=1024, depth=6)
+    assert _smallest(model, "1f1b") < _smallest(model, "gpipe")
