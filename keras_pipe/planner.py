@@ -11,6 +11,7 @@ import math
 
 import tensorflow as tf
 
+from keras_pipe import budget as budget_lib
 from keras_pipe import partition as partition_lib
 from keras_pipe import schedule as schedule_lib
 from keras_pipe.balance import cost as cost_lib
@@ -81,6 +82,8 @@ class Plan:
         step_time: estimated seconds per training step, or `None` when
             neither times nor `flops_per_second` are known.
         suggestion: advice on `num_micro_batches`, or `None`.
+        budget: the `keras_pipe.budget.Choice` when `memory_budget` was
+            given (cut, `M` and remat chosen to fit it), else `None`.
     """
 
     model_name: str
@@ -95,15 +98,21 @@ class Plan:
     bubble_fraction: float
     step_time: object
     suggestion: object
+    budget: object = None
 
     def __str__(self):
         return _format(self)
 
 
 def _remat_factor(remat, num_micro_batches):
-    """Step work in forward passes: forward + backward (~2) + recompute."""
+    """Step work in forward passes: forward + backward (~2) + recompute.
+
+    For one mode per stage, the largest factor.
+    """
     recompute = {"always": 1.0, "never": 0.0,
                  "except_last": (num_micro_batches - 1) / num_micro_batches}
+    if isinstance(remat, (list, tuple)):
+        return 3.0 + max(recompute[mode] for mode in remat)
     return 3.0 + recompute[remat]
 
 
@@ -126,9 +135,10 @@ def _weight_bytes(weights, optimizer_slots):
     return total
 
 
-def plan(model, num_stages, num_micro_batches=1, balance="params",
+def plan(model, num_stages=None, num_micro_batches=1, balance="params",
          remat="except_last", batch_size=None, devices=None,
-         optimizer_slots=2, flops_per_second=None):
+         optimizer_slots=2, flops_per_second=None, memory_budget=None,
+         schedule="gpipe"):
     """Plans the pipeline `PipelineModel.from_model` would build, without it.
 
     ```python
@@ -137,13 +147,18 @@ def plan(model, num_stages, num_micro_batches=1, balance="params",
                         batch_size=256)
     print(p)                # a table, one row per stage
     p.stages[0].params      # the same data, for tools
+
+    # Let the planner choose the cut, M and per-stage remat for 1 GiB each:
+    p = keras_pipe.plan(model, devices=devices, memory_budget=2**30,
+                        batch_size=256)
     ```
 
     Args:
         model: a built `keras.Sequential` or Functional `keras.Model`.
-        num_stages: `K`, number of stages.
+        num_stages: `K`, number of stages. Defaults to `None`: one stage per
+            device of `devices`.
         num_micro_batches: `M`, micro-batches per mini-batch. Defaults to
-            `1`.
+            `1`. Chosen by the planner with `memory_budget`.
         balance: as in `PipelineModel.from_model`. Defaults to `"params"`.
         remat: the remat mode the memory estimate assumes. Defaults to
             `"except_last"`.
@@ -155,13 +170,40 @@ def plan(model, num_stages, num_micro_batches=1, balance="params",
             estimate (2 for Adam, 0 for SGD). Defaults to `2`.
         flops_per_second: a device's sustained FLOP rate, to turn FLOPs into
             a step time when times are not measured. Defaults to `None`.
+        memory_budget: bytes per device, or a list of one per device. When
+            given, the planner picks the cut, `num_micro_batches` and one
+            remat mode per stage that fit every device's budget in
+            predicted peak (`keras_pipe.memory`) and minimise the
+            predicted step time (`keras_pipe.budget.search`); `balance`,
+            `num_micro_batches` and `remat` are then ignored and
+            `batch_size` is required. Defaults to `None`.
+        schedule: `"gpipe"` or `"1f1b"`, for the memory budget. Defaults
+            to `"gpipe"`.
 
     Returns:
         A `Plan`.
 
     Raises:
-        TypeError, ValueError: as `keras_pipe.partition.split_model`.
+        TypeError, ValueError: as `keras_pipe.partition.split_model`;
+            without `num_stages` and `devices`; with `memory_budget` but no
+            `batch_size`; and when nothing fits `memory_budget` (the error
+            names the smallest budget that would).
     """
+    if num_stages is None:
+        if devices is None:
+            raise ValueError(
+                "plan needs num_stages or devices (one stage per device). "
+                "Received: num_stages=None, devices=None")
+        num_stages = len(devices)
+    choice = None
+    if memory_budget is not None:
+        choice = budget_lib.search(
+            model, num_stages, memory_budget, batch_size, schedule=schedule,
+            optimizer_slots=optimizer_slots,
+            **({"flops_per_second": flops_per_second}
+               if flops_per_second else {}))
+        balance, num_micro_batches, remat = (
+            choice.sizes, choice.num_micro_batches, choice.remat)
     part = partition_lib.cut(model, num_stages, balance, devices,
                              num_micro_batches, remat, batch_size)
     graph = part.graph
@@ -180,7 +222,8 @@ def plan(model, num_stages, num_micro_batches=1, balance="params",
         out_bytes = sum(cost_lib.tensor_bytes(x, micro)
                         for x in part.stage_outputs(j))
         activations = sum(call_bytes[i] for i in span)
-        if remat == "never":
+        mode = remat[j] if isinstance(remat, (list, tuple)) else remat
+        if mode == "never":
             kept = m * (in_bytes + activations)
         else:
             kept = m * in_bytes + activations
@@ -190,7 +233,9 @@ def plan(model, num_stages, num_micro_batches=1, balance="params",
             params=sum(math.prod(v.shape) for v in weights),
             flops=float(sum(call_flops[i] for i in span)),
             input_bytes=in_bytes, output_bytes=out_bytes,
-            peak_memory_bytes=_weight_bytes(weights, optimizer_slots) + kept,
+            peak_memory_bytes=(
+                choice.peaks[j].total if choice is not None else
+                _weight_bytes(weights, optimizer_slots) + kept),
             time=None if times is None else sum(times[i] for i in span),
             cost=None if part.costs is None else float(
                 sum(part.costs[i] for i in span))))
@@ -209,9 +254,11 @@ def plan(model, num_stages, num_micro_batches=1, balance="params",
             f"pipeline idles {bubble:.0%} of a step. GPipe suggests "
             f"num_micro_batches >= {4 * k}, which idles "
             f"{schedule_lib.bubble_fraction(4 * k, k):.0%}.")
+    if choice is not None:
+        step_time = choice.step_time
     return Plan(model.name, k, m, micro, balance, remat, stages,
                 list(part.sizes), list(part.tied), bubble, step_time,
-                suggestion)
+                suggestion, choice)
 
 
 def _si(value, unit=""):
@@ -267,6 +314,8 @@ def _format(p):
     for layers, stages in p.tied:
         lines.append(f"tied weights: {layers} shared by stages {stages} "
                      "(one variable, gradients summed)")
+    if p.budget is not None:
+        lines.append(p.budget.table())
     if p.suggestion:
         lines.append("suggestion: " + p.suggestion)
     lines.append(f"balance={p.sizes} reproduces this cut.")

@@ -22,7 +22,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from keras_pipe.validation import REMAT_MODES
+from keras_pipe import validation
+from keras_pipe.balance.blockpartition import block_partition
 
 __all__ = ["parameter_counts", "flops", "activation_bytes", "memory", "time",
            "tensor_bytes"]
@@ -145,14 +146,41 @@ def memory(graph, batch_size=1, num_micro_batches=1, remat="except_last",
     backward pass) and once otherwise (only the micro-batch being
     recomputed holds them). Boundary tensors kept per micro-batch depend on
     where the cuts fall: `keras_pipe.plan` adds them per stage.
+
+    `remat` may be a list of one mode per stage: a call then counts under
+    the mode of the stage it falls in when the calls are cut into
+    `len(remat)` blocks of balanced memory (found by a few rounds of
+    cutting and re-costing, since the cut depends on the costs).
     """
-    if remat not in REMAT_MODES:
-        raise ValueError(
-            f"remat must be one of {REMAT_MODES}. Received: remat={remat!r}")
-    kept = num_micro_batches if remat == "never" else 1
+    modes = validation.check_remat(remat)
+    if isinstance(modes, str):
+        return _memory(graph, batch_size, num_micro_batches,
+                       [modes] * len(graph.calls), optimizer_slots)
+    num_stages = len(modes)
+    n = len(graph.calls)
+    stage_of = [min(c * num_stages // max(n, 1), num_stages - 1)
+                for c in range(n)]
+    for _ in range(4):
+        costs = _memory(graph, batch_size, num_micro_batches,
+                        [modes[j] for j in stage_of], optimizer_slots)
+        if num_stages > n:
+            break
+        sizes = block_partition(costs, num_stages)
+        new = [j for j, size in enumerate(sizes) for _ in range(size)]
+        if new == stage_of:
+            break
+        stage_of = new
+    return costs
+
+
+def _memory(graph, batch_size, num_micro_batches, call_modes,
+            optimizer_slots):
+    """`memory` with one remat mode per call."""
     result = []
-    for own, out in zip(_first_use(graph, "weights"),
-                        activation_bytes(graph, batch_size)):
+    for own, out, mode in zip(_first_use(graph, "weights"),
+                              activation_bytes(graph, batch_size),
+                              call_modes):
+        kept = num_micro_batches if mode == "never" else 1
         weights = 0
         for v in own:
             size = _size(v) * tf.as_dtype(v.dtype).size

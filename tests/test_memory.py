@@ -1,0 +1,108 @@
+"""The per-stage memory model: schedule bookkeeping and sizes (no training)."""
+
+import keras
+import numpy as np
+import pytest
+
+from keras_pipe import memory, partition
+
+
+def _mlp(width=64, depth=4):
+    x = keras.Input((width,))
+    h = x
+    for _ in range(depth):
+        h = keras.layers.Dense(width, activation="relu")(h)
+    return keras.Model(x, keras.layers.Dense(3)(h))
+
+
+def test_stage_actions_follow_the_schedule():
+    # GPipe: all forward passes, then the backward passes in reverse.
+    assert memory.stage_actions("gpipe", 3, 2)[0] == [
+        ("F", 0), ("F", 1), ("F", 2), ("B", 2), ("B", 1), ("B", 0)]
+    assert memory.stage_actions("1f1b", 2, 2)[1] == [
+        ("F", 0), ("B", 0), ("F", 1), ("B", 1)]
+
+
+def test_in_flight_counts_micro_batches_held():
+    assert memory.in_flight("gpipe", 8, 4) == [8, 8, 8, 8]
+    assert memory.in_flight("1f1b", 8, 4) == [4, 3, 2, 1]
+    assert memory.in_flight("1f1b", 2, 4) == [2, 2, 2, 1]
+
+
+def test_a_new_schedule_plugs_in_as_a_function():
+    # One micro-batch at a time through every stage: nothing else held.
+    def one_at_a_time(m, k):
+        ticks = []
+        for i in range(m):
+            ticks += [[("F", i, j)] for j in range(k)]
+            ticks += [[("B", i, j)] for j in reversed(range(k))]
+        return ticks
+
+    assert memory.in_flight(one_at_a_time, 5, 3) == [1, 1, 1]
+    with pytest.raises(ValueError, match="schedule must be one of"):
+        memory.in_flight("zigzag", 2, 2)
+
+
+def test_block_sizes_of_a_dense_stage():
+    model = _mlp(width=64, depth=4)
+    part = partition.cut(model, 2, balance=[2, 3])
+    block = memory.Profile(part.graph, rows=8).block(0, 2)
+    assert block.weights == block.trainable == 2 * (64 * 64 + 64) * 4
+    assert block.inputs == 8 * 64 * 4
+    assert block.outputs == 8 * 64 * 4
+    assert block.activations == 2 * 8 * 64 * 4   # relu: outputs only
+    assert block.largest_variable == 64 * 64 * 4
+
+
+def test_remat_and_1f1b_hold_less():
+    model = _mlp(width=256, depth=6)
+    part = partition.cut(model, 2, balance=[3, 4])
+    peaks = {(s, r): memory.predict(part, 512, 8, r, s)[0].total
+             for s in ("gpipe", "1f1b") for r in ("never", "always")}
+    assert peaks["gpipe", "always"] < peaks["gpipe", "never"]
+    assert peaks["1f1b", "never"] < peaks["gpipe", "never"]
+    # GPipe without remat keeps all 8 micro-batches' activations at once
+    # (the peak may fall at the second backward pass: 7 left, 2 gradients).
+    block = memory.Profile(part.graph, 64).block(0, 3)
+    never = memory.predict(part, 512, 8, "never", "gpipe")[0]
+    assert 7 * block.activations <= never.activations <= 8 * (
+        block.activations)
+    assert never.weights == block.weights
+    assert never.optimizer_slots == 2 * block.trainable
+
+
+def test_per_stage_remat_list_is_per_stage():
+    model = _mlp(width=256, depth=6)
+    part = partition.cut(model, 2, balance=[3, 4])
+    mixed = memory.predict(part, 512, 8, ["never", "always"])
+    never = memory.predict(part, 512, 8, "never")
+    always = memory.predict(part, 512, 8, "always")
+    assert mixed[0].total == never[0].total
+    assert mixed[1].total == always[1].total
+    with pytest.raises(ValueError, match="one mode per stage"):
+        memory.predict(part, 512, 8, ["never"])
+
+
+def test_moments_are_linear_in_the_sizes():
+    actions = memory.stage_actions("gpipe", 4, 2)[0]
+    forms = memory.moments(actions, "never", 4)
+    assert forms.shape[1:] == (4, len(memory.FEATURES))
+    assert np.all(forms >= 0)
+
+
+def test_cost_memory_accepts_a_remat_list():
+    # Before: cost.memory refused a list ("remat must be one of ..."), so
+    # balance="memory" failed with per-stage remat.
+    from keras_pipe.balance import cost
+    from keras_pipe.graph import read_graph
+    graph = read_graph(_mlp(width=64, depth=4))
+    assert cost.memory(graph, 8, 4, ["always", "always"]) == cost.memory(
+        graph, 8, 4, "always")
+    mixed = cost.memory(graph, 8, 4, ["never", "always"])
+    never = cost.memory(graph, 8, 4, "never")
+    always = cost.memory(graph, 8, 4, "always")
+    assert mixed[0] == never[0] and mixed[-1] == always[-1]
+    part = partition.cut(_mlp(width=64, depth=4), 2, balance="memory",
+                         num_micro_batches=4, remat=["never", "always"],
+                         batch_size=32)
+    assert sum(part.sizes) == 5
