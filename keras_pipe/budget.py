@@ -94,16 +94,16 @@ def _grid(profile, n):
     """Features of every block `[a, e)` as an `(n + 1, n + 1, F)` array."""
     idx = np.arange(n + 1)
     a, e = idx[:, None], idx[None, :]
-    gap = np.array([profile.input_bytes] + profile._gap + [0], float)
-    outputs = np.array([0] + profile._gap + [profile.output_bytes], float)
-    saved = np.array(profile._saved, float)
-    recomputed = np.array(profile._recomputed, float)
-    trainable = np.array(profile._trainable, float)
-    weights = np.array(profile._weights, float)
+    gap = np.array([profile.input_bytes] + profile.gap + [0], float)
+    outputs = np.array([0] + profile.gap + [profile.output_bytes], float)
+    saved = np.array(profile.saved, float)
+    recomputed = np.array(profile.recomputed, float)
+    trainable = np.array(profile.trainable, float)
+    weights = np.array(profile.weights, float)
     largest = np.zeros((n + 1, n + 1))
     largest_var = np.zeros((n + 1, n + 1))
-    out = np.array(profile._out, float)
-    var = np.array(profile._largest_var, float)
+    out = np.array(profile.out, float)
+    var = np.array(profile.largest_var, float)
     for start in range(n):
         largest[start, start + 1:] = np.maximum.accumulate(out[start:])
         largest_var[start, start + 1:] = np.maximum.accumulate(var[start:])
@@ -200,7 +200,7 @@ def search(model, num_stages, memory_budget, batch_size, schedule="gpipe",
         raise ValueError(
             f"num_stages={num_stages} is larger than the number of layer "
             f"calls of {model.name!r} ({n}). Use num_stages <= {n}.")
-    allowed = np.array(partition_lib._allowed_cuts(graph), bool)
+    allowed = np.array(partition_lib.allowed_cuts(graph), bool)
     best, considered, smallest = None, [], None
     for m in micro_batch_choices:
         m = min(m, batch_size)

@@ -43,8 +43,6 @@ __all__ = ["Block", "FEATURES", "Profile", "StageMemory", "features",
            "in_flight", "moments", "predict", "stage_actions",
            "stage_memory"]
 
-_SCHEDULES = {"gpipe": schedule_lib.gpipe, "1f1b": schedule_lib.one_f_one_b}
-
 # Activations whose gradient needs only the output (the tape keeps nothing
 # more than the layer's output): other activations also keep their input.
 _OUTPUT_ONLY = ("linear", "relu", "tanh", "sigmoid", "softmax", "relu6",
@@ -54,20 +52,15 @@ _OUTPUT_ONLY = ("linear", "relu", "tanh", "sigmoid", "softmax", "relu6",
 def _ticks(schedule, num_micro_batches, num_stages):
     if callable(schedule):
         return schedule(num_micro_batches, num_stages)
-    if schedule not in _SCHEDULES:
-        raise ValueError(
-            f"schedule must be one of {tuple(_SCHEDULES)} or a function "
-            "(num_micro_batches, num_stages) -> clock ticks. Received: "
-            f"schedule={schedule!r}")
-    return _SCHEDULES[schedule](num_micro_batches, num_stages)
+    return schedule_lib.get_schedule(schedule).build(
+        num_micro_batches, num_stages, num_stages)
 
 
 def stage_actions(schedule, num_micro_batches, num_stages):
     """Per stage, its passes `("F", i)` / `("B", i)` in the order they run.
 
-    A schedule of forward ticks only (`(i, j)` pairs, GPipe) runs its
-    backward passes after all forward passes, in reverse tick order, as the
-    executor does.
+    A split backward pass (`"W"` actions, zero-bubble schedules) holds the
+    micro-batch until its `"W"`, which is listed as its `("B", i)`.
 
     ```python
     >>> stage_actions("1f1b", 2, 2)[1]
@@ -75,16 +68,14 @@ def stage_actions(schedule, num_micro_batches, num_stages):
     ```
     """
     ticks = _ticks(schedule, num_micro_batches, num_stages)
+    split = {(a.i, a.j) for tick in ticks for a in tick if a.kind == "W"}
     actions = [[] for _ in range(num_stages)]
-    forward_only = all(len(op) == 2 for tick in ticks for op in tick)
     for tick in ticks:
-        for op in tick:
-            kind, i, j = ("F",) + tuple(op) if len(op) == 2 else op
-            actions[j].append((kind, i))
-    if forward_only:
-        for tick in reversed(ticks):
-            for i, j in reversed(tick):
-                actions[j].append(("B", i))
+        for a in tick:
+            if a.kind == "F":
+                actions[a.j].append(("F", a.i))
+            elif (a.kind == "W") == ((a.i, a.j) in split):
+                actions[a.j].append(("B", a.i))
     return actions
 
 
@@ -233,9 +224,9 @@ class Profile:
                 _gradient_needs(call.operation)[0]
             for x in call.inputs:
                 needs_input[id(x)] = needs_input.get(id(x), False) or wants
-        self._saved, self._recomputed = [0], [0]
+        self.saved, self.recomputed = [0], [0]
         for call in graph.calls:
-            self._saved.append(self._saved[-1] + _saved_bytes(call, rows))
+            self.saved.append(self.saved[-1] + _saved_bytes(call, rows))
             kept = _inner_recompute_bytes(call, rows)
             op = call.operation
             own = isinstance(op, keras.layers.Layer) and _gradient_needs(
@@ -243,8 +234,8 @@ class Profile:
             for x in call.outputs:
                 if own or needs_input.get(id(x), False):
                     kept += cost_lib.tensor_bytes(x, rows)
-            self._recomputed.append(self._recomputed[-1] + kept)
-        self._out = [sum(cost_lib.tensor_bytes(x, rows) for x in c.outputs)
+            self.recomputed.append(self.recomputed[-1] + kept)
+        self.out = [sum(cost_lib.tensor_bytes(x, rows) for x in c.outputs)
                      for c in graph.calls]
         weights, trainable, largest_var = [0], [0], [0] * n
         seen = set()
@@ -259,8 +250,8 @@ class Profile:
                 t += _variable_bytes(v) if v.trainable else 0
             weights.append(weights[-1] + w)
             trainable.append(trainable[-1] + t)
-        self._weights, self._trainable = weights, trainable
-        self._largest_var = largest_var
+        self.weights, self.trainable = weights, trainable
+        self.largest_var = largest_var
         # Bytes alive across gap g (after call g), per micro-batch.
         made, needed = {}, {}
         for x in graph.inputs:
@@ -276,7 +267,7 @@ class Profile:
         for x in list(graph.inputs) + [x for c in graph.calls
                                        for x in c.outputs]:
             sizes[id(x)] = cost_lib.tensor_bytes(x, rows)
-        self._gap = [sum(sizes[k] for k in made
+        self.gap = [sum(sizes[k] for k in made
                          if made[k] <= g < needed.get(k, -2))
                      for g in range(n - 1)]
         self.input_bytes = sum(cost_lib.tensor_bytes(x, rows)
@@ -288,14 +279,14 @@ class Profile:
         """Sizes of calls `a..b-1` as one stage."""
         n = len(self.graph.calls)
         return Block(
-            weights=self._weights[b] - self._weights[a],
-            trainable=self._trainable[b] - self._trainable[a],
-            inputs=self.input_bytes if a == 0 else self._gap[a - 1],
-            outputs=self.output_bytes if b == n else self._gap[b - 1],
-            activations=self._saved[b] - self._saved[a],
-            recompute=self._recomputed[b] - self._recomputed[a],
-            largest=max(self._out[a:b]),
-            largest_variable=max(self._largest_var[a:b]))
+            weights=self.weights[b] - self.weights[a],
+            trainable=self.trainable[b] - self.trainable[a],
+            inputs=self.input_bytes if a == 0 else self.gap[a - 1],
+            outputs=self.output_bytes if b == n else self.gap[b - 1],
+            activations=self.saved[b] - self.saved[a],
+            recompute=self.recomputed[b] - self.recomputed[a],
+            largest=max(self.out[a:b]),
+            largest_variable=max(self.largest_var[a:b]))
 
 
 @dataclasses.dataclass

@@ -106,8 +106,9 @@ class PipelineModel(keras.Model):
             self.built = True
 
     @classmethod
-    def from_model(cls, model, num_stages, devices=None, num_micro_batches=1,
-                   remat="except_last", balance="params", **kwargs):
+    def from_model(cls, model, num_stages=None, devices=None,
+                   num_micro_batches=1, remat="except_last", balance="params",
+                   memory_budget=None, batch_size=None, **kwargs):
         """Cuts a built Sequential or Functional model into a pipeline.
 
         The stages reuse `model`'s layers (weights shared, not copied); see
@@ -131,7 +132,15 @@ class PipelineModel(keras.Model):
             remat: as in `PipelineModel`. Defaults to `"except_last"`.
             balance: `"params"`, `"flops"`, `"time"`, `"memory"` or a list
                 of layer-call counts per stage. Defaults to `"params"`.
-            **kwargs: `keras.Model` arguments (`name`, ...).
+            memory_budget: bytes per device (or a list, one per stage):
+                the cut, `num_micro_batches` and per-stage `remat` are then
+                chosen by `keras_pipe.plan` to fit it (see
+                `keras_pipe.budget`), and those arguments are ignored.
+                Defaults to `None`.
+            batch_size: the mini-batch size the budget is for; needed with
+                `memory_budget`. Defaults to `None`.
+            **kwargs: `PipelineModel` arguments (`schedule`) and
+                `keras.Model` arguments (`name`, ...).
 
         Returns:
             A `PipelineModel`.
@@ -141,7 +150,17 @@ class PipelineModel(keras.Model):
                 and `PipelineModel`.
         """
         # Imported here: the core does not depend on partitioning.
-        from keras_pipe import partition  # noqa: PLC0415
+        from keras_pipe import budget, partition  # noqa: PLC0415
+        if num_stages is None:
+            if not devices:
+                raise ValueError(
+                    "from_model needs num_stages, or devices (one per "
+                    "stage). Received: num_stages=None, devices=None")
+            num_stages = len(devices)
+        if memory_budget is not None:
+            balance, num_micro_batches, remat = budget.pipeline_arguments(
+                model, num_stages, memory_budget, batch_size,
+                schedule=kwargs.get("schedule", "gpipe"))
         stages = partition.split_model(
             model, num_stages, balance=balance, devices=devices,
             num_micro_batches=num_micro_batches, remat=remat)

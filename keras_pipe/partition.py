@@ -211,7 +211,7 @@ def _state_spans(graph):
     return spans
 
 
-def _allowed_cuts(graph):
+def allowed_cuts(graph):
     """Flags per gap between calls: False inside a span of shared state."""
     allowed = [True] * (len(graph.calls) - 1)
     for first, last, _ in _state_spans(graph):
@@ -283,7 +283,7 @@ def _resolve_sizes(graph, num_stages, balance, costs_of):
                 f"counts, one per stage. Received: balance={balance!r}")
         costs = costs_of(balance)
         sizes = balance_lib.block_partition(
-            costs, num_stages, allowed_cuts=_allowed_cuts(graph))
+            costs, num_stages, allowed_cuts=allowed_cuts(graph))
         return sizes, costs
     if not isinstance(balance, (list, tuple)) or not all(
             isinstance(s, int) and not isinstance(s, bool) for s in balance):

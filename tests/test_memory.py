@@ -4,7 +4,8 @@ import keras
 import numpy as np
 import pytest
 
-from keras_pipe import memory, partition
+from keras_pipe import memory
+from keras_pipe import partition, schedule
 
 
 def _mlp(width=64, depth=4):
@@ -34,11 +35,14 @@ def test_a_new_schedule_plugs_in_as_a_function():
     def one_at_a_time(m, k):
         ticks = []
         for i in range(m):
-            ticks += [[("F", i, j)] for j in range(k)]
-            ticks += [[("B", i, j)] for j in reversed(range(k))]
+            ticks += [[schedule.Action("F", i, j)] for j in range(k)]
+            ticks += [[schedule.Action("B", i, j)]
+                      for j in reversed(range(k))]
         return ticks
 
     assert memory.in_flight(one_at_a_time, 5, 3) == [1, 1, 1]
+    # Registered zero-bubble schedules hold a micro-batch until its W.
+    assert memory.in_flight("zb_h1", 8, 2) == [3, 2]
     with pytest.raises(ValueError, match="schedule must be one of"):
         memory.in_flight("zigzag", 2, 2)
 
