@@ -92,6 +92,7 @@ def _entry(m, seconds, schedule="gpipe", k=2, cpu=(0.15, 0.15)):
 def _results():
     """Made-up results with the shapes the child processes return."""
     pipeline = [_entry(m, s) for m, s in ((1, 0.2), (4, 0.125), (16, 0.16))]
+    pipeline[1]["best_step_seconds"] = 0.1
     # zbv is the fastest at M=4 (2.0x) and at M=8 (1.6x, CPU 1.25x), where
     # zb_h1 is slower (1.25x) but spends less CPU (1.0x).
     pipeline += [_entry(4, 0.1, "zbv", 4), _entry(8, 0.125, "zbv", 4,
@@ -111,7 +112,8 @@ def _results():
     return {
         "a": {"model": "8 x Dense(1024), batch 512", "remat": "never",
               "pipeline": pipeline,
-              "bare": [_entry(1, 0.19), _entry(4, 0.1)],
+              "bare": [_entry(1, 0.19), dict(_entry(4, 0.1),
+                                             best_step_seconds=0.08)],
               "steps_per_execution": [_entry(4, 0.11)],
               "baseline_1core": {"step_seconds": 0.2,
                                  "cpu_seconds_per_step": 0.2},
@@ -157,6 +159,8 @@ def test_overhead_rows_compare_gpipe_with_the_bare_graph():
     assert [r["M"] for r in rows] == [1, 4]
     assert [r["ratio"] for r in rows] == pytest.approx([0.2 / 0.19, 1.25],
                                                        abs=1e-12)
+    assert rows[0]["ratio_best"] is None  # no fastest step reported
+    assert rows[1]["ratio_best"] == pytest.approx(1.25, abs=1e-12)
     assert rows[1]["bare_ms"] == pytest.approx(100.0, abs=1e-9)
     assert rows[1]["pipeline_ms"] == pytest.approx(125.0, abs=1e-9)
     assert rows[1]["bare_speedup"] == pytest.approx(2.0, abs=1e-12)
@@ -252,8 +256,8 @@ def test_summarize_reports_every_goal():
     assert a_rows[1][:6] == ["gpipe", 2, 4, "1.60", "1.60x", "-"]
     assert a_rows[1][-4:] == ["50%/60%", "10%/20%", "1.50x", "0.67x"]
     bare_rows = tables[2][2]
-    assert bare_rows[1] == [4, "100", "125", "1.250x", "2.00x", "1.50x",
-                            "110", "1.100x"]
+    assert bare_rows[1] == [4, "100", "125", "1.250x", "1.250x", "2.00x",
+                            "1.50x", "110", "1.100x"]
 
 
 def test_summarize_skips_failed_parts():
