@@ -81,13 +81,23 @@ def test_check_goal_both_directions():
     assert bm.check_goal("d", None)["met"] is None
 
 
+def _entry(m, seconds, schedule="gpipe", k=2, cpu=(0.15, 0.15)):
+    """A run of part (a) as `child_throughput` reports it."""
+    return {"schedule": schedule, "num_stages": k, "num_micro_batches": m,
+            "step_seconds": seconds, "worker_cpu_utilisation": [0.5, 0.6],
+            "worker_cpu_wait": [0.1, 0.2],
+            "worker_cpu_seconds_per_step": list(cpu)}
+
+
 def _results():
     """Made-up results with the shapes the child processes return."""
-    pipeline = [{"num_micro_batches": m, "step_seconds": s,
-                 "worker_cpu_utilisation": [0.5, 0.6],
-                 "worker_cpu_wait": [0.1, 0.2],
-                 "worker_cpu_seconds_per_step": [0.15, 0.15]}
-                for m, s in ((1, 0.2), (4, 0.125), (16, 0.16))]
+    pipeline = [_entry(m, s) for m, s in ((1, 0.2), (4, 0.125), (16, 0.16))]
+    pipeline[1]["best_step_seconds"] = 0.1
+    # zbv is the fastest at M=4 (2.0x) and at M=8 (1.6x, CPU 1.25x), where
+    # zb_h1 is slower (1.25x) but spends less CPU (1.0x).
+    pipeline += [_entry(4, 0.1, "zbv", 4), _entry(8, 0.125, "zbv", 4,
+                                                   (0.125, 0.125)),
+                 _entry(8, 0.16, "zb_h1", cpu=(0.1, 0.1))]
     memory = [{"model": name, "M": 8, "remat": mode, "peak_bytes": peak,
                "step_bytes": peak - 10}
               for name, scale in (("act", 1), ("weights", 2))
@@ -96,9 +106,15 @@ def _results():
                                  ("never", 100))]
     memory.append({"model": "act", "M": 8, "remat": "never",
                    "schedule": "1f1b", "peak_bytes": 60, "step_bytes": 50})
+    memory += [{"model": "act", "M": 8, "remat": mode, "schedule": "zb_h1",
+                "peak_bytes": peak, "step_bytes": peak - 10}
+               for mode, peak in (("never", 70), ("always", 30))]
     return {
         "a": {"model": "8 x Dense(1024), batch 512", "remat": "never",
               "pipeline": pipeline,
+              "bare": [_entry(1, 0.19), dict(_entry(4, 0.1),
+                                             best_step_seconds=0.08)],
+              "steps_per_execution": [_entry(4, 0.11)],
               "baseline_1core": {"step_seconds": 0.2,
                                  "cpu_seconds_per_step": 0.2},
               "one_worker": {"step_seconds": 0.25}},
@@ -119,18 +135,85 @@ def _results():
 
 def test_throughput_rows_are_ratios_to_the_baseline():
     rows = bm.throughput_rows(_results()["a"])
-    assert [r["M"] for r in rows] == [1, 4, 16]
-    assert [r["speedup"] for r in rows] == pytest.approx([1.0, 1.6, 1.25],
-                                                         abs=1e-12)
-    assert [r["efficiency"] for r in rows] == pytest.approx(
+    # Schedules in the order of SCHEDULES, then M.
+    assert [(r["schedule"], r["K"], r["M"]) for r in rows] == [
+        ("gpipe", 2, 1), ("gpipe", 2, 4), ("gpipe", 2, 16), ("zb_h1", 2, 8),
+        ("zbv", 4, 4), ("zbv", 4, 8)]
+    assert [r["speedup"] for r in rows] == pytest.approx(
+        [1.0, 1.6, 1.25, 1.25, 2.0, 1.6], abs=1e-12)
+    # The ideal is GPipe's on the 2 workers, whatever K.
+    assert [r["efficiency"] for r in rows[:3]] == pytest.approx(
         [1.0, 1.0, 1.25 * 17 / 32], abs=1e-12)
+    assert rows[4]["ideal"] == pytest.approx(1.6, abs=1e-12)
     assert rows[1]["speedup_vs_one_worker"] == pytest.approx(2.0, abs=1e-12)
     # CPU seconds of both workers per step over the 1-core process's.
     assert rows[0]["cpu_ratio"] == pytest.approx(1.5, abs=1e-12)
     # Step over (M+1)/M x the busier worker's CPU seconds (0.15).
-    assert [r["schedule_ratio"] for r in rows] == pytest.approx(
+    assert [r["schedule_ratio"] for r in rows[:3]] == pytest.approx(
         [0.2 / 0.3, 0.125 / (1.25 * 0.15), 0.16 / (17 / 16 * 0.15)],
         abs=1e-12)
+
+
+def test_overhead_rows_compare_gpipe_with_the_bare_graph():
+    rows = bm.overhead_rows(_results()["a"])
+    assert [r["M"] for r in rows] == [1, 4]
+    assert [r["ratio"] for r in rows] == pytest.approx([0.2 / 0.19, 1.25],
+                                                       abs=1e-12)
+    assert rows[0]["ratio_best"] is None  # no fastest step reported
+    assert rows[1]["ratio_best"] == pytest.approx(1.25, abs=1e-12)
+    assert rows[1]["bare_ms"] == pytest.approx(100.0, abs=1e-9)
+    assert rows[1]["pipeline_ms"] == pytest.approx(125.0, abs=1e-9)
+    assert rows[1]["bare_speedup"] == pytest.approx(2.0, abs=1e-12)
+    assert rows[1]["spe_ratio"] == pytest.approx(1.1, abs=1e-12)
+    assert rows[0]["spe_ms"] is None and rows[0]["spe_ratio"] is None
+    assert rows[1]["bare_cpu_ratio"] == pytest.approx(1.5, abs=1e-12)
+
+
+def test_throughput_goals_take_the_best_schedule():
+    goals = bm.throughput_goals(_results()["a"])
+    assert {k: g["met"] for k, g in goals.items()} == {
+        "a": True, "a-torch": True, "a-overhead": False, "a-cpu": False}
+    assert goals["a"]["measured"] == pytest.approx(2.0, abs=1e-12)
+    assert goals["a"]["note"] == "zbv, M=4"
+    assert goals["a-torch"]["measured"] == pytest.approx(2.0 / 1.33,
+                                                         abs=1e-12)
+    # The worst M: 1.25 at M=4.
+    assert goals["a-overhead"]["measured"] == pytest.approx(1.25, abs=1e-12)
+    assert goals["a-overhead"]["note"] == "M=1: 1.053, M=4: 1.250"
+    # At M=8 the fastest schedule (zbv), not the most frugal (zb_h1).
+    assert goals["a-cpu"]["measured"] == pytest.approx(1.25, abs=1e-12)
+    assert goals["a-cpu"]["note"] == "zbv, M=8"
+
+
+def test_throughput_goals_without_m8_or_bare_say_so():
+    a = _results()["a"]
+    a["pipeline"] = [e for e in a["pipeline"] if e["num_micro_batches"] != 8]
+    a["bare"] = []
+    goals = bm.throughput_goals(a)
+    assert goals["a-cpu"]["note"] == "gpipe, M=16 (no M=8 in this run)"
+    assert goals["a-overhead"]["measured"] is None
+    assert goals["a-overhead"]["met"] is None
+    assert bm.throughput_goals({**a, "pipeline": []})["a"]["met"] is None
+
+
+def test_throughput_configs_cover_every_schedule():
+    p = bm.settings(True)["a"]
+    configs = bm.throughput_configs(p)
+    labels = [bm.config_label(c) for c in configs]
+    assert labels == [
+        "gpipe K=1 M=1",
+        "gpipe K=2 M=2", "1f1b K=2 M=2", "zb_h1 K=2 M=2", "zb_h2 K=2 M=2",
+        "interleaved_1f1b K=4 M=2", "zbv K=4 M=2", "bare K=2 M=2",
+        "gpipe K=2 M=4", "1f1b K=2 M=4", "zb_h1 K=2 M=4", "zb_h2 K=2 M=4",
+        "interleaved_1f1b K=4 M=4", "zbv K=4 M=4", "bare K=2 M=4",
+        "gpipe K=2 M=4 steps_per_execution=4"]
+    only = bm.throughput_configs(dict(p, schedules=["zbv"]))
+    assert [c["kind"] for c in only] == [
+        "one_worker", "pipeline", "bare", "pipeline", "bare",
+        "steps_per_execution"]
+    # The 4-stage schedules' worker order (checked by PipelineModel).
+    assert bm.FOUR_STAGE_SCHEDULES == {"interleaved_1f1b": (0, 1, 0, 1),
+                                       "zbv": (0, 1, 1, 0)}
 
 
 def test_fidelity_rows_compare_with_the_schedule():
@@ -144,21 +227,37 @@ def test_fidelity_rows_compare_with_the_schedule():
 def test_summarize_reports_every_goal():
     tables, goals = bm.summarize(_results())
     assert {k: g["met"] for k, g in goals.items()} == {
-        "a": True, "b": True, "c": True, "c*": False, "d": False, "e": True}
-    assert goals["a"]["measured"] == pytest.approx(1.6, abs=1e-12)
+        "a": True, "a-torch": True, "a-overhead": False, "a-cpu": False,
+        "b": True, "c": True, "c*": False, "d": False, "e": True}
+    assert goals["a"]["measured"] == pytest.approx(2.0, abs=1e-12)
     assert goals["c"]["measured"] == pytest.approx(0.4, abs=1e-12)
     assert goals["c*"]["measured"] == pytest.approx(0.8, abs=1e-12)
     assert goals["d"]["measured"] == pytest.approx(2.5, abs=1e-12)
     assert goals["e"]["measured"] == pytest.approx(0.04, abs=1e-12)
     titles = [t for t, _, _ in tables]
-    assert titles[-1] == "Goals" and len(titles) == 7
-    c_rows = tables[3][2]
-    assert c_rows[0][:3] == ["act", "gpipe", 8]
-    assert c_rows[1][:3] == ["act", "1f1b", 8]
-    assert c_rows[1][-1] == "0.60x"  # 1f1b never / gpipe never
-    a_rows = tables[0][2]
-    assert a_rows[1][:5] == [4, "1.60", "1.60x", "-", "2.00x"]
+    assert titles[-1] == "Goals" and len(titles) == 9
+    assert [t.split(" ")[1] for t in titles[:4]] == [
+        "Speedup", "Each", "Overhead", "references"]
+    c_rows = tables[5][2]
+    assert [r[:3] for r in c_rows[:3]] == [
+        ["act", "gpipe", 8], ["act", "1f1b", 8], ["act", "zb_h1", 8]]
+    assert c_rows[1][-2:] == ["0.60x", "-"]  # 1f1b never / gpipe never
+    assert c_rows[2][4] == "-"  # except_last: not measured for zb_h1
+    assert c_rows[2][-2:] == ["0.70x", "0.75x"]  # zb_h1 / gpipe
+    headers, speedups = tables[0][1], tables[0][2]
+    assert headers == ["run", "K", "M=1", "M=4", "M=8", "M=16", "best"]
+    assert speedups == [
+        ["keras_pipe gpipe", 2, "1.00x", "1.60x", "-", "1.25x", "1.60x"],
+        ["keras_pipe zb_h1", 2, "-", "-", "1.25x", "-", "1.25x"],
+        ["keras_pipe zbv", 4, "-", "2.00x", "1.60x", "-", "2.00x"],
+        ["bare TF graph, GPipe", 2, "1.05x", "2.00x", "-", "-", "2.00x"],
+        ["ideal 2M/(M+1)", "", "1.00", "1.60", "1.78", "1.88", ""]]
+    a_rows = tables[1][2]
+    assert a_rows[1][:6] == ["gpipe", 2, 4, "1.60", "1.60x", "-"]
     assert a_rows[1][-4:] == ["50%/60%", "10%/20%", "1.50x", "0.67x"]
+    bare_rows = tables[2][2]
+    assert bare_rows[1] == [4, "100", "125", "1.250x", "1.250x", "2.00x",
+                            "1.50x", "110", "1.100x"]
 
 
 def test_summarize_skips_failed_parts():
@@ -185,10 +284,36 @@ def test_bad_part_is_refused(capsys):
         capsys.readouterr().err)
 
 
+def test_bad_schedule_is_refused(capsys):
+    with pytest.raises(SystemExit):
+        bm.main(["--only", "a", "--schedules", "gpipe,zb_h3"])
+    assert "--schedules takes names among gpipe,1f1b,zb_h1,zb_h2," \
+        "interleaved_1f1b,zbv. Received: ['zb_h3']" in capsys.readouterr().err
+
+
+def test_failed_runs_are_listed():
+    a = dict(_results()["a"], errors=[
+        {"run": "gpipe K=2 M=4 steps_per_execution=4",
+         "error": "ValueError: no"}])
+    tables, _ = bm.summarize({"a": a})
+    title, headers, rows = tables[-2]
+    assert title.startswith("(a) runs that failed")
+    assert rows == [["gpipe K=2 M=4 steps_per_execution=4",
+                     "ValueError: no"]]
+
+
 def test_settings_are_json_and_quick_is_smaller():
     quick, full = bm.settings(True), bm.settings(False)
     json.dumps(full)  # children receive them as JSON
-    assert quick["a"]["micro_batches"] == [1, 2, 4, 8, 16]
+    assert quick["a"]["micro_batches"] == [2, 4]
+    assert full["a"]["micro_batches"] == [1, 2, 4, 8, 16]
+    assert quick["a"]["schedules"] == list(bm.SCHEDULES)
+    for a in (quick["a"], full["a"]):
+        assert a["steps"] % a["steps_per_execution"] == 0
+    # Part (c): every 1-stage-per-device schedule asked for, GPipe always.
+    assert quick["c"]["schedules"] == ["gpipe", "1f1b", "zb_h1", "zb_h2"]
+    assert bm.settings(True, ["zbv", "zb_h1"])["c"]["schedules"] == [
+        "gpipe", "zb_h1"]
     assert len(quick["d"]["grid"]) < len(full["d"]["grid"])
     assert (8, 4) in quick["d"]["grid"] and (8, 32) in quick["d"]["grid"]
     assert 8 in quick["c"]["micro_batches"]

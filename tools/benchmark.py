@@ -2,15 +2,19 @@
 
 ```
 python tools/benchmark.py [--quick] [--out DIR] [--only a,b,c,d,e]
+                          [--schedules gpipe,1f1b,zb_h1,zb_h2,...]
 ```
 
 measures in one run, and prints as tables of ratios (absolute times are
 context only: the machine may be shared and noisy):
 
-  (a) training throughput vs M for K=2 stages on 2 worker processes
-      (`python -m keras_pipe.worker`), each pinned to its own core, against
-      the same plain Keras model in 1 process pinned to 1 core, and against
-      the ideal 2M/(M+1);
+  (a) training throughput vs M and schedule on 2 worker processes
+      (`python -m keras_pipe.worker`), each pinned to its own core: K=2
+      stages for gpipe, 1f1b, zb_h1 and zb_h2, K=4 stages (2 per worker)
+      for interleaved_1f1b and zbv, against the same plain Keras model in
+      1 process pinned to 1 core, the ideal 2M/(M+1), and a bare TF graph
+      of the same GPipe step on the same workers (one `tf.function`, data
+      already on the workers, no `fit`): keras_pipe's overhead per step;
   (b) the overhead of a PipelineModel with K=1, M=1 against the same plain
       Keras model (`fit` step time, warm, interleaved);
   (c) peak memory per remat mode, schedule and M for deep models at K=4
@@ -38,6 +42,7 @@ import json
 import os
 import pathlib
 import platform
+import signal
 import socket
 import statistics
 import subprocess
@@ -46,10 +51,27 @@ import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
-# Goals of issue 6 (reported, never asserted).
+# Schedules of part (a): K=2 stages on the 2 workers, or K=4 stages with
+# these worker indices (two stages per worker, as the schedule needs).
+TWO_STAGE_SCHEDULES = ("gpipe", "1f1b", "zb_h1", "zb_h2")
+FOUR_STAGE_SCHEDULES = {"interleaved_1f1b": (0, 1, 0, 1), "zbv": (0, 1, 1, 0)}
+SCHEDULES = TWO_STAGE_SCHEDULES + tuple(FOUR_STAGE_SCHEDULES)
+# Part (c) runs K=4 stages on 4 devices: the one-stage-per-device schedules.
+MEMORY_SCHEDULES = TWO_STAGE_SCHEDULES
+# torch 2.13 pipelining's best speedup on the same job (ScheduleZBVZeroBubble,
+# M=4), measured in issue 12; the goal is 1.2x that.
+TORCH_BEST_SPEEDUP = 1.33
+
+# Goals of issues 6 and 12 (reported, never asserted).
 GOALS = {
-    "a": ("best-M speedup of K=2 on 2 pinned workers over 1 process on 1 core",
-          ">=", 1.6),
+    "a": ("best speedup over schedules and M on 2 pinned workers over 1 "
+          "process on 1 core", ">=", 1.6),
+    "a-torch": (f"best speedup / torch pipelining's best ({TORCH_BEST_SPEEDUP}"
+                "x, ZBV, issue 12)", ">=", 1.2),
+    "a-overhead": ("keras_pipe GPipe step / bare TF graph GPipe step, same "
+                   "M, worst M", "<=", 1.05),
+    "a-cpu": ("workers' CPU s per step / 1-core process's, M=8, the best "
+              "schedule at M=8", "<=", 1.15),
     "b": ("step time of PipelineModel(K=1, M=1) / plain Keras model",
           "<=", 1.05),
     "c": ('peak memory remat="always" / "never", K=4, M=8, activations '
@@ -148,18 +170,57 @@ def check_goal(key, measured):
             "met": met}
 
 
+def throughput_configs(p):
+    """The runs of part (a) in one round, from its settings, as dicts.
+
+    `kind` is `"one_worker"` (K=1 on worker 0), `"pipeline"` (a schedule on
+    both workers), `"bare"` (the bare TF graph of the GPipe step) or
+    `"steps_per_execution"` (GPipe compiled with `steps_per_execution`).
+    """
+    configs = [{"kind": "one_worker", "schedule": "gpipe", "num_stages": 1,
+                "num_micro_batches": m}
+               for m in p["one_worker_micro_batches"]]
+    for m in p["micro_batches"]:
+        for name in p["schedules"]:
+            configs.append({"kind": "pipeline", "schedule": name,
+                            "num_stages": 4 if name in FOUR_STAGE_SCHEDULES
+                            else 2, "num_micro_batches": m})
+        configs.append({"kind": "bare", "schedule": "gpipe", "num_stages": 2,
+                        "num_micro_batches": m})
+    for m in p["steps_per_execution_micro_batches"]:
+        configs.append({"kind": "steps_per_execution", "schedule": "gpipe",
+                        "num_stages": 2, "num_micro_batches": m,
+                        "steps_per_execution": p["steps_per_execution"]})
+    return configs
+
+
+def config_label(config):
+    """`"zbv K=4 M=8"`, `"bare K=2 M=4"`: one run of part (a)."""
+    name = "bare" if config["kind"] == "bare" else config["schedule"]
+    label = f"{name} K={config['num_stages']} M={config['num_micro_batches']}"
+    if config.get("steps_per_execution"):
+        label += f" steps_per_execution={config['steps_per_execution']}"
+    return label
+
+
 def throughput_rows(result):
-    """Rows of table (a) from the JSON of the throughput part."""
+    """Rows of table (a) from the JSON of the throughput part.
+
+    One row per (schedule, M), in the order of SCHEDULES then M.
+    """
     base = result["baseline_1core"]["step_seconds"]
     base_best = result["baseline_1core"].get("best_step_seconds")
     base_cpu = result["baseline_1core"].get("cpu_seconds_per_step")
     worker1 = result.get("one_worker", {}).get("step_seconds")
     rows = []
-    for entry in result["pipeline"]:
+    for entry in sorted(result["pipeline"], key=_schedule_order):
         m, step = entry["num_micro_batches"], entry["step_seconds"]
         speedup = ratio(base, step)
+        # Two devices whatever the number of stages: GPipe's bound on 2.
         ideal = ideal_speedup(m, 2)
         rows.append({
+            "schedule": entry.get("schedule", "gpipe"),
+            "K": entry.get("num_stages", 2),
             "M": m, "ideal": ideal, "speedup": speedup,
             "speedup_best": ratio(base_best, entry.get("best_step_seconds")),
             "speedup_vs_one_worker": ratio(worker1, step),
@@ -175,6 +236,75 @@ def throughput_rows(result):
             # at 1: only the CPU spent limits the speedup.
             "schedule_ratio": ratio(step, _schedule_bound(entry, m))})
     return rows
+
+
+def _schedule_order(entry):
+    name = entry.get("schedule", "gpipe")
+    return (SCHEDULES.index(name) if name in SCHEDULES else len(SCHEDULES),
+            name, entry["num_micro_batches"])
+
+
+def overhead_rows(result):
+    """Rows of the bare-graph table: per M, keras_pipe GPipe / bare graph."""
+    base = result["baseline_1core"]["step_seconds"]
+    gpipe = {e["num_micro_batches"]: e for e in result["pipeline"]
+             if e.get("schedule", "gpipe") == "gpipe"
+             and e.get("num_stages", 2) == 2}
+    pipe = {m: e["step_seconds"] for m, e in gpipe.items()}
+    spe = {e["num_micro_batches"]: e.get("step_seconds")
+           for e in result.get("steps_per_execution", [])}
+    rows = []
+    for entry in sorted(result.get("bare", []),
+                        key=lambda e: e["num_micro_batches"]):
+        m, bare = entry["num_micro_batches"], entry["step_seconds"]
+        rows.append({
+            "M": m, "bare_ms": _ms(bare), "pipeline_ms": _ms(pipe.get(m)),
+            "ratio": ratio(pipe.get(m), bare),
+            # Fastest step of each: the least disturbed by other load.
+            "ratio_best": ratio(gpipe.get(m, {}).get("best_step_seconds"),
+                                entry.get("best_step_seconds")),
+            "bare_speedup": ratio(base, bare),
+            "pipeline_speedup": ratio(base, pipe.get(m)),
+            "spe_ms": _ms(spe.get(m)), "spe_ratio": ratio(spe.get(m), bare),
+            "bare_cpu_ratio": ratio(
+                _sum(entry.get("worker_cpu_seconds_per_step")),
+                result["baseline_1core"].get("cpu_seconds_per_step"))})
+    return rows
+
+
+def _ms(seconds):
+    return None if seconds is None else seconds * 1e3
+
+
+def throughput_goals(result, rows=None, over_bare=None):
+    """Goals a, a-torch, a-overhead and a-cpu from part (a)'s JSON."""
+    rows = throughput_rows(result) if rows is None else rows
+    over_bare = overhead_rows(result) if over_bare is None else over_bare
+    goals = {}
+    best = max((r for r in rows if r["speedup"]), key=lambda r: r["speedup"],
+               default=None)
+    goals["a"] = check_goal("a", best and best["speedup"])
+    goals["a-torch"] = check_goal(
+        "a-torch", best and ratio(best["speedup"], TORCH_BEST_SPEEDUP))
+    if best:
+        goals["a"]["note"] = goals["a-torch"]["note"] = (
+            f"{best['schedule']}, M={best['M']}")
+    ratios = [r for r in over_bare if r["ratio"] is not None]
+    worst = max(ratios, key=lambda r: r["ratio"], default=None)
+    goals["a-overhead"] = check_goal("a-overhead", worst and worst["ratio"])
+    goals["a-overhead"]["note"] = ", ".join(
+        f"M={r['M']}: {fmt(r['ratio'], 3)}" for r in ratios)
+    # At M=8, else (a quick run) at the largest M measured, said in the note.
+    ms = sorted({r["M"] for r in rows if r["cpu_ratio"] is not None})
+    m = 8 if 8 in ms else (ms[-1] if ms else None)
+    at_m = [r for r in rows if r["M"] == m and r["cpu_ratio"] is not None
+            and r["speedup"]]
+    fastest = max(at_m, key=lambda r: r["speedup"], default=None)
+    goals["a-cpu"] = check_goal("a-cpu", fastest and fastest["cpu_ratio"])
+    if fastest:
+        goals["a-cpu"]["note"] = f"{fastest['schedule']}, M={m}" + (
+            "" if m == 8 else " (no M=8 in this run)")
+    return goals
 
 
 def _schedule_bound(entry, m, k=2):
@@ -202,54 +332,109 @@ def fidelity_rows(result):
     return rows
 
 
+def speedup_table(result, rows=None, over_bare=None):
+    """Rows of the summary of (a): speedup per schedule (rows) and M."""
+    rows = throughput_rows(result) if rows is None else rows
+    over_bare = overhead_rows(result) if over_bare is None else over_bare
+    ms = sorted({r["M"] for r in rows} | {r["M"] for r in over_bare})
+    table = []
+    for name in dict.fromkeys(r["schedule"] for r in rows):
+        mine = {r["M"]: r for r in rows if r["schedule"] == name}
+        k = next(iter(mine.values()))["K"]
+        best = max((r["speedup"] for r in mine.values() if r["speedup"]),
+                   default=None)
+        table.append([f"keras_pipe {name}", k] + [
+            fmt(mine[m]["speedup"], suffix="x") if m in mine else "-"
+            for m in ms] + [fmt(best, suffix="x")])
+    if over_bare:
+        bare = {r["M"]: r["bare_speedup"] for r in over_bare}
+        table.append(["bare TF graph, GPipe", 2] + [
+            fmt(bare.get(m), suffix="x") for m in ms] + [
+            fmt(max((v for v in bare.values() if v), default=None),
+                suffix="x")])
+    table.append(["ideal 2M/(M+1)", ""] + [fmt(ideal_speedup(m, 2))
+                                           for m in ms] + [""])
+    return ["run", "K"] + [f"M={m}" for m in ms] + ["best"], table
+
+
+def throughput_tables(a):
+    """The tables of part (a): per schedule, per run, bare graph, context."""
+    rows, over_bare = throughput_rows(a), overhead_rows(a)
+    tables = []
+    headers, table = speedup_table(a, rows, over_bare)
+    tables.append((
+        f"(a) Speedup over 1 process on 1 core per schedule, 2 single-core "
+        f"worker processes, {a['model']}, remat={a['remat']!r} (medians of "
+        "interleaved rounds; K=4: 2 stages per worker, interleaved_1f1b on "
+        "workers [0, 1, 0, 1], zbv on [0, 1, 1, 0])", headers, table))
+    tables.append((
+        "(a) Each run: speedup = 1-core step time / pipeline step time "
+        "('fastest steps': ratio of the fastest step of each, the least "
+        "disturbed)",
+        ["schedule", "K", "M", "ideal 2M/(M+1)", "speedup vs 1 core",
+         "same, fastest steps", "vs 1 worker K=1", "speedup/ideal",
+         "ms/step", "worker CPU use", "worker CPU wait",
+         "worker CPU s / 1-core CPU s",
+         "step / ((M+1)/M x busier worker's CPU s)"],
+        [[r["schedule"], r["K"], r["M"], fmt(r["ideal"]),
+          fmt(r["speedup"], suffix="x"), fmt(r["speedup_best"], suffix="x"),
+          fmt(r["speedup_vs_one_worker"], suffix="x"),
+          fmt(r["efficiency"]), fmt(r["ms_per_step"], 0),
+          _percentages(r["worker_cpu"]), _percentages(r["worker_wait"]),
+          fmt(r["cpu_ratio"], suffix="x"),
+          fmt(r["schedule_ratio"], suffix="x")]
+         for r in rows]))
+    if over_bare:
+        spe = a.get("steps_per_execution_setting", 4)
+        tables.append((
+            "(a) Overhead over a bare TF graph of the same GPipe step on the "
+            f"same workers ({a.get('bare_optimizer', 'Adam')}; one "
+            "tf.function per step, data already on the workers, no fit), "
+            f"and keras_pipe GPipe compiled with steps_per_execution={spe}",
+            ["M", "bare ms/step", "keras_pipe ms/step", "keras_pipe/bare",
+             "same, fastest steps", "bare speedup vs 1 core",
+             "bare worker CPU s / 1-core CPU s",
+             f"steps_per_execution={spe} ms/step", "same / bare"],
+            [[r["M"], fmt(r["bare_ms"], 0), fmt(r["pipeline_ms"], 0),
+              fmt(r["ratio"], 3, "x"), fmt(r["ratio_best"], 3, "x"),
+              fmt(r["bare_speedup"], suffix="x"),
+              fmt(r["bare_cpu_ratio"], suffix="x"), fmt(r["spe_ms"], 0),
+              fmt(r["spe_ratio"], 3, "x")] for r in over_bare]))
+    base = a["baseline_1core"]
+    context = [["1 process, 1 core (baseline)", "1.00x",
+                fmt(base["step_seconds"] * 1e3, 0), "1.00x"]]
+    for e in a.get("one_worker_runs", []):
+        context.append([
+            f"1 worker process, K=1, M={e['num_micro_batches']}",
+            fmt(ratio(base["step_seconds"], e["step_seconds"]), suffix="x"),
+            fmt(e["step_seconds"] * 1e3, 0),
+            fmt(ratio(_sum(e.get("worker_cpu_seconds_per_step")),
+                      base.get("cpu_seconds_per_step")), suffix="x")])
+    if "baseline_2cores" in a:
+        two = a["baseline_2cores"]
+        context.append([
+            "1 process, 2 cores (plain Keras)",
+            fmt(ratio(base["step_seconds"], two["step_seconds"]), suffix="x"),
+            fmt(two["step_seconds"] * 1e3, 0),
+            fmt(ratio(two.get("cpu_seconds_per_step"),
+                      base.get("cpu_seconds_per_step")), suffix="x")])
+    tables.append(("(a) references (CPU: all workers, per step)",
+                   ["run", "speedup vs 1 core", "ms/step",
+                    "CPU s / 1-core CPU s"], context))
+    if a.get("errors"):
+        tables.append(("(a) runs that failed (error text in benchmark.json)",
+                       ["run", "error"],
+                       [[e["run"], e["error"][:200]] for e in a["errors"]]))
+    return tables
+
+
 def summarize(results):
     """Tables (text) and goal checks from the parts' JSON."""
     tables, goals = [], {}
     a = results.get("a")
     if a and "error" not in a:
-        rows = throughput_rows(a)
-        tables.append((
-            "(a) Training throughput, K=2 stages on 2 single-core worker "
-            f"processes, {a['model']}, remat={a['remat']!r}: speedup = 1-core "
-            "step time / pipeline step time (medians; 'fastest steps': "
-            "ratio of the fastest step of each, the least disturbed)",
-            ["M", "ideal 2M/(M+1)", "speedup vs 1 core",
-             "same, fastest steps", "vs 1 worker K=1", "speedup/ideal",
-             "ms/step", "worker CPU use", "worker CPU wait",
-             "worker CPU s / 1-core CPU s",
-             "step / ((M+1)/M x busier worker's CPU s)"],
-            [[r["M"], fmt(r["ideal"]), fmt(r["speedup"], suffix="x"),
-              fmt(r["speedup_best"], suffix="x"),
-              fmt(r["speedup_vs_one_worker"], suffix="x"),
-              fmt(r["efficiency"]), fmt(r["ms_per_step"], 0),
-              _percentages(r["worker_cpu"]), _percentages(r["worker_wait"]),
-              fmt(r["cpu_ratio"], suffix="x"),
-              fmt(r["schedule_ratio"], suffix="x")]
-             for r in rows]))
-        base = a["baseline_1core"]
-        context = [["1 process, 1 core (baseline)", "1.00x",
-                    fmt(base["step_seconds"] * 1e3, 0), "1.00x"]]
-        for e in a.get("one_worker_runs", []):
-            context.append([
-                f"1 worker process, K=1, M={e['num_micro_batches']}",
-                fmt(ratio(base["step_seconds"], e["step_seconds"]),
-                    suffix="x"),
-                fmt(e["step_seconds"] * 1e3, 0),
-                fmt(ratio(_sum(e.get("worker_cpu_seconds_per_step")),
-                          base.get("cpu_seconds_per_step")), suffix="x")])
-        if "baseline_2cores" in a:
-            two = a["baseline_2cores"]
-            context.append([
-                "1 process, 2 cores (plain Keras)",
-                fmt(ratio(base["step_seconds"], two["step_seconds"]),
-                    suffix="x"), fmt(two["step_seconds"] * 1e3, 0),
-                fmt(ratio(two.get("cpu_seconds_per_step"),
-                          base.get("cpu_seconds_per_step")), suffix="x")])
-        tables.append(("(a) references (CPU: all workers, per step)",
-                       ["run", "speedup vs 1 core", "ms/step",
-                        "CPU s / 1-core CPU s"], context))
-        best = max((r["speedup"] for r in rows if r["speedup"]), default=None)
-        goals["a"] = check_goal("a", best)
+        tables += throughput_tables(a)
+        goals.update(throughput_goals(a))
     b = results.get("b")
     if b and "error" not in b:
         rows = [[e["model"], fmt(e["ratio"], 3, "x"),
@@ -270,7 +455,9 @@ def summarize(results):
         rows = []
         for (model, schedule, m), runs in sorted(
                 by_m.items(), key=lambda kv: (c["models"].index(kv[0][0]),
-                                              kv[0][1] != "gpipe",
+                                              _schedule_order({
+                                                  "schedule": kv[0][1],
+                                                  "num_micro_batches": 0}),
                                               kv[0][2])):
             never = runs.get("never", {})
             row = [model, schedule, m]
@@ -283,17 +470,20 @@ def summarize(results):
                                      never.get("peak_bytes")), suffix="x"))
             row.append(fmt(ratio(runs.get("always", {}).get("step_bytes"),
                                  never.get("step_bytes")), suffix="x"))
-            gpipe = by_m.get((model, "gpipe", m), {}).get("never", {})
-            row.append(fmt(ratio(never.get("peak_bytes"),
-                                 gpipe.get("peak_bytes")), suffix="x")
-                       if schedule != "gpipe" else "")
+            gpipe = by_m.get((model, "gpipe", m), {})
+            for mode in ("never", "always"):
+                row.append(fmt(ratio(
+                    runs.get(mode, {}).get("peak_bytes"),
+                    gpipe.get(mode, {}).get("peak_bytes")), suffix="x")
+                    if schedule != "gpipe" else "")
             rows.append(row)
         tables.append((
             f"(c) Peak memory of a training step at K=4 (MiB, "
             f"{c['measure']}); Adam",
             ["model", "schedule", "M", "always", "except_last", "never",
              "always/never", "except_last/never",
-             "step increment always/never", "never: 1f1b/gpipe"], rows))
+             "step increment always/never", "never: schedule/gpipe",
+             "always: schedule/gpipe"], rows))
         for key, model in zip(("c", "c*"), c["models"]):
             m8 = by_m.get((model, "gpipe", 8), {})
             goals[key] = check_goal(key, ratio(
@@ -467,11 +657,115 @@ def child_baseline(p):
             "affinity": sorted(os.sched_getaffinity(0))}
 
 
+class _BarePipeline:
+    """A bare TF graph of the GPipe training step of `_split`'s K=2 model.
+
+    The same 8 x Dense weights as `tf.Variable`s, half on each worker; x
+    already on worker 0 and y on worker 1; one `tf.function` per step:
+    forward per micro-batch and stage under the stage's device, the mse on
+    the last stage, backward per stage under its device with its own
+    `tf.GradientTape` (one tape over the step would put every gradient op
+    on one device), gradients summed over micro-batches on each variable's
+    device, and `keras.optimizers.Adam` colocated by keras_pipe.
+    """
+
+    def __init__(self, tf, keras, devices, p, x, y):
+        import numpy as np
+
+        from keras_pipe import placement
+        self.tf, self.devices = tf, devices
+        rng = np.random.default_rng(0)
+        width, per = p["width"], p["layers"] // 2
+        limit = (6 / (2 * width)) ** 0.5  # glorot_uniform, as Dense
+        self.stages = [[], []]
+        for n in range(p["layers"]):
+            with tf.device(devices[n // per]):
+                self.stages[n // per].append((
+                    tf.Variable(rng.uniform(-limit, limit, (width, width))
+                                .astype("float32"), name=f"kernel{n}"),
+                    tf.Variable(np.zeros(width, "float32"), name=f"bias{n}")))
+        self.variables = [v for stage in self.stages for layer in stage
+                          for v in layer]
+        self.optimizer = placement.colocate_optimizer(
+            keras.optimizers.Adam(1e-4))
+        self.optimizer.build(self.variables)
+        batch = p["batch"]
+        with tf.device(devices[0]):
+            self.x = tf.identity(tf.constant(x[:batch]))
+        with tf.device(devices[1]):
+            self.y = tf.identity(tf.constant(y[:batch]))
+        self.step_functions = {}
+
+    def slot_devices(self):
+        """Devices of the optimizer's variables (slots, iterations)."""
+        return sorted({v.value.device for v in self.optimizer.variables})
+
+    def _step(self, x, y, num_micro_batches):
+        tf, devices, m = self.tf, self.devices, num_micro_batches
+        with tf.device(devices[0]):
+            xs = tf.split(x, m)
+        with tf.device(devices[1]):
+            ys = tf.split(y, m)
+        last = len(self.stages) - 1
+        tapes, inputs, outputs, losses = {}, {}, {}, []
+        for i in range(m):  # forward, micro-batch by micro-batch
+            h = xs[i]
+            for j, stage in enumerate(self.stages):
+                with tf.device(devices[j]):
+                    h = tf.identity(h)  # the transfer, on the receiver
+                    with tf.GradientTape() as tape:
+                        tape.watch(h)
+                        inputs[i, j] = h
+                        for n, (kernel, bias) in enumerate(stage):
+                            h = tf.matmul(h, kernel) + bias
+                            if j < last or n < len(stage) - 1:
+                                h = tf.nn.relu(h)
+                        if j == last:  # the full batch's mse, in M parts
+                            h = tf.reduce_mean(tf.square(h - ys[i])) / m
+                            losses.append(h)
+                    tapes[i, j], outputs[i, j] = tape, h
+        parts = {v.ref(): [] for v in self.variables}
+        for i in reversed(range(m)):  # backward, as GPipe: last first
+            upstream = None
+            for j in reversed(range(len(self.stages))):
+                with tf.device(devices[j]):
+                    own = [v for layer in self.stages[j] for v in layer]
+                    # No input gradient for the first stage: x is data.
+                    sources = own + ([inputs[i, j]] if j else [])
+                    grads = tapes[i, j].gradient(
+                        outputs[i, j], sources, output_gradients=upstream)
+                upstream = grads[-1] if j else None
+                for v, g in zip(own, grads):
+                    parts[v.ref()].append(g)
+        sums = []
+        for v in self.variables:
+            with tf.device(v.device):
+                sums.append(tf.add_n(parts[v.ref()]))
+        self.optimizer.apply_gradients(zip(sums, self.variables))
+        with tf.device(devices[-1]):
+            return tf.add_n(losses)
+
+    def steps(self, num_micro_batches, num_steps):
+        """Seconds of each of `num_steps` steps (traced once per M)."""
+        tf = self.tf
+        if num_micro_batches not in self.step_functions:
+            self.step_functions[num_micro_batches] = tf.function(
+                lambda x, y: self._step(x, y, num_micro_batches))
+        step = self.step_functions[num_micro_batches]
+        times = []
+        for _ in range(num_steps):
+            start = time.perf_counter()
+            step(self.x, self.y).numpy()  # waits for the step to end
+            times.append(time.perf_counter() - start)
+        return times
+
+
 def child_throughput(p):
-    """Client of 2 workers: K=2 pipelines for each M, and K=1 on 1 worker.
+    """Client of 2 workers: every schedule for each M, the bare graph, K=1.
 
     K=1 on one worker with M=1 isolates the cost of remote execution, and
     with M>1 the cost of micro-batching without any transfer between stages.
+    Runs that fail (to build or to step) are reported, and the others go on.
     """
     tf, keras = _tf_env()
     import numpy as np
@@ -480,70 +774,112 @@ def child_throughput(p):
     devices = keras_pipe.connect({"worker": p["cluster"]}, timeout=60.0)
     remote = [names[0] for _, names in sorted(devices.items())]
     x, y = _throughput_data(np, p["steps"], p["batch"], p["width"])
-    models = {}
-    configs = [(1, m) for m in p["one_worker_micro_batches"]]
-    configs += [(2, m) for m in p["micro_batches"]]
-    for k, m in configs:
-        keras.utils.set_random_seed(0)
-        if k == 1:
-            model = keras_pipe.PipelineModel(
-                [_mlp(keras, p["layers"], p["width"], "whole")],
-                devices=remote[:1], num_micro_batches=m, remat=p["remat"])
-        else:
-            model = keras_pipe.PipelineModel(
-                _split(keras, p["layers"], p["width"], 2),
-                devices=remote, num_micro_batches=m, remat=p["remat"])
-        model.build((None, p["width"]))
-        model.compile(keras.optimizers.Adam(1e-4), "mse")
+    warm = (x[:3 * p["batch"]], y[:3 * p["batch"]])
+    runs, errors, bare = {}, [], None
+    for config in throughput_configs(p):
+        label = config_label(config)
+        k, m = config["num_stages"], config["num_micro_batches"]
         start = time.perf_counter()
-        _fit_steps(keras, model, x[:3 * p["batch"]], y[:3 * p["batch"]],
-                   p["batch"])
-        models[(k, m)] = (model, time.perf_counter() - start)
-    steps = {m: [] for m in models}
-    cpu = {m: [] for m in models}
-    wait = {m: [] for m in models}
-    cpu_per_step = {m: [] for m in models}
+        try:
+            if config["kind"] == "bare":
+                if bare is None:
+                    bare = _BarePipeline(tf, keras, remote, p, x, y)
+                bare.steps(m, 3)  # trace and warm up
+                run = (lambda m=m: (bare.steps(m, p["steps"]), p["steps"]))
+            else:
+                keras.utils.set_random_seed(0)
+                if k == 1:
+                    stages = [_mlp(keras, p["layers"], p["width"], "whole")]
+                else:
+                    stages = _split(keras, p["layers"], p["width"], k)
+                order = FOUR_STAGE_SCHEDULES.get(config["schedule"], (0, 1))
+                model = keras_pipe.PipelineModel(
+                    stages, devices=[remote[w] for w in order[:k]],
+                    num_micro_batches=m, remat=p["remat"],
+                    schedule=config["schedule"])
+                model.build((None, p["width"]))
+                spe = config.get("steps_per_execution", 1)
+                model.compile(keras.optimizers.Adam(1e-4), "mse",
+                              steps_per_execution=spe)
+                _fit_steps(keras, model, *(
+                    warm if spe == 1 else (x[:2 * spe * p["batch"]],
+                                           y[:2 * spe * p["batch"]])),
+                    p["batch"])
+                # With steps_per_execution, the clock ticks once per
+                # execution of `spe` steps.
+                n = p["steps"] // spe * spe
+                rows = n * p["batch"]
+                run = (lambda model=model, spe=spe, n=n, rows=rows: ([
+                    t / spe for t in _fit_steps(keras, model, x[:rows],
+                                                y[:rows], p["batch"])], n))
+        except Exception as exc:  # noqa: BLE001 - reported, others go on
+            errors.append({"run": label, "error": f"{type(exc).__name__}: "
+                           f"{exc}"})
+            continue
+        runs[label] = {"config": config, "run": run, "steps": [],
+                       "cpu": [], "wait": [], "cpu_per_step": [],
+                       "first_fit_seconds": time.perf_counter() - start}
     pids = p["worker_pids"] + [os.getpid()]  # the workers, then the client
 
     def fractions(before, after, wall):
         return [None if a is None or b is None else (b - a) / wall
                 for a, b in zip(before, after)]
 
-    for _ in range(p["rounds"]):  # Interleaved: noise hits every M alike.
-        for m, (model, _) in models.items():
+    for _ in range(p["rounds"]):  # Interleaved: noise hits every run alike.
+        for label, r in list(runs.items()):
             cpu0 = [_cpu_seconds(pid) for pid in pids]
             wait0 = [_run_delay_seconds(pid) for pid in pids]
             start = time.perf_counter()
-            steps[m] += _fit_steps(keras, model, x, y, p["batch"])
+            try:
+                steps, count = r["run"]()
+            except Exception as exc:  # noqa: BLE001 - reported, others go on
+                errors.append({"run": label, "error": f"{type(exc).__name__}"
+                               f": {exc}"})
+                del runs[label]
+                continue
             wall = time.perf_counter() - start
             cpu1 = [_cpu_seconds(pid) for pid in pids]
-            cpu[m].append(fractions(cpu0, cpu1, wall))
-            cpu_per_step[m].append(fractions(cpu0, cpu1, p["steps"]))
-            wait[m].append(fractions(
+            r["steps"] += steps
+            r["cpu"].append(fractions(cpu0, cpu1, wall))
+            r["cpu_per_step"].append(fractions(cpu0, cpu1, count))
+            r["wait"].append(fractions(
                 wait0, [_run_delay_seconds(pid) for pid in pids], wall))
-    result = {"pipeline": [], "one_worker_runs": [], "devices": remote}
-    for m in models:
-        use = [median([row[w] for row in cpu[m]]) for w in range(len(pids))]
-        delay = [median([row[w] for row in wait[m]])
-                 for w in range(len(pids))]
-        per_step = [median([row[w] for row in cpu_per_step[m]])
+    result = {"pipeline": [], "one_worker_runs": [], "bare": [],
+              "steps_per_execution": [], "errors": errors, "devices": remote,
+              "bare_optimizer": "keras.optimizers.Adam, colocated by "
+              "keras_pipe.placement.colocate_optimizer",
+              "steps_per_execution_setting": p["steps_per_execution"]}
+    if bare is not None:
+        result["bare_optimizer_devices"] = bare.slot_devices()
+    kinds = {"pipeline": "pipeline", "one_worker": "one_worker_runs",
+             "bare": "bare", "steps_per_execution": "steps_per_execution"}
+    for label, r in runs.items():
+        if not r["steps"]:
+            continue
+
+        def per_process(key, r=r):
+            return [median([row[w] for row in r[key]])
                     for w in range(len(pids))]
-        entry = {"num_stages": m[0], "num_micro_batches": m[1],
-                 "step_seconds": median(steps[m]),
-                 "best_step_seconds": min(steps[m]),
-                 "steps": steps[m], "first_fit_seconds": models[m][1],
+
+        use, delay = per_process("cpu"), per_process("wait")
+        per_step = per_process("cpu_per_step")
+        config = r["config"]
+        entry = {"run": label, "schedule": config["schedule"],
+                 "num_stages": config["num_stages"],
+                 "num_micro_batches": config["num_micro_batches"],
+                 "step_seconds": median(r["steps"]),
+                 "best_step_seconds": min(r["steps"]),
+                 "steps": r["steps"], "first_fit_seconds":
+                 r["first_fit_seconds"],
                  "worker_cpu_utilisation": use[:-1],
                  "worker_cpu_wait": delay[:-1],
                  "worker_cpu_seconds_per_step": per_step[:-1],
                  "client_cpu_seconds_per_step": per_step[-1],
                  "client_cpu_utilisation": use[-1],
                  "client_cpu_wait": delay[-1]}
-        if m[0] == 1:
-            result["one_worker_runs"].append(entry)
-            if m[1] == 1:
-                result["one_worker"] = entry
-        else:
-            result["pipeline"].append(entry)
+        result[kinds[config["kind"]]].append(entry)
+        if config["kind"] == "one_worker" and entry["num_micro_batches"] == 1:
+            result["one_worker"] = entry
     return result
 
 
@@ -815,6 +1151,14 @@ class Workers:
         self.procs = []
 
     def __enter__(self):
+        try:
+            self._start()
+        except BaseException:  # a worker that did start must not outlive us
+            self.__exit__()
+            raise
+        return self
+
+    def _start(self):
         cores = sorted(os.sched_getaffinity(0))
         for task in range(len(self.addresses)):
             log = open(self.logdir / f"worker{task}.log", "w")
@@ -831,30 +1175,41 @@ class Workers:
             path = self.logdir / f"worker{task}.log"
             while "serving" not in path.read_text():
                 if proc.poll() is not None or time.monotonic() > deadline:
-                    self.__exit__()
                     raise RuntimeError(f"worker {task} did not start:\n"
                                        f"{path.read_text()[-2000:]}")
                 time.sleep(0.2)
-        return self
 
     @property
     def pids(self):
         return [p.pid for p in self.procs]
 
     def __exit__(self, *exc):
-        for proc in self.procs:
+        for proc in self.procs:  # all killed first, then waited for
             if proc.poll() is None:
                 proc.kill()
-            proc.wait(timeout=30)
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                print(f"worker pid {proc.pid} did not exit after SIGKILL",
+                      file=sys.stderr)
 
 
-def settings(quick):
-    """The parameters of every part; `quick` is a smaller, faster run."""
+def settings(quick, schedules=SCHEDULES):
+    """The parameters of every part; `quick` is a smaller, faster run.
+
+    `schedules` are those of part (a); part (c) measures those among
+    MEMORY_SCHEDULES, and GPipe always.
+    """
     model = {"layers": 8, "width": 1024, "batch": 512}
     return {
-        "a": {**model, "micro_batches": [1, 2, 4, 8, 16], "remat": "never",
-              "one_worker_micro_batches": [1, 4] if quick else [1, 4, 16],
-              "steps": 6 if quick else 12, "rounds": 2 if quick else 4},
+        # Steps a multiple of steps_per_execution.
+        "a": {**model, "micro_batches": [2, 4] if quick else [1, 2, 4, 8, 16],
+              "schedules": list(schedules), "remat": "never",
+              "one_worker_micro_batches": [1] if quick else [1, 4, 16],
+              "steps_per_execution": 4,
+              "steps_per_execution_micro_batches": [4],
+              "steps": 8 if quick else 12, "rounds": 2 if quick else 4},
         "b": {"models": [model, {"layers": 4, "width": 128, "batch": 64}],
               "steps": 8 if quick else 20, "rounds": 3 if quick else 6},
         # Activations dominate in the first model; in the second, weights,
@@ -862,7 +1217,12 @@ def settings(quick):
         "c": {"models": [{"layers": 32, "width": 128, "batch": 8192},
                          {"layers": 32, "width": 256, "batch": 2048}],
               "micro_batches": [8] if quick else [1, 4, 8, 16],
-              "modes": ["always", "except_last", "never"]},
+              "modes": ["always", "except_last", "never"],
+              # On the first model: every mode for these, the others at
+              # "never" and "always" only.
+              "schedules": ["gpipe"] + [n for n in MEMORY_SCHEDULES
+                                        if n in schedules and n != "gpipe"],
+              "all_modes_schedules": ["gpipe", "1f1b"]},
         "d": {"width": 32, "grid": [(8, 4), (8, 32), (4, 4), (4, 16)]
               if quick else [(k, m) for k in (2, 4, 8)
                              for m in (1, 4, 8, 16, 32)]},
@@ -910,13 +1270,13 @@ def run_throughput(p, outdir, log):
     return result
 
 
-def run_parts(parts, quick, outdir, log=print):
+def run_parts(parts, quick, outdir, log=print, schedules=SCHEDULES):
     """Runs the chosen parts, each in child processes; returns their JSON."""
-    s = settings(quick)
+    s = settings(quick, schedules)
     results = {}
     loads = {}
     if "a" in parts:
-        log("(a) throughput vs M on 2 pinned workers")
+        log("(a) throughput vs schedule and M on 2 pinned workers")
         loads["a"] = os.getloadavg()
         results["a"] = run_throughput(s["a"], outdir, log)
     if "b" in parts:
@@ -924,7 +1284,7 @@ def run_parts(parts, quick, outdir, log=print):
         loads["b"] = os.getloadavg()
         results["b"] = run_child("overhead", s["b"], 1800, log=log)
     if "c" in parts:
-        log("(c) peak memory per remat mode and M")
+        log("(c) peak memory per remat mode, schedule and M")
         loads["c"] = os.getloadavg()
         c = s["c"]
         runs, names = [], []
@@ -932,10 +1292,13 @@ def run_parts(parts, quick, outdir, log=print):
             name = (f"{spec['layers']} x Dense({spec['width']}), batch "
                     f"{spec['batch']}")
             names.append(name)
-            # 1F1B only where activations dominate: that is where it acts.
-            for schedule in ("gpipe", "1f1b")[:2 if n == 0 else 1]:
+            # Other schedules only where activations dominate: that is
+            # where they act.
+            for schedule in c["schedules"] if n == 0 else ["gpipe"]:
+                modes = [mode for mode in c["modes"] if mode in (
+                    "never", "always") or schedule in c["all_modes_schedules"]]
                 for m in c["micro_batches"]:
-                    for mode in c["modes"]:
+                    for mode in modes:
                         r = run_child("memory", dict(
                             spec, M=m, remat=mode, schedule=schedule), 900,
                             log=log)
@@ -979,18 +1342,25 @@ def plot(results, goals, path):
     a = results.get("a")
     if a and "error" not in a:
         rows = throughput_rows(a)
-        ms = [r["M"] for r in rows]
+        bare = overhead_rows(a)
+        ms = sorted({r["M"] for r in rows + bare})
         fine = [m / 4 for m in range(4, 4 * max(ms) + 1)]
         ax.plot(fine, [2 * m / (m + 1) for m in fine], "k--",
                 label="ideal 2M/(M+1)")
-        ax.plot(ms, [r["speedup"] for r in rows], "o-",
-                label="measured vs 1 core")
+        for name in dict.fromkeys(r["schedule"] for r in rows):
+            pts = [(r["M"], r["speedup"]) for r in rows
+                   if r["schedule"] == name and r["speedup"]]
+            if pts:
+                ax.plot(*zip(*pts), "o-", label=name)
+        pts = [(r["M"], r["bare_speedup"]) for r in bare if r["bare_speedup"]]
+        if pts:
+            ax.plot(*zip(*pts), "s:", color="grey", label="bare TF graph")
         ax.axhline(1.0, color="grey", lw=0.8)
         ax.axhline(GOALS["a"][2], color="tab:green", lw=0.8, ls=":",
                    label="goal")
         _m_axis(ax, ms)
         ax.legend(fontsize=8)
-    ax.set_title("(a) speedup, K=2 on 2 single-core workers", fontsize=10)
+    ax.set_title("(a) speedup on 2 single-core workers", fontsize=10)
     ax.set_xlabel("micro-batches M")
     ax = axes[0][1]
     c = results.get("c")
@@ -1009,11 +1379,15 @@ def plot(results, goals, path):
                 if pts:
                     ax.plot(*zip(*pts), "o" + style, color=color,
                             label=f"{mode}: {model}")
-        for mode, color in (("always", "tab:blue"), ("never", "tab:red")):
-            pts = peaks(c["models"][0], mode, "1f1b")
-            if pts:
-                ax.plot(*zip(*pts), "s:", color=color, mfc="white",
-                        label=f"1F1B, {mode}: {c['models'][0]}")
+        others = [n for n in dict.fromkeys(e.get("schedule", "gpipe")
+                                           for e in c["runs"]) if n != "gpipe"]
+        for name, marker in zip(others, "sv^D"):
+            for mode, color in (("always", "tab:blue"), ("never", "tab:red")):
+                pts = peaks(c["models"][0], mode, name)
+                if pts:
+                    ax.plot(*zip(*pts), marker + ":", color=color,
+                            mfc="white", label=f"{name}, {mode}: "
+                            f"{c['models'][0]}")
         _m_axis(ax, sorted({e["M"] for e in c["runs"]}))
         ax.set_ylabel("peak MiB")
         ax.legend(fontsize=6)
@@ -1080,6 +1454,10 @@ def environment():
             "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
 
 
+def _terminate(signum, frame):
+    raise SystemExit(128 + signum)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(
         prog="python tools/benchmark.py",
@@ -1093,6 +1471,10 @@ def main(argv=None):
                         "worker logs (default: benchmark_out)")
     parser.add_argument("--only", default="a,b,c,d,e",
                         help="comma-separated parts to run (default: all)")
+    parser.add_argument("--schedules", default=",".join(SCHEDULES),
+                        help="comma-separated schedules of part (a) (and "
+                        "(c), among " + ",".join(MEMORY_SCHEDULES) + "); "
+                        "default: all of " + ",".join(SCHEDULES))
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--params", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -1104,11 +1486,18 @@ def main(argv=None):
     if unknown:
         parser.error(f"--only takes parts among a,b,c,d,e. Received: "
                      f"{unknown}")
+    schedules = [n.strip() for n in args.schedules.split(",") if n.strip()]
+    unknown = [n for n in schedules if n not in SCHEDULES]
+    if unknown or not schedules:
+        parser.error(f"--schedules takes names among {','.join(SCHEDULES)}. "
+                     f"Received: {unknown or args.schedules!r}")
+    # SIGTERM unwinds like Ctrl-C, so that the worker processes are killed.
+    signal.signal(signal.SIGTERM, _terminate)
     outdir = pathlib.Path(args.out)
     outdir.mkdir(parents=True, exist_ok=True)
     env = environment()
     start = time.perf_counter()
-    results = run_parts(parts, args.quick, outdir)
+    results = run_parts(parts, args.quick, outdir, schedules=schedules)
     env["load_average_end"] = os.getloadavg()
     tables, goals = summarize(results)
     for title, headers, rows in tables:
