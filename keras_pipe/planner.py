@@ -14,6 +14,7 @@ import tensorflow as tf
 from keras_pipe import partition as partition_lib
 from keras_pipe import schedule as schedule_lib
 from keras_pipe.balance import cost as cost_lib
+from keras_pipe.balance import shapes as shapes_lib
 
 __all__ = ["Plan", "StagePlan", "plan"]
 
@@ -81,6 +82,10 @@ class Plan:
         step_time: estimated seconds per training step, or `None` when
             neither times nor `flops_per_second` are known.
         suggestion: advice on `num_micro_batches`, or `None`.
+        opaque: `(call name, class name, reason)` of each call that runs
+            whole: a layer with its own `call()` around other layers, which
+            no cut can fall inside (nested Functional and Sequential models
+            are opened instead).
     """
 
     model_name: str
@@ -95,6 +100,7 @@ class Plan:
     bubble_fraction: float
     step_time: object
     suggestion: object
+    opaque: list = dataclasses.field(default_factory=list)
 
     def __str__(self):
         return _format(self)
@@ -128,7 +134,8 @@ def _weight_bytes(weights, optimizer_slots):
 
 def plan(model, num_stages, num_micro_batches=1, balance="params",
          remat="except_last", batch_size=None, devices=None,
-         optimizer_slots=2, flops_per_second=None):
+         optimizer_slots=2, flops_per_second=None, input_shape=None,
+         sample_inputs=None):
     """Plans the pipeline `PipelineModel.from_model` would build, without it.
 
     ```python
@@ -155,6 +162,14 @@ def plan(model, num_stages, num_micro_batches=1, balance="params",
             estimate (2 for Adam, 0 for SGD). Defaults to `2`.
         flops_per_second: a device's sustained FLOP rate, to turn FLOPs into
             a step time when times are not measured. Defaults to `None`.
+        input_shape: the input shapes to cost, batch axis first (its size
+            is ignored: sizes are per micro-batch): one shape such as
+            `(None, 128)`, a list with one per input, or a dict by input
+            name. Needed where inputs have unknown dimensions (token ids of
+            shape `(None, None)`): an unknown dimension is costed as 1, with
+            a warning naming the input. Defaults to `None`.
+        sample_inputs: a batch of inputs whose shapes to cost, instead of
+            `input_shape`. Defaults to `None`.
 
     Returns:
         A `Plan`.
@@ -163,11 +178,16 @@ def plan(model, num_stages, num_micro_batches=1, balance="params",
         TypeError, ValueError: as `keras_pipe.partition.split_model`.
     """
     part = partition_lib.cut(model, num_stages, balance, devices,
-                             num_micro_batches, remat, batch_size)
+                             num_micro_batches, remat, batch_size,
+                             input_shape, sample_inputs)
     graph = part.graph
+    shapes = part.shapes
+    if shapes is None:
+        shapes = shapes_lib.infer_shapes(graph, input_shape, sample_inputs,
+                                         what="keras_pipe.plan")
     micro = partition_lib.micro_batch_size(batch_size, num_micro_batches)
-    call_flops = cost_lib.flops(graph, micro)
-    call_bytes = cost_lib.activation_bytes(graph, micro)
+    call_flops = cost_lib.flops(graph, micro, shapes)
+    call_bytes = cost_lib.activation_bytes(graph, micro, shapes)
     times = part.costs if balance == "time" else None
     m, k = num_micro_batches, num_stages
     stages, start = [], 0
@@ -175,9 +195,9 @@ def plan(model, num_stages, num_micro_batches=1, balance="params",
         calls = part.stage_calls(j)
         span = range(start, start + size)
         start += size
-        in_bytes = sum(cost_lib.tensor_bytes(x, micro)
+        in_bytes = sum(cost_lib.tensor_bytes(x, micro, shapes)
                        for x in part.stage_inputs(j))
-        out_bytes = sum(cost_lib.tensor_bytes(x, micro)
+        out_bytes = sum(cost_lib.tensor_bytes(x, micro, shapes)
                         for x in part.stage_outputs(j))
         activations = sum(call_bytes[i] for i in span)
         if remat == "never":
@@ -211,7 +231,7 @@ def plan(model, num_stages, num_micro_batches=1, balance="params",
             f"{schedule_lib.bubble_fraction(4 * k, k):.0%}.")
     return Plan(model.name, k, m, micro, balance, remat, stages,
                 list(part.sizes), list(part.tied), bubble, step_time,
-                suggestion)
+                suggestion, graph.opaque)
 
 
 def _si(value, unit=""):
@@ -267,6 +287,9 @@ def _format(p):
     for layers, stages in p.tied:
         lines.append(f"tied weights: {layers} shared by stages {stages} "
                      "(one variable, gradients summed)")
+    for name, cls, why in p.opaque:
+        lines.append(f"opaque: {name!r} ({cls}) runs whole, no cut inside: "
+                     f"{why}")
     if p.suggestion:
         lines.append("suggestion: " + p.suggestion)
     lines.append(f"balance={p.sizes} reproduces this cut.")

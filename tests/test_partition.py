@@ -256,18 +256,19 @@ def test_mobilenetv2_trains_like_original(devices):
     _assert_predictions_match(model, pipe, x)
 
 
-def test_nested_model_is_one_call_and_time_balance(devices):
-    block = keras.Sequential([keras.Input((8,)), layers.Dense(8, "relu"),
-                              layers.Dense(8)], name="block")
+def test_nested_sequential_is_opened_and_time_balance(devices):
+    block = keras.Sequential([keras.Input((8,)), layers.Dense(8, "relu",
+                                                               name="b1"),
+                              layers.Dense(8, name="b2")], name="block")
     inputs = keras.Input((5,))
     x = layers.Dense(8, name="stem")(inputs)
     x = layers.Add(name="res")([x, block(x)])
     model = keras.Model(inputs, layers.Dense(3, name="head")(x))
     assert [c.name for c in read_graph(model).calls] == [
-        "stem", "block", "res", "head"]
+        "stem", "block/b1", "block/b2", "res", "head"]
     pipe = keras_pipe.PipelineModel.from_model(
         model, 2, devices=devices[:2], num_micro_batches=2, balance="time")
-    assert sum(len(s.calls) for s in pipe.stages) == 4
+    assert sum(len(s.calls) for s in pipe.stages) == 5
     _assert_predictions_match(model, pipe,
                               np.random.rand(6, 5).astype("float32"))
 

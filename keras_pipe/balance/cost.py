@@ -41,13 +41,22 @@ def _dims(shape, batch_size):
             for k, d in enumerate(shape)]
 
 
-def _elements(kt, batch_size=1):
-    return math.prod(_dims(kt.shape, batch_size))
+def _shape(kt, shapes=None):
+    """`kt`'s shape, or the one `keras_pipe.balance.shapes` inferred."""
+    return (shapes or {}).get(id(kt), kt.shape)
 
 
-def tensor_bytes(kt, batch_size=1):
-    """Bytes of a tensor like KerasTensor `kt` with `batch_size` rows."""
-    return _elements(kt, batch_size) * tf.as_dtype(kt.dtype).size
+def _elements(kt, batch_size=1, shapes=None):
+    return math.prod(_dims(_shape(kt, shapes), batch_size))
+
+
+def tensor_bytes(kt, batch_size=1, shapes=None):
+    """Bytes of a tensor like KerasTensor `kt` with `batch_size` rows.
+
+    `shapes` (`{id(KerasTensor): shape}`, see
+    `keras_pipe.balance.shapes.infer_shapes`) overrides `kt.shape`.
+    """
+    return _elements(kt, batch_size, shapes) * tf.as_dtype(kt.dtype).size
 
 
 def _first_use(graph, attribute):
@@ -77,65 +86,67 @@ def _channels_axis(op):
     return 1 if data_format == "channels_first" else -1
 
 
-def _positions(kt, axis):
+def _positions(kt, axis, shapes=None):
     """Elements per example of `kt` divided by its channel count."""
-    shape = _dims(kt.shape, 1)
+    shape = _dims(_shape(kt, shapes), 1)
     channels = shape[axis] if len(shape) > 1 else 1
     return math.prod(shape[1:]) // max(channels, 1)
 
 
-def _call_flops(call):
+def _call_flops(call, shapes=None):
     """Forward FLOPs of one call for one example."""
     op = call.operation
     inputs, outputs = call.inputs, call.outputs
-    out_elements = sum(_elements(x) for x in outputs)
-    in_elements = sum(_elements(x) for x in inputs)
+    out_elements = sum(_elements(x, 1, shapes) for x in outputs)
+    in_elements = sum(_elements(x, 1, shapes) for x in inputs)
     params = sum(_size(v) for v in getattr(op, "weights", None) or [])
     if isinstance(op, keras.layers.Embedding):
         return out_elements
     if isinstance(op, _NORMALIZATION):
         return 5 * out_elements
     if isinstance(op, keras.layers.MultiHeadAttention):
-        query = _dims(inputs[0].shape, 1)
-        value = _dims(inputs[1].shape, 1) if len(inputs) > 1 else query
+        query = _dims(_shape(inputs[0], shapes), 1)
+        value = _dims(_shape(inputs[1], shapes), 1) if len(
+            inputs) > 1 else query
         t_q, t_v = math.prod(query[1:-1]), math.prod(value[1:-1])
         heads, key_dim = op.num_heads, op.key_dim
         value_dim = op.value_dim or key_dim
         scores = 2 * heads * t_q * t_v * (key_dim + value_dim)
         return 2 * params * max(t_q, t_v) + scores + 3 * heads * t_q * t_v
     if isinstance(op, keras.layers.RNN) and inputs:
-        steps = _dims(inputs[0].shape, 1)[1]
+        steps = _dims(_shape(inputs[0], shapes), 1)[1]
         return 2 * params * steps
     if params and outputs:
         if isinstance(op, _TRANSPOSED) and inputs:
-            positions = _positions(inputs[0], _channels_axis(op))
+            positions = _positions(inputs[0], _channels_axis(op), shapes)
         else:
-            positions = _positions(outputs[0], _channels_axis(op))
+            positions = _positions(outputs[0], _channels_axis(op), shapes)
         return 2 * params * positions + out_elements
     return max(in_elements, out_elements)
 
 
-def flops(graph, batch_size=1):
+def flops(graph, batch_size=1, shapes=None):
     """Estimated forward FLOPs of each call for `batch_size` examples.
 
     Layers with weights cost two FLOPs per weight per output position (a
     multiply-add per kernel entry: Dense, convolutions, depthwise and
     separable convolutions, EinsumDense), attention adds its score and
     weighting products, normalization ~5 per element, embeddings and
-    weightless layers one per element they read or write. Unknown
-    dimensions other than the batch count as 1.
+    weightless layers one per element they read or write. Shapes come from
+    `shapes` (`keras_pipe.balance.shapes.infer_shapes`) where given; other
+    unknown dimensions than the batch count as 1.
     """
-    return [batch_size * _call_flops(call) for call in graph.calls]
+    return [batch_size * _call_flops(call, shapes) for call in graph.calls]
 
 
-def activation_bytes(graph, batch_size=1):
+def activation_bytes(graph, batch_size=1, shapes=None):
     """Bytes of each call's outputs for `batch_size` examples."""
-    return [sum(tensor_bytes(x, batch_size) for x in call.outputs)
+    return [sum(tensor_bytes(x, batch_size, shapes) for x in call.outputs)
             for call in graph.calls]
 
 
 def memory(graph, batch_size=1, num_micro_batches=1, remat="except_last",
-           optimizer_slots=2):
+           optimizer_slots=2, shapes=None):
     """Training memory, in bytes, each call adds to its stage.
 
     Weights count once; trainable weights also count a gradient and
@@ -152,7 +163,7 @@ def memory(graph, batch_size=1, num_micro_batches=1, remat="except_last",
     kept = num_micro_batches if remat == "never" else 1
     result = []
     for own, out in zip(_first_use(graph, "weights"),
-                        activation_bytes(graph, batch_size)):
+                        activation_bytes(graph, batch_size, shapes)):
         weights = 0
         for v in own:
             size = _size(v) * tf.as_dtype(v.dtype).size
@@ -161,9 +172,9 @@ def memory(graph, batch_size=1, num_micro_batches=1, remat="except_last",
     return result
 
 
-def _sample(kt, batch_size):
+def _sample(kt, batch_size, shapes=None):
     """A tensor like `kt`: zeros for integers and booleans, else normal."""
-    shape = _dims(kt.shape, batch_size)
+    shape = _dims(_shape(kt, shapes), batch_size)
     dtype = tf.as_dtype(kt.dtype)
     if dtype.is_floating:
         return tf.random.normal(shape, dtype=dtype)
@@ -183,7 +194,8 @@ def _timer(call, training):
     return run
 
 
-def time(graph, device=None, batch_size=1, repeats=5, training=True):
+def time(graph, device=None, batch_size=1, repeats=5, training=True,
+         shapes=None):
     """Measured forward time of each call, in seconds, for `batch_size` rows.
 
     Each call runs alone as a `tf.function` on random inputs of its input
@@ -200,6 +212,9 @@ def time(graph, device=None, batch_size=1, repeats=5, training=True):
         repeats: timed runs per call. Defaults to `5`.
         training: the `training` flag the layers run with. Defaults to
             `True`.
+        shapes: `{id(KerasTensor): shape}` to sample inputs of
+            (`keras_pipe.balance.shapes.infer_shapes`). Defaults to `None`
+            (the graph's shapes, unknown dimensions as 1).
 
     Returns:
         A list of seconds, one per call.
@@ -207,7 +222,7 @@ def time(graph, device=None, batch_size=1, repeats=5, training=True):
     result = []
     with tf.device(device) if device else contextlib.nullcontext():
         for call in graph.calls:
-            inputs = [_sample(x, batch_size) for x in call.inputs]
+            inputs = [_sample(x, batch_size, shapes) for x in call.inputs]
             run = _timer(call, training)
             _fetch(run(*inputs))
             samples = []
