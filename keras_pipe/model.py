@@ -334,7 +334,8 @@ class PipelineModel(keras.Model):
 
     @classmethod
     def from_model(cls, model, num_stages, devices=None, num_micro_batches=1,
-                   remat="except_last", balance="params", **kwargs):
+                   remat="except_last", balance="params", batch_size=None,
+                   input_shape=None, sample_inputs=None, **kwargs):
         """Cuts a built Sequential or Functional model into a pipeline.
 
         The stages reuse `model`'s layers (weights shared, not copied); see
@@ -358,6 +359,10 @@ class PipelineModel(keras.Model):
             remat: as in `PipelineModel`. Defaults to `"except_last"`.
             balance: `"params"`, `"flops"`, `"time"`, `"memory"` or a list
                 of layer-call counts per stage. Defaults to `"params"`.
+            batch_size, input_shape, sample_inputs: the sizes the cost-based
+                balances cost, as in `keras_pipe.partition.split_model`
+                (`input_shape={"token_ids": (None, 128)}` for inputs of
+                unknown length). Default to `None`.
             **kwargs: `keras.Model` arguments (`name`, ...).
 
         Returns:
@@ -371,7 +376,9 @@ class PipelineModel(keras.Model):
         from keras_pipe import partition  # noqa: PLC0415
         stages = partition.split_model(
             model, num_stages, balance=balance, devices=devices,
-            num_micro_batches=num_micro_batches, remat=remat)
+            num_micro_batches=num_micro_batches, remat=remat,
+            batch_size=batch_size, input_shape=input_shape,
+            sample_inputs=sample_inputs)
         return cls(stages, devices=devices,
                    num_micro_batches=num_micro_batches, remat=remat, **kwargs)
 

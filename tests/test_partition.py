@@ -43,7 +43,8 @@ def _one_step(model, x, y, loss, run_eagerly=False):
 
 
 def _assert_step_matches(model, x, y, loss, devices, num_stages,
-                         num_micro_batches, balance="params", atol=1e-6):
+                         num_micro_batches, balance="params", atol=1e-6,
+                         **cut_kwargs):
     """One SGD step on `model`, then the same step on its pipeline."""
     start = [v.numpy() for v in model.weights]
     # Eager reference: in a tf.function, grappler fuses ops of the original
@@ -55,7 +56,7 @@ def _assert_step_matches(model, x, y, loss, devices, num_stages,
         v.assign(value)
     pipe = keras_pipe.PipelineModel.from_model(
         model, num_stages, devices=devices[:num_stages],
-        num_micro_batches=num_micro_batches, balance=balance)
+        num_micro_batches=num_micro_batches, balance=balance, **cut_kwargs)
     actual_loss = _one_step(pipe, x, y, loss)
     np.testing.assert_allclose(actual_loss, expected_loss, rtol=1e-5)
     for v, e in zip(model.weights, expected):
