@@ -264,8 +264,14 @@ class PipelineModel(keras.Model):
     back, following `keras_pipe.schedule.gpipe`, inside one `tf.function`
     training step; gradients are summed over micro-batches and the
     optimizer steps once per mini-batch, so training is the same as
-    training the unsplit model on one device. Stage insides are recomputed
-    in the backward pass (`remat`) without re-running their state updates.
+    training the unsplit model on one device for every layer without batch
+    coupling. BatchNormalization is the exception: while training, each
+    micro-batch is normalized with its own statistics (as in GPipe), and
+    its moving statistics are updated once per micro-batch
+    (`keras_pipe.layers.DeferredBatchNormalization` updates them once per
+    mini-batch, from the whole mini-batch); with `num_micro_batches=1` it
+    is exact too. Stage insides are recomputed in the backward pass
+    (`remat`) without re-running their state updates.
 
     ```python
     devices = keras_pipe.logical_cpu_devices(2)   # first thing, no GPUs

@@ -5,9 +5,10 @@ documented flow cannot break silently, and an edited README is tested as it
 is. Each snippet runs in a fresh Python process (it may create logical CPU
 devices, which must come before TensorFlow starts) with:
 
-* a prelude defining what the prose leaves to the reader: `x`, `y` (random
-  data for the model the snippet builds), `devices`, `other_devices`,
-  `uint8_batch`, and a `cat.jpg` in the working directory;
+* a prelude defining what the prose leaves to the reader or defines in an
+  earlier snippet: the imports (`keras`, `keras_pipe`, `np`, `tf`), `x`,
+  `y`, `devices`, `other_devices`, `uint8_batch`, and a `cat.jpg` in the
+  working directory;
 * small substitutions: `num_micro_batches=N` becomes 2, image models get
   32 x 32 inputs, `model.compile(...)` / `model.fit(...)` placeholders get
   a loss and one epoch of random data fitting the model;
@@ -33,16 +34,19 @@ FILES = ("README.md", os.path.join("examples", "README.md"))
 
 PRELUDE = textwrap.dedent('''
     import os
+    os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+    import keras  # noqa: F401  (imports start no TensorFlow runtime)
     import numpy as np
     import tensorflow as tf
-    os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+
+    import keras_pipe  # noqa: F401
     _rng = np.random.default_rng(0)
 
     def _random_data(model, rows=8):
         """Inputs like `model`'s and integer labels for its last axis."""
         import keras
-        stage = getattr(model, "stages", [model])[0]
-        inputs = getattr(stage, "inputs", None) or model.inputs
+        plain = model.to_model() if hasattr(model, "to_model") else model
+        inputs = plain.input
 
         def sample(t):
             shape = (rows,) + tuple(d or 4 for d in t.shape[1:])
@@ -51,10 +55,8 @@ PRELUDE = textwrap.dedent('''
             return _rng.random(shape).astype("float32")
 
         xs = keras.tree.map_structure(sample, inputs)
-        if isinstance(xs, list) and len(xs) == 1:
-            xs = xs[0]
-        classes = keras.tree.flatten(model.predict(xs, verbose=0))[0]
-        ys = _rng.integers(0, classes.shape[-1], (rows,))
+        logits = keras.tree.flatten(model.predict(xs, verbose=0))[0]
+        ys = _rng.integers(0, logits.shape[-1], logits.shape[:-1])
         return xs, ys
 
     def _compile_args():

@@ -49,25 +49,30 @@ def main(argv=None):
     model = getattr(keras.applications, args.model)(
         weights=None, input_shape=(args.image_size, args.image_size, 3),
         classes=5, classifier_activation=None)
-    if args.deferred:
-        model = keras_pipe.layers.defer_batch_norm(model)
+    # The reference is the unsplit model with stock BatchNormalization; with
+    # --deferred the pipeline runs a copy whose BatchNormalization layers are
+    # deferred (same weights, same order).
+    net = keras_pipe.layers.defer_batch_norm(model) if args.deferred else model
     rng = np.random.default_rng(0)
     x = rng.random((args.batch_size, args.image_size, args.image_size, 3),
                    dtype=np.float32)
     y = rng.integers(0, 5, (args.batch_size,))
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     start = [v.numpy() for v in model.weights]
+    assert [tuple(v.shape) for v in net.weights] == [
+        tuple(v.shape) for v in model.weights]
 
-    def step(net, **kwargs):
-        net.compile(keras.optimizers.SGD(0.1), loss=loss, jit_compile=False,
-                    **kwargs)
-        value = net.train_on_batch(x, y, return_dict=True)["loss"]
-        result = [v.numpy() for v in model.weights]
-        for v, s in zip(model.weights, start):
+    def step(trained, weights, **kwargs):
+        trained.compile(keras.optimizers.SGD(0.1), loss=loss,
+                        jit_compile=False, **kwargs)
+        value = trained.train_on_batch(x, y, return_dict=True)["loss"]
+        result = [v.numpy() for v in weights]
+        for v, s in zip(list(model.weights) + list(net.weights),
+                        start + start):
             v.assign(s)
         return value, result
 
-    ref_loss, ref = step(model, run_eagerly=True)
+    ref_loss, ref = step(model, model.weights, run_eagerly=True)
     trainable = [i for i, v in enumerate(model.weights) if v.trainable]
     moving = [i for i, v in enumerate(model.weights) if not v.trainable]
     print(f"{args.model} {args.image_size}px, batch {args.batch_size}, "
@@ -76,9 +81,9 @@ def main(argv=None):
     print("M  |loss diff|  max |weight diff|  max |moving stat diff|")
     for m in [int(v) for v in args.micro_batches.split(",")]:
         pipe = keras_pipe.PipelineModel.from_model(
-            model, args.num_stages, devices=devices, num_micro_batches=m,
+            net, args.num_stages, devices=devices, num_micro_batches=m,
             balance="params")
-        value, got = step(pipe)
+        value, got = step(pipe, net.weights)
 
         def worst(indices):
             return max((float(np.max(np.abs(got[i] - ref[i])))
