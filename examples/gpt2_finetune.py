@@ -112,8 +112,9 @@ def main(argv=None):
     warm = timer.times[1:]
     tokens_per_second = args.batch_size * args.seq_len * len(warm) / sum(warm)
     print(f"loss after {args.steps} steps: {history.history['loss'][-1]:.4f}")
-    print(f"throughput: {tokens_per_second:,.0f} tokens/s "
-          f"(K={args.num_stages}, M={args.num_micro_batches}, "
+    setup = ("plain Keras, no pipeline" if args.plain else
+             f"K={args.num_stages}, M={args.num_micro_batches}")
+    print(f"throughput: {tokens_per_second:,.0f} tokens/s ({setup}, "
           f"batch {args.batch_size} x {args.seq_len} tokens, "
           f"{len(warm)} steps after the first)")
     trained = lm if args.plain else model.to_model()

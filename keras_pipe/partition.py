@@ -1,9 +1,12 @@
 """Cutting a Sequential or Functional Keras model into pipeline stages.
 
-The model's layer calls are listed in execution order (`keras_pipe.graph`)
-and cut into `num_stages` contiguous blocks (`keras_pipe.balance`). Each
-block becomes a `GraphStage`: a layer that runs those calls of the *original*
-layer objects, so weights are shared with the model, never copied.
+The model's layer calls are listed in execution order (`keras_pipe.graph`,
+which opens nested Functional and Sequential models, so a KerasHub task is
+cut inside its backbone) and cut into `num_stages` contiguous blocks
+(`keras_pipe.balance`). Each block becomes a `GraphStage`: a layer that runs
+those calls of the *original* layer objects, so weights are shared with the
+model, never copied. A layer with its own `call()` around other layers runs
+whole; a cut that leaves a stage without weights is warned about.
 
 A cut may fall where several tensors are alive (a skip connection, a second
 model input, an early model output). Stage `j` then returns all of them as
