@@ -57,18 +57,19 @@ class Call:
     training: tuple = ()
     opaque: object = None
 
-    def _ref(self, x):
+    def tensor_for(self, x):
+        """The graph's KerasTensor for the node's KerasTensor `x`."""
         return self.tensors.get(id(x), x)
 
     @property
     def inputs(self):
         """The input KerasTensors, each once, in argument order."""
-        return _unique([self._ref(x) for x in self.node.input_tensors])
+        return _unique([self.tensor_for(x) for x in self.node.input_tensors])
 
     @property
     def outputs(self):
         """The output KerasTensors, flat."""
-        return [self._ref(x) for x in self.node.outputs]
+        return [self.tensor_for(x) for x in self.node.outputs]
 
     def run(self, values, training=None):
         """Runs the call on `values` ({id(KerasTensor): tensor}), in place.
@@ -79,13 +80,13 @@ class Call:
         for value in self.training:
             if training is None:
                 training = value
-        local = {id(x): values[id(self._ref(x))]
+        local = {id(x): values[id(self.tensor_for(x))]
                  for x in self.node.input_tensors}
         args, kwargs = self.node.arguments.fill_in(local)
         outputs = operation_fn(self.operation, training=training)(
             *args, **kwargs)
         for x, y in zip(self.node.outputs, keras.tree.flatten(outputs)):
-            values[id(self._ref(x))] = y
+            values[id(self.tensor_for(x))] = y
 
 
 @dataclasses.dataclass(eq=False)
@@ -218,7 +219,7 @@ def _inner_graph(op):
 
 
 def _flat_arguments(inner, node):
-    """The outer KerasTensors a nested call feeds `inner`'s inputs, or a reason.
+    """The KerasTensors a nested call feeds `inner`'s inputs, or a reason.
 
     Mirrors the structure matching of `Functional._standardize_inputs`; a
     call that would need conversion (dtype, rank) or extra arguments (masks)

@@ -88,7 +88,7 @@ def _stage_layers(stage):
 
 
 def _source_layers(graph):
-    """The layers of the model a pipeline was cut from, Input layers left out."""
+    """The layers of the model a pipeline was cut from, without Inputs."""
     return [layer for layer in graph.model.layers
             if not isinstance(layer, keras.layers.InputLayer)]
 

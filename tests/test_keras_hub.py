@@ -69,7 +69,8 @@ def test_bert_text_classifier_one_line(devices):
     _assert_predictions_match(model, pipe, x)
     p = keras_pipe.plan(model, 3, 2, balance="flops", input_shape=shape)
     assert [n for n, _, _ in p.opaque] == [
-        "bert_backbone/transformer_layer_0", "bert_backbone/transformer_layer_1"]
+        "bert_backbone/transformer_layer_0",
+        "bert_backbone/transformer_layer_1"]
 
 
 def test_gpt2_causal_lm_trains_saves_and_generates(devices, tmp_path):

@@ -159,3 +159,16 @@ def test_stage_without_weights_is_warned_about():
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)
         keras_pipe.plan(model, 2, balance=[2, 1], num_micro_batches=8)
+
+
+def test_too_many_stages_for_a_layer_with_state_says_why():
+    x = keras.Input((4,))
+    norm = layers.BatchNormalization(name="shared_bn")
+    h = norm(layers.Dense(4, name="d1")(x))
+    h = norm(layers.Dense(4, name="d2")(h))
+    model = keras.Model(x, layers.Dense(2, name="d3")(h), name="tied_bn")
+    with pytest.raises(ValueError, match=(
+            r"Cannot cut 'tied_bn' into 4 stages: only 3 stages are "
+            r"possible.*'shared_bn' span most of the model. Use "
+            r"num_stages <= 3")):
+        keras_pipe.plan(model, 4)

@@ -86,7 +86,7 @@ DEVICES = textwrap.dedent('''
 
 
 def _blocks(language):
-    """`(file, index, code)` of each fenced block whose info string is `language`."""
+    """`(file, index, code)` of each block fenced as ```language."""
     found = []
     for name in FILES:
         lines = open(os.path.join(ROOT, name), encoding="utf-8").read()
@@ -110,8 +110,8 @@ def _shrink(code):
     code = re.sub(r"num_micro_batches=\d+", "num_micro_batches=2", code)
     code = re.sub(r"input_shape=\(\d+, \d+, 3\)", "input_shape=(32, 32, 3)",
                   code)
-    code = re.sub(r"(\w+)\.compile\(\.\.\.\)", r"\1.compile(**_compile_args())",
-                  code)
+    code = re.sub(r"(\w+)\.compile\(\.\.\.\)",
+                  r"\1.compile(**_compile_args())", code)
     code = re.sub(r"(\w+)\.fit\(\.\.\.\)", r"\1.fit(**_fit_args(\1))", code)
     return code
 

@@ -1,4 +1,4 @@
-"""The shapes plan and the cost-based balances cost: given, propagated, guessed.
+"""Shapes for plan and the cost-based balances: given, propagated, guessed.
 
 Sizes are exact integers computed by hand from the shapes.
 """

@@ -1,4 +1,4 @@
-"""The shapes a cost model costs: given input shapes, propagated; guesses named.
+"""The shapes costs are computed for: given, propagated, guesses named.
 
 A model built for any sequence length has inputs of shape `(None, None)`, and
 so has every tensor after them: costs computed from such shapes (FLOPs,
@@ -84,7 +84,7 @@ def _propagate(graph, shapes):
         node = call.node
         local = {}
         for x in node.input_tensors:
-            ref = call._ref(x)
+            ref = call.tensor_for(x)
             local[id(x)] = keras.KerasTensor(
                 shapes.get(id(ref), ref.shape), ref.dtype, sparse=ref.sparse)
         args, kwargs = node.arguments.fill_in(local)
