@@ -20,6 +20,8 @@ from tests.test_partition import _assert_step_matches
 keras_hub = pytest.importorskip(
     "keras_hub", reason="KerasHub task models need keras_hub")
 
+pytestmark = pytest.mark.slow  # 15-30 s each: a pipeline step per model
+
 SEQ, VOCAB = 12, 50
 CE = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
