@@ -60,12 +60,15 @@ def _apply(layer, inputs):
 
 
 def to_model(model, name=None):
-    """The pipeline as one plain Functional model, sharing its layers.
+    """The pipeline as one plain Keras model, sharing its layers.
 
-    Stages that are Sequential or Functional models are opened up, so the
-    result is flat: `to_model(m).layers` are `m.layers` (plus the Input
-    layers), and `m.save_weights` files load into it with
-    `keras.Model.load_weights`. Variables stay where they are.
+    For a pipeline cut by `PipelineModel.from_model` (or loaded from such a
+    pipeline's file), this is the model it was cut from, whatever its class:
+    a KerasHub `GPT2CausalLM` stays one, with its `generate`. Otherwise it is
+    a Functional model of the stages, with Sequential and Functional stages
+    opened up, so the result is flat. Either way `to_model(m).layers` are
+    `m.layers` (plus the Input layers), and `m.save_weights` files load into
+    it with `keras.Model.load_weights`. Variables stay where they are.
 
     ```python
     plain = pipe.to_model()
@@ -74,20 +77,22 @@ def to_model(model, name=None):
 
     Args:
         model: a `PipelineModel`.
-        name: the Functional model's name. Defaults to `None`: the
-            pipeline's name.
+        name: the name of a new Functional model. Defaults to `None`: the
+            pipeline's name, or the model it was cut from, itself.
 
     Returns:
-        A Functional `keras.Model`.
+        A `keras.Model`.
 
     Raises:
         ValueError: if the input shape is unknown (the first stage has no
             Input and the model was never built).
     """
+    graph = saving.graph_of(model.stages)
+    if graph is not None and name is None:
+        return graph.model  # Cut by from_model: the model it was cut from.
     spec = _input_spec(model)
     inputs = keras.tree.map_structure(
         lambda t: keras.Input(batch_shape=t.shape, dtype=t.dtype), spec)
-    graph = saving.graph_of(model.stages)
     if graph is not None:  # Cut by from_model: the source model's graph.
         x = _apply(graph.functional, inputs)
     else:

@@ -7,6 +7,16 @@ itself runs them (deepest first, the order of `Functional.call`), so a cut
 anywhere in the list is a valid pipeline cut: every tensor a call needs was
 made by an earlier call or is a model input. A layer called twice (shared
 weights) appears twice, as two `Call`s.
+
+Models people build nest models: a KerasHub task calls its backbone as one
+layer, a transfer-learning model calls `keras.applications.*` as one layer.
+`read_graph` opens a call of a nested Functional or Sequential model (at any
+depth) into the calls of its own graph, so that a cut can fall inside it;
+the nested model's input tensors stand for the arguments of the call, its
+outputs for the call's outputs (`Call.tensors` maps a nested graph's
+KerasTensors, shared by all calls of that model, to per-call ones). A layer
+with its own `call()` around other layers (a subclassed layer or model)
+cannot be opened: it stays one call and is listed in `Graph.opaque`.
 """
 
 import dataclasses
@@ -26,33 +36,57 @@ class Call:
     Attributes:
         index: position of the call in `Graph.calls`.
         name: the operation's name, with `#2`, `#3`... for later calls of an
-            operation called several times.
+            operation called several times, and the names of the nested
+            models it was found in (`"gpt2_backbone/transformer_layer_0"`).
         operation: the `keras.Operation` (usually a `keras.layers.Layer`).
         node: the Keras `Node` recording the call's arguments.
+        tensors: `{id(KerasTensor of node): KerasTensor of the graph}` for
+            the node's tensors that stand for others (inside a nested
+            model); other tensors stand for themselves.
+        training: the `training` arguments of the calls of the nested
+            models around this call, outermost first (`None` if not given).
+        opaque: why a layer with sublayers runs whole (it cannot be cut
+            inside), else `None`.
     """
 
     index: int
     name: str
     operation: object
     node: object
+    tensors: dict = dataclasses.field(default_factory=dict)
+    training: tuple = ()
+    opaque: object = None
+
+    def tensor_for(self, x):
+        """The graph's KerasTensor for the node's KerasTensor `x`."""
+        return self.tensors.get(id(x), x)
 
     @property
     def inputs(self):
         """The input KerasTensors, each once, in argument order."""
-        return _unique(self.node.input_tensors)
+        return _unique([self.tensor_for(x) for x in self.node.input_tensors])
 
     @property
     def outputs(self):
         """The output KerasTensors, flat."""
-        return list(self.node.outputs)
+        return [self.tensor_for(x) for x in self.node.outputs]
 
     def run(self, values, training=None):
-        """Runs the call on `values` ({id(KerasTensor): tensor}), in place."""
-        args, kwargs = self.node.arguments.fill_in(values)
+        """Runs the call on `values` ({id(KerasTensor): tensor}), in place.
+
+        As `Functional.call`, an explicit `training` wins over the one the
+        calls of enclosing nested models were given.
+        """
+        for value in self.training:
+            if training is None:
+                training = value
+        local = {id(x): values[id(self.tensor_for(x))]
+                 for x in self.node.input_tensors}
+        args, kwargs = self.node.arguments.fill_in(local)
         outputs = operation_fn(self.operation, training=training)(
             *args, **kwargs)
         for x, y in zip(self.node.outputs, keras.tree.flatten(outputs)):
-            values[id(x)] = y
+            values[id(self.tensor_for(x))] = y
 
 
 @dataclasses.dataclass(eq=False)
@@ -73,6 +107,17 @@ class Graph:
     calls: list
     inputs: list
     outputs: list
+
+    @property
+    def opaque(self):
+        """`(call name, class name, reason)` of each call that runs whole.
+
+        A call is opaque when its layer holds other layers but cannot be
+        opened: a subclassed layer or model with its own `call()`, or a
+        nested model called in a way `read_graph` does not open.
+        """
+        return [(c.name, type(c.operation).__name__, c.opaque)
+                for c in self.calls if c.opaque]
 
     def standardize_inputs(self, inputs):
         """Flattens and converts model inputs as `Functional.call` does."""
@@ -147,8 +192,124 @@ def _check_order(functional, calls):
         known.update(id(x) for x in call.outputs)
 
 
+def _sublayers(op):
+    if not isinstance(op, keras.layers.Layer):
+        return []
+    return op._flatten_layers(include_self=False, recursive=False)
+
+
+def _inner_graph(op):
+    """The Functional run by a call of `op`, or `(None, why not)`."""
+    if isinstance(op, keras.Sequential):
+        if type(op).call is not keras.Sequential.call:
+            return None, f"{type(op).__name__} overrides call()"
+        if getattr(op, "_functional", None) is None:
+            return None, "a Sequential model without a graph (no Input)"
+        return op._functional, None
+    if isinstance(op, Functional):
+        if type(op).call is not Functional.call:
+            return None, f"{type(op).__name__} overrides call()"
+        return op, None
+    if isinstance(op, keras.Model):
+        return None, "a subclassed model: its call() is Python code"
+    if _sublayers(op):
+        return None, (f"a layer with its own call() around "
+                      f"{len(_sublayers(op))} sublayer(s)")
+    return None, None
+
+
+def _flat_arguments(inner, node):
+    """The KerasTensors a nested call feeds `inner`'s inputs, or a reason.
+
+    Mirrors the structure matching of `Functional._standardize_inputs`; a
+    call that would need conversion (dtype, rank) or extra arguments (masks)
+    is not opened.
+    """
+    args, kwargs = node.arguments.args, node.arguments.kwargs
+    extra = sorted(k for k in kwargs if k not in ("training", "mask"))
+    if len(args) != 1 or extra:
+        return None, "called with other arguments than its inputs"
+    if any(m is not None for m in keras.tree.flatten(kwargs.get("mask"))):
+        return None, "called with an explicit mask"
+    training = kwargs.get("training")
+    if training is not None and not isinstance(training, bool):
+        return None, "called with a tensor as `training`"
+    struct, arg = inner._inputs_struct, args[0]
+    if isinstance(arg, keras.KerasTensor):
+        flat = [arg]
+    elif isinstance(arg, dict) and not isinstance(struct, dict):
+        names = [x.name for x in inner.inputs]
+        if not set(names) <= set(arg):
+            return None, "called with a dict that does not name its inputs"
+        flat = [arg[n] for n in names]
+    else:
+        if isinstance(arg, dict) and set(arg) != set(struct):
+            return None, "called with a dict of other keys than its inputs"
+        flat = keras.tree.flatten(arg)
+    if len(flat) != len(inner.inputs):
+        return None, "called with another number of tensors than its inputs"
+    for outer, x in zip(flat, inner.inputs):
+        if not isinstance(outer, keras.KerasTensor) or (
+                outer.dtype != x.dtype or len(outer.shape) != len(x.shape)
+                or outer.sparse != x.sparse):
+            return None, "its inputs would be converted (dtype or rank)"
+    return flat, None
+
+
+class _Reader:
+    """Lists the calls of a Functional, opening nested models."""
+
+    def __init__(self):
+        self.calls, self.counts, self.alias = [], {}, {}
+        self.num_scopes = 0
+
+    def ref(self, scope, x):
+        """The graph's KerasTensor for `x` of the nested graph `scope`."""
+        key = (scope, id(x))
+        if key not in self.alias:
+            self.alias[key] = x if scope == 0 else keras.KerasTensor(
+                x.shape, x.dtype, sparse=x.sparse, record_history=False,
+                name=x.name)
+        return self.alias[key]
+
+    def read(self, functional, scope=0, training=(), prefix=""):
+        by_depth = functional._nodes_by_depth
+        for depth in sorted(by_depth, reverse=True):
+            for node in by_depth[depth]:
+                if node.operation is None or node.is_input:
+                    continue
+                op = node.operation
+                inner, why = _inner_graph(op)
+                if inner is not None:
+                    flat, why = _flat_arguments(inner, node)
+                    if flat is not None:
+                        self.num_scopes += 1
+                        sub = self.num_scopes
+                        for x, outer in zip(inner.inputs, flat):
+                            self.alias[(sub, id(x))] = self.ref(scope, outer)
+                        self.read(inner, sub, training + (
+                            node.arguments.kwargs.get("training"),),
+                            f"{prefix}{op.name}/")
+                        for x, y in zip(node.outputs, inner.outputs):
+                            self.alias[(scope, id(x))] = self.ref(sub, y)
+                        continue
+                self.counts[id(op)] = self.counts.get(id(op), 0) + 1
+                count = self.counts[id(op)]
+                name = f"{prefix}{op.name}"
+                if count > 1:
+                    name = f"{name}#{count}"
+                tensors = {id(x): self.ref(scope, x)
+                           for x in node.input_tensors + node.outputs}
+                self.calls.append(Call(len(self.calls), name, op, node,
+                                       tensors, training, why))
+
+
 def read_graph(model):
     """Reads the calls of a built Sequential or Functional model.
+
+    Nested Functional and Sequential models are opened, at any depth; a
+    layer with its own `call()` around other layers stays one call (see
+    `Graph.opaque`).
 
     ```python
     graph = read_graph(keras.applications.MobileNetV2(weights=None))
@@ -167,17 +328,8 @@ def read_graph(model):
         ValueError: if `model` is a Sequential model that is not built.
     """
     functional = _functional_of(model)
-    by_depth = functional._nodes_by_depth
-    calls, seen = [], {}
-    for depth in sorted(by_depth, reverse=True):
-        for node in by_depth[depth]:
-            if node.operation is None or node.is_input:
-                continue
-            op = node.operation
-            seen[id(op)] = seen.get(id(op), 0) + 1
-            count = seen[id(op)]
-            name = op.name if count == 1 else f"{op.name}#{count}"
-            calls.append(Call(len(calls), name, op, node))
-    _check_order(functional, calls)
-    return Graph(model, functional, calls, list(functional.inputs),
-                 list(functional.outputs))
+    reader = _Reader()
+    reader.read(functional)
+    _check_order(functional, reader.calls)
+    return Graph(model, functional, reader.calls, list(functional.inputs),
+                 [reader.ref(0, x) for x in functional.outputs])

@@ -32,8 +32,14 @@ class PipelineModel(keras.Model):
     back, following `keras_pipe.schedule.gpipe`, inside one `tf.function`
     training step; gradients are summed over micro-batches and the
     optimizer steps once per mini-batch, so training is the same as
-    training the unsplit model on one device. Stage insides are recomputed
-    in the backward pass (`remat`) without re-running their state updates.
+    training the unsplit model on one device for every layer without batch
+    coupling. BatchNormalization is the exception: while training, each
+    micro-batch is normalized with its own statistics (as in GPipe), and
+    its moving statistics are updated once per micro-batch
+    (`keras_pipe.layers.DeferredBatchNormalization` updates them once per
+    mini-batch, from the whole mini-batch); with `num_micro_batches=1` it
+    is exact too. Stage insides are recomputed in the backward pass
+    (`remat`) without re-running their state updates.
 
     ```python
     devices = keras_pipe.logical_cpu_devices(2)   # first thing, no GPUs
@@ -108,7 +114,8 @@ class PipelineModel(keras.Model):
     @classmethod
     def from_model(cls, model, num_stages=None, devices=None,
                    num_micro_batches=1, remat="except_last", balance="params",
-                   memory_budget=None, batch_size=None, **kwargs):
+                   memory_budget=None, batch_size=None, input_shape=None,
+                   sample_inputs=None, **kwargs):
         """Cuts a built Sequential or Functional model into a pipeline.
 
         The stages reuse `model`'s layers (weights shared, not copied); see
@@ -137,8 +144,11 @@ class PipelineModel(keras.Model):
                 chosen by `keras_pipe.plan` to fit it (see
                 `keras_pipe.budget`), and those arguments are ignored.
                 Defaults to `None`.
-            batch_size: the mini-batch size the budget is for; needed with
-                `memory_budget`. Defaults to `None`.
+            batch_size, input_shape, sample_inputs: the sizes the cost-based
+                balances (and `memory_budget`, which needs `batch_size`)
+                cost, as in `keras_pipe.partition.split_model`
+                (`input_shape={"token_ids": (None, 128)}` for inputs of
+                unknown length). Default to `None`.
             **kwargs: `PipelineModel` arguments (`schedule`) and
                 `keras.Model` arguments (`name`, ...).
 
@@ -163,7 +173,9 @@ class PipelineModel(keras.Model):
                 schedule=kwargs.get("schedule", "gpipe"))
         stages = partition.split_model(
             model, num_stages, balance=balance, devices=devices,
-            num_micro_batches=num_micro_batches, remat=remat)
+            num_micro_batches=num_micro_batches, remat=remat,
+            batch_size=batch_size, input_shape=input_shape,
+            sample_inputs=sample_inputs)
         return cls(stages, devices=devices,
                    num_micro_batches=num_micro_batches, remat=remat, **kwargs)
 

@@ -1,9 +1,12 @@
 """Cutting a Sequential or Functional Keras model into pipeline stages.
 
-The model's layer calls are listed in execution order (`keras_pipe.graph`)
-and cut into `num_stages` contiguous blocks (`keras_pipe.balance`). Each
-block becomes a `GraphStage`: a layer that runs those calls of the *original*
-layer objects, so weights are shared with the model, never copied.
+The model's layer calls are listed in execution order (`keras_pipe.graph`,
+which opens nested Functional and Sequential models, so a KerasHub task is
+cut inside its backbone) and cut into `num_stages` contiguous blocks
+(`keras_pipe.balance`). Each block becomes a `GraphStage`: a layer that runs
+those calls of the *original* layer objects, so weights are shared with the
+model, never copied. A layer with its own `call()` around other layers runs
+whole; a cut that leaves a stage without weights is warned about.
 
 A cut may fall where several tensors are alive (a skip connection, a second
 model input, an early model output). Stage `j` then returns all of them as
@@ -21,6 +24,7 @@ explicit `balance` that does is refused.
 """
 
 import dataclasses
+import warnings
 
 import keras
 from keras.src.utils import tracking
@@ -29,6 +33,7 @@ from keras_pipe import balance as balance_lib
 from keras_pipe import graph as graph_lib
 from keras_pipe import placement
 from keras_pipe import validation
+from keras_pipe.balance import shapes as shapes_lib
 
 __all__ = ["BALANCE_MODES", "GraphStage", "Partition", "cut", "split_model"]
 
@@ -131,6 +136,9 @@ class Partition:
             stage `j + 1`, for `j < num_stages - 1`.
         tied: `(layer_name, stages)` for each layer whose trainable
             variables are used by several stages.
+        shapes: `{id(KerasTensor): shape}` the costs were computed with
+            (`keras_pipe.balance.shapes.infer_shapes`), or `None` when the
+            cut needed no shapes.
     """
 
     graph: object
@@ -138,6 +146,7 @@ class Partition:
     costs: list
     boundaries: list
     tied: list
+    shapes: object = None
 
     @property
     def num_stages(self):
@@ -281,9 +290,19 @@ def _resolve_sizes(graph, num_stages, balance, costs_of):
             raise ValueError(
                 f"balance must be one of {BALANCE_MODES} or a list of layer "
                 f"counts, one per stage. Received: balance={balance!r}")
+        allowed = allowed_cuts(graph)
+        if sum(allowed) < num_stages - 1:
+            owners = sorted({owner for _, _, owner in _state_spans(graph)})
+            raise ValueError(
+                f"Cannot cut {graph.model.name!r} into {num_stages} stages: "
+                f"only {sum(allowed) + 1} stages are possible, because the "
+                "calls of a layer with state (non-trainable variables such as "
+                "BatchNormalization statistics) must share a stage, and "
+                f"{', '.join(owners)} span most of the model. Use "
+                f"num_stages <= {sum(allowed) + 1}.")
         costs = costs_of(balance)
-        sizes = balance_lib.block_partition(
-            costs, num_stages, allowed_cuts=allowed_cuts(graph))
+        sizes = balance_lib.block_partition(costs, num_stages,
+                                            allowed_cuts=allowed)
         return sizes, costs
     if not isinstance(balance, (list, tuple)) or not all(
             isinstance(s, int) and not isinstance(s, bool) for s in balance):
@@ -304,8 +323,51 @@ def _resolve_sizes(graph, num_stages, balance, costs_of):
     return list(balance), None
 
 
+def _opaque_note(graph):
+    """A sentence naming the calls that run whole, or ''."""
+    opaque = graph.opaque
+    if not opaque:
+        return ""
+    names = ", ".join(f"{name!r} ({cls}: {why})"
+                      for name, cls, why in opaque[:4])
+    more = f" and {len(opaque) - 4} more" if len(opaque) > 4 else ""
+    return (f" These calls run whole and cannot be cut inside: {names}{more}."
+            " A nested Functional or Sequential model is opened; rebuild a "
+            "layer with its own call() that way to cut inside it.")
+
+
+def _check_enough_calls(graph, num_stages):
+    n = len(graph.calls)
+    if num_stages > n:
+        raise ValueError(
+            f"num_stages={num_stages} is larger than the number of layer "
+            f"calls of {graph.model.name!r} ({n}): every stage needs at "
+            f"least one layer.{_opaque_note(graph)} Use num_stages <= {n}.")
+
+
+def _warn_weightless_stages(graph, sizes):
+    """Warns about stages without weights: they only pass activations on."""
+    if len(sizes) < 2:
+        return
+    start = 0
+    for j, size in enumerate(sizes):
+        calls = graph.calls[start:start + size]
+        start += size
+        if any(getattr(c.operation, "weights", None) for c in calls):
+            continue
+        warnings.warn(
+            f"keras_pipe: stage {j} of {graph.model.name!r} "
+            f"({calls[0].name}..{calls[-1].name}, {size} call(s)) has no "
+            "weights: it holds none of the model and only passes activations "
+            "to the next device, so it adds a transfer and a pipeline step "
+            f"for little work. Use fewer stages (num_stages={len(sizes) - 1})"
+            " or an explicit balance=[...] that gives it a layer with "
+            f"weights.{_opaque_note(graph)}", UserWarning, stacklevel=3)
+
+
 def cut(model, num_stages, balance="params", devices=None,
-        num_micro_batches=1, remat="except_last", batch_size=None):
+        num_micro_batches=1, remat="except_last", batch_size=None,
+        input_shape=None, sample_inputs=None):
     """Decides where to cut `model` into `num_stages` stages.
 
     Builds nothing and moves no variable; `split_model` turns the result
@@ -321,30 +383,30 @@ def cut(model, num_stages, balance="params", devices=None,
         _check_count("batch_size", batch_size)
     validation.check_remat(remat, num_stages)
     graph = graph_lib.read_graph(model)
-    n = len(graph.calls)
-    if num_stages > n:
-        raise ValueError(
-            f"num_stages={num_stages} is larger than the number of layer "
-            f"calls of {model.name!r} ({n}): every stage needs at least one "
-            f"layer. Use num_stages <= {n}.")
+    _check_enough_calls(graph, num_stages)
     micro = micro_batch_size(batch_size, num_micro_batches)
+    shapes = None
 
     def costs_of(mode):
+        nonlocal shapes
         if mode == "params":
             return balance_lib.cost.parameter_counts(graph)
+        shapes = shapes_lib.infer_shapes(graph, input_shape, sample_inputs,
+                                         what=f"balance={mode!r}")
         if mode == "flops":
-            return balance_lib.cost.flops(graph, micro)
+            return balance_lib.cost.flops(graph, micro, shapes)
         if mode == "memory":
             return balance_lib.cost.memory(graph, micro, num_micro_batches,
-                                           remat)
+                                           remat, shapes=shapes)
         device = None
         if devices:
             device = placement.resolve_devices(list(devices)[:1])[0]
-        return balance_lib.cost.time(graph, device, micro)
+        return balance_lib.cost.time(graph, device, micro, shapes=shapes)
 
     sizes, costs = _resolve_sizes(graph, num_stages, balance, costs_of)
+    _warn_weightless_stages(graph, sizes)
     return Partition(graph, sizes, costs, _boundaries(graph, sizes),
-                     _tied(graph, sizes))
+                     _tied(graph, sizes), shapes)
 
 
 def micro_batch_size(batch_size, num_micro_batches):
@@ -355,7 +417,8 @@ def micro_batch_size(batch_size, num_micro_batches):
 
 
 def split_model(model, num_stages, balance="params", devices=None,
-                num_micro_batches=1, remat="except_last", batch_size=None):
+                num_micro_batches=1, remat="except_last", batch_size=None,
+                input_shape=None, sample_inputs=None):
     """Cuts a built Sequential or Functional model into stage layers.
 
     The stages reuse the model's layer objects: training the pipeline trains
@@ -385,21 +448,35 @@ def split_model(model, num_stages, balance="params", devices=None,
             to `"except_last"`.
         batch_size: mini-batch size, for the `"memory"`, `"flops"` and
             `"time"` costs. Defaults to `None` (micro-batches of one row).
+        input_shape: the input shapes to cost (batch axis first, its size
+            ignored), for inputs with unknown dimensions such as
+            `(None, None)` token ids: one shape, a list with one per input,
+            or a dict by input name. Dimensions left unknown are costed as
+            1, with a warning naming the input. Defaults to `None`.
+        sample_inputs: a batch of inputs whose shapes to cost, instead of
+            `input_shape`. Defaults to `None`.
 
     Returns:
         A list of `num_stages` `GraphStage` layers.
 
+    Nested Functional and Sequential models are opened and may be cut
+    inside (`keras_pipe.graph`); a layer with its own `call()` around other
+    layers runs whole, in one stage. A stage without weights gets a
+    warning: it only passes activations on.
+
     Raises:
         TypeError: if `model` is not a Sequential or Functional model, a
-            count is not an int, or `balance` is neither a mode nor a list
-            of ints.
+            count is not an int, `balance` is neither a mode nor a list
+            of ints, or `input_shape` is not a shape, list or dict.
         ValueError: if the model is not built, `num_stages` exceeds the
-            number of layer calls, an explicit `balance` does not hold
-            `num_stages` positive counts summing to the number of layer
-            calls or splits a layer with state, or a mode is unknown.
+            number of layer calls (the message names the layers that run
+            whole), an explicit `balance` does not hold `num_stages`
+            positive counts summing to the number of layer calls or splits
+            a layer with state, a mode is unknown, or `input_shape` does
+            not fit the inputs.
     """
     partition = cut(model, num_stages, balance, devices, num_micro_batches,
-                    remat, batch_size)
+                    remat, batch_size, input_shape, sample_inputs)
     return build_stages(partition)
 
 

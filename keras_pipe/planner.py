@@ -15,6 +15,7 @@ from keras_pipe import budget as budget_lib
 from keras_pipe import partition as partition_lib
 from keras_pipe import schedule as schedule_lib
 from keras_pipe.balance import cost as cost_lib
+from keras_pipe.balance import shapes as shapes_lib
 
 __all__ = ["Plan", "StagePlan", "plan"]
 
@@ -84,6 +85,10 @@ class Plan:
         suggestion: advice on `num_micro_batches`, or `None`.
         budget: the `keras_pipe.budget.Choice` when `memory_budget` was
             given (cut, `M` and remat chosen to fit it), else `None`.
+        opaque: `(call name, class name, reason)` of each call that runs
+            whole: a layer with its own `call()` around other layers, which
+            no cut can fall inside (nested Functional and Sequential models
+            are opened instead).
     """
 
     model_name: str
@@ -99,6 +104,7 @@ class Plan:
     step_time: object
     suggestion: object
     budget: object = None
+    opaque: list = dataclasses.field(default_factory=list)
 
     def __str__(self):
         return _format(self)
@@ -138,7 +144,7 @@ def _weight_bytes(weights, optimizer_slots):
 def plan(model, num_stages=None, num_micro_batches=1, balance="params",
          remat="except_last", batch_size=None, devices=None,
          optimizer_slots=2, flops_per_second=None, memory_budget=None,
-         schedule="gpipe"):
+         schedule="gpipe", input_shape=None, sample_inputs=None):
     """Plans the pipeline `PipelineModel.from_model` would build, without it.
 
     ```python
@@ -179,6 +185,14 @@ def plan(model, num_stages=None, num_micro_batches=1, balance="params",
             `batch_size` is required. Defaults to `None`.
         schedule: `"gpipe"` or `"1f1b"`, for the memory budget. Defaults
             to `"gpipe"`.
+        input_shape: the input shapes to cost, batch axis first (its size
+            is ignored: sizes are per micro-batch): one shape such as
+            `(None, 128)`, a list with one per input, or a dict by input
+            name. Needed where inputs have unknown dimensions (token ids of
+            shape `(None, None)`): an unknown dimension is costed as 1, with
+            a warning naming the input. Defaults to `None`.
+        sample_inputs: a batch of inputs whose shapes to cost, instead of
+            `input_shape`. Defaults to `None`.
 
     Returns:
         A `Plan`.
@@ -205,11 +219,16 @@ def plan(model, num_stages=None, num_micro_batches=1, balance="params",
         balance, num_micro_batches, remat = (
             choice.sizes, choice.num_micro_batches, choice.remat)
     part = partition_lib.cut(model, num_stages, balance, devices,
-                             num_micro_batches, remat, batch_size)
+                             num_micro_batches, remat, batch_size,
+                             input_shape, sample_inputs)
     graph = part.graph
+    shapes = part.shapes
+    if shapes is None:
+        shapes = shapes_lib.infer_shapes(graph, input_shape, sample_inputs,
+                                         what="keras_pipe.plan")
     micro = partition_lib.micro_batch_size(batch_size, num_micro_batches)
-    call_flops = cost_lib.flops(graph, micro)
-    call_bytes = cost_lib.activation_bytes(graph, micro)
+    call_flops = cost_lib.flops(graph, micro, shapes)
+    call_bytes = cost_lib.activation_bytes(graph, micro, shapes)
     times = part.costs if balance == "time" else None
     m, k = num_micro_batches, num_stages
     stages, start = [], 0
@@ -217,9 +236,9 @@ def plan(model, num_stages=None, num_micro_batches=1, balance="params",
         calls = part.stage_calls(j)
         span = range(start, start + size)
         start += size
-        in_bytes = sum(cost_lib.tensor_bytes(x, micro)
+        in_bytes = sum(cost_lib.tensor_bytes(x, micro, shapes)
                        for x in part.stage_inputs(j))
-        out_bytes = sum(cost_lib.tensor_bytes(x, micro)
+        out_bytes = sum(cost_lib.tensor_bytes(x, micro, shapes)
                         for x in part.stage_outputs(j))
         activations = sum(call_bytes[i] for i in span)
         mode = remat[j] if isinstance(remat, (list, tuple)) else remat
@@ -258,7 +277,7 @@ def plan(model, num_stages=None, num_micro_batches=1, balance="params",
         step_time = choice.step_time
     return Plan(model.name, k, m, micro, balance, remat, stages,
                 list(part.sizes), list(part.tied), bubble, step_time,
-                suggestion, choice)
+                suggestion, choice, graph.opaque)
 
 
 def _si(value, unit=""):
@@ -316,6 +335,9 @@ def _format(p):
                      "(one variable, gradients summed)")
     if p.budget is not None:
         lines.append(p.budget.table())
+    for name, cls, why in p.opaque:
+        lines.append(f"opaque: {name!r} ({cls}) runs whole, no cut inside: "
+                     f"{why}")
     if p.suggestion:
         lines.append("suggestion: " + p.suggestion)
     lines.append(f"balance={p.sizes} reproduces this cut.")

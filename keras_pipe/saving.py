@@ -87,13 +87,25 @@ def _stage_layers(stage):
     return [leaf for layer in stage.layers for leaf in _stage_layers(layer)]
 
 
+def _source_layers(graph):
+    """The layers of the model a pipeline was cut from, without Inputs."""
+    return [layer for layer in graph.model.layers
+            if not isinstance(layer, keras.layers.InputLayer)]
+
+
 def flat_layers(stages):
     """The layers of the unpipelined model, stage after stage.
 
-    Sequential and Functional stages (and models nested in them) are opened
-    up; any other layer, a subclassed model included, is one entry. Input
-    layers are left out.
+    For stages cut by `PipelineModel.from_model`, the layers of the model
+    they were cut from, as that model lists them (`model.layers`: a nested
+    model is one entry), so that weight files have that model's layout.
+    Otherwise Sequential and Functional stages (and models nested in them)
+    are opened up; any other layer, a subclassed model included, is one
+    entry. Input layers are left out.
     """
+    graph = _graph_of(stages)
+    if graph is not None:
+        return _source_layers(graph)
     seen, result = set(), []
     for stage in stages:
         for layer in _stage_layers(stage):
@@ -103,19 +115,58 @@ def flat_layers(stages):
     return result
 
 
+def _snake_names(layers):
+    """Keras' names for list entries (`_save_container_state`)."""
+    used, names = {}, []
+    for layer in layers:
+        name = naming.to_snake_case(type(layer).__name__)
+        if name in used:
+            used[name] += 1
+            name = f"{name}_{used[name]}"
+        else:
+            used[name] = 0
+        names.append(name)
+    return names
+
+
+def _nested_paths(layers, prefix, stage_of, seen, result):
+    """Paths of `layers` as Keras saves them: nested models under `layers/`."""
+    for layer, name in zip(layers, _snake_names(layers)):
+        if id(layer) in seen:
+            continue  # Keras saves a layer where it first meets it.
+        seen.add(id(layer))
+        path = f"{prefix}/{name}"
+        if layer._obj_type() in ("Functional", "Sequential"):
+            _nested_paths(layer.layers, f"{path}/layers", stage_of, seen,
+                          result)
+        elif not isinstance(layer, keras.layers.InputLayer):
+            result.append((stage_of.get(id(layer), 0), layer, path))
+
+
 def weight_paths(stages):
     """`[(stage index, layer, path in the weights file)]`, in file order.
 
     Mirrors Keras' naming of list entries (`_save_container_state`): the
     snake-case class name, `_1`, `_2`... for repeats. It depends on the
-    order of the layers, never on where the stages are cut.
+    order of the layers, never on where the stages are cut. Stages cut by
+    `from_model` have the layout of the model they were cut from, nested
+    models included (`layers/functional/layers/dense`).
     """
+    graph = _graph_of(stages)
+    if graph is not None:
+        stage_of = {}
+        for j, stage in enumerate(stages):
+            for call in stage.calls:
+                stage_of.setdefault(id(call.operation), j)
+        result = []
+        _nested_paths(_source_layers(graph), "layers", stage_of, set(),
+                      result)
+        return result
     used, result, seen = {}, [], set()
     for j, stage in enumerate(stages):
-        for layer in _stage_layers(stage):
-            if id(layer) in seen:
-                continue
-            seen.add(id(layer))
+        layers = [l for l in _stage_layers(stage) if id(l) not in seen]
+        seen.update(id(l) for l in layers)
+        for layer in layers:
             name = naming.to_snake_case(type(layer).__name__)
             if name in used:
                 used[name] += 1
@@ -342,10 +393,10 @@ def check_weights(model, h5, source):
         problems.insert(0, (
             f"the weights of stage {j} ({stage.name!r}) are missing: no "
             f"group for {', '.join(names)}"))
-    known = {path for _, _, path in expected}
+    known = {path.split("/")[1] for _, _, path in expected}  # top level
     if "layers" in h5:
         extra = sorted(f"layers/{name}" for name in h5["layers"]
-                       if f"layers/{name}" not in known
+                       if name not in known
                        and _has_datasets(h5["layers"][name]))
         if extra:
             problems.append(
@@ -525,7 +576,9 @@ def load_model(filepath, devices=None, custom_objects=None, compile=True,
             f"Cannot load {path!r} with keras_pipe.load_model: it holds a "
             f"{name!r} model, not a keras_pipe PipelineModel. Load it with "
             "keras.saving.load_model().")
-    num_stages = len(config.get("config", {}).get("stages", []))
+    saved = config.get("config", {})
+    # Stages cut by from_model are saved as the source model and a balance.
+    num_stages = len(saved.get("balance") or saved.get("stages") or [])
     if devices is not None:
         if isinstance(devices, str) or not isinstance(devices, (list, tuple)):
             raise TypeError(

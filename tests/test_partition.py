@@ -43,7 +43,8 @@ def _one_step(model, x, y, loss, run_eagerly=False):
 
 
 def _assert_step_matches(model, x, y, loss, devices, num_stages,
-                         num_micro_batches, balance="params", atol=1e-6):
+                         num_micro_batches, balance="params", atol=1e-6,
+                         **cut_kwargs):
     """One SGD step on `model`, then the same step on its pipeline."""
     start = [v.numpy() for v in model.weights]
     # Eager reference: in a tf.function, grappler fuses ops of the original
@@ -55,7 +56,7 @@ def _assert_step_matches(model, x, y, loss, devices, num_stages,
         v.assign(value)
     pipe = keras_pipe.PipelineModel.from_model(
         model, num_stages, devices=devices[:num_stages],
-        num_micro_batches=num_micro_batches, balance=balance)
+        num_micro_batches=num_micro_batches, balance=balance, **cut_kwargs)
     actual_loss = _one_step(pipe, x, y, loss)
     np.testing.assert_allclose(actual_loss, expected_loss, rtol=1e-5)
     for v, e in zip(model.weights, expected):
@@ -256,18 +257,19 @@ def test_mobilenetv2_trains_like_original(devices):
     _assert_predictions_match(model, pipe, x)
 
 
-def test_nested_model_is_one_call_and_time_balance(devices):
-    block = keras.Sequential([keras.Input((8,)), layers.Dense(8, "relu"),
-                              layers.Dense(8)], name="block")
+def test_nested_sequential_is_opened_and_time_balance(devices):
+    block = keras.Sequential([keras.Input((8,)), layers.Dense(8, "relu",
+                                                               name="b1"),
+                              layers.Dense(8, name="b2")], name="block")
     inputs = keras.Input((5,))
     x = layers.Dense(8, name="stem")(inputs)
     x = layers.Add(name="res")([x, block(x)])
     model = keras.Model(inputs, layers.Dense(3, name="head")(x))
     assert [c.name for c in read_graph(model).calls] == [
-        "stem", "block", "res", "head"]
+        "stem", "block/b1", "block/b2", "res", "head"]
     pipe = keras_pipe.PipelineModel.from_model(
         model, 2, devices=devices[:2], num_micro_batches=2, balance="time")
-    assert sum(len(s.calls) for s in pipe.stages) == 4
+    assert sum(len(s.calls) for s in pipe.stages) == 5
     _assert_predictions_match(model, pipe,
                               np.random.rand(6, 5).astype("float32"))
 

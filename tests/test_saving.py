@@ -130,6 +130,34 @@ def test_load_model_on_other_devices(devices, tmp_path):
                                   model.predict(x, verbose=0))
 
 
+def test_load_model_with_devices_for_a_from_model_pipeline(devices, tmp_path):
+    # Broke: load_model read the stage count from a "stages" config key that
+    # from_model pipelines do not have, and refused any devices ("holds a
+    # 0-stage model, but 2 devices were given").
+    inputs = keras.Input((IN_DIM,))
+    h = keras.layers.Dense(8, activation="tanh")(inputs)
+    source = keras.Model(inputs, keras.layers.Dense(OUT_DIM)(
+        keras.layers.Dense(8)(h)))
+    pipe = keras_pipe.PipelineModel.from_model(source, 2,
+                                               devices=devices[:2])
+    path = str(tmp_path / "cut.keras")
+    pipe.save(path)
+    for chosen in (devices[:2], devices[2:4]):
+        loaded = keras_pipe.load_model(path, devices=chosen)
+        assert loaded.devices == chosen
+        assert [len(s.calls) for s in loaded.stages] == [
+            len(s.calls) for s in pipe.stages]
+        for stage, device in zip(loaded.stages, chosen):
+            for v in stage.variables:
+                assert v.value.device.endswith(device.split("/device:")[1])
+    x, _ = data()
+    np.testing.assert_array_equal(loaded.predict(x, verbose=0),
+                                  pipe.predict(x, verbose=0))
+    with pytest.raises(ValueError, match=(
+            r"holds a 2-stage model, but 3 devices were given")):
+        keras_pipe.load_model(path, devices=devices[:3])
+
+
 def test_load_model_rejects_bad_devices_before_building(devices, tmp_path):
     path = str(tmp_path / "m.keras")
     pipeline(devices, compile=False).save(path)

@@ -42,13 +42,22 @@ def _dims(shape, batch_size):
             for k, d in enumerate(shape)]
 
 
-def _elements(kt, batch_size=1):
-    return math.prod(_dims(kt.shape, batch_size))
+def _shape(kt, shapes=None):
+    """`kt`'s shape, or the one `keras_pipe.balance.shapes` inferred."""
+    return (shapes or {}).get(id(kt), kt.shape)
 
 
-def tensor_bytes(kt, batch_size=1):
-    """Bytes of a tensor like KerasTensor `kt` with `batch_size` rows."""
-    return _elements(kt, batch_size) * tf.as_dtype(kt.dtype).size
+def _elements(kt, batch_size=1, shapes=None):
+    return math.prod(_dims(_shape(kt, shapes), batch_size))
+
+
+def tensor_bytes(kt, batch_size=1, shapes=None):
+    """Bytes of a tensor like KerasTensor `kt` with `batch_size` rows.
+
+    `shapes` (`{id(KerasTensor): shape}`, see
+    `keras_pipe.balance.shapes.infer_shapes`) overrides `kt.shape`.
+    """
+    return _elements(kt, batch_size, shapes) * tf.as_dtype(kt.dtype).size
 
 
 def _first_use(graph, attribute):
@@ -78,65 +87,67 @@ def _channels_axis(op):
     return 1 if data_format == "channels_first" else -1
 
 
-def _positions(kt, axis):
+def _positions(kt, axis, shapes=None):
     """Elements per example of `kt` divided by its channel count."""
-    shape = _dims(kt.shape, 1)
+    shape = _dims(_shape(kt, shapes), 1)
     channels = shape[axis] if len(shape) > 1 else 1
     return math.prod(shape[1:]) // max(channels, 1)
 
 
-def _call_flops(call):
+def _call_flops(call, shapes=None):
     """Forward FLOPs of one call for one example."""
     op = call.operation
     inputs, outputs = call.inputs, call.outputs
-    out_elements = sum(_elements(x) for x in outputs)
-    in_elements = sum(_elements(x) for x in inputs)
+    out_elements = sum(_elements(x, 1, shapes) for x in outputs)
+    in_elements = sum(_elements(x, 1, shapes) for x in inputs)
     params = sum(_size(v) for v in getattr(op, "weights", None) or [])
     if isinstance(op, keras.layers.Embedding):
         return out_elements
     if isinstance(op, _NORMALIZATION):
         return 5 * out_elements
     if isinstance(op, keras.layers.MultiHeadAttention):
-        query = _dims(inputs[0].shape, 1)
-        value = _dims(inputs[1].shape, 1) if len(inputs) > 1 else query
+        query = _dims(_shape(inputs[0], shapes), 1)
+        value = _dims(_shape(inputs[1], shapes), 1) if len(
+            inputs) > 1 else query
         t_q, t_v = math.prod(query[1:-1]), math.prod(value[1:-1])
         heads, key_dim = op.num_heads, op.key_dim
         value_dim = op.value_dim or key_dim
         scores = 2 * heads * t_q * t_v * (key_dim + value_dim)
         return 2 * params * max(t_q, t_v) + scores + 3 * heads * t_q * t_v
     if isinstance(op, keras.layers.RNN) and inputs:
-        steps = _dims(inputs[0].shape, 1)[1]
+        steps = _dims(_shape(inputs[0], shapes), 1)[1]
         return 2 * params * steps
     if params and outputs:
         if isinstance(op, _TRANSPOSED) and inputs:
-            positions = _positions(inputs[0], _channels_axis(op))
+            positions = _positions(inputs[0], _channels_axis(op), shapes)
         else:
-            positions = _positions(outputs[0], _channels_axis(op))
+            positions = _positions(outputs[0], _channels_axis(op), shapes)
         return 2 * params * positions + out_elements
     return max(in_elements, out_elements)
 
 
-def flops(graph, batch_size=1):
+def flops(graph, batch_size=1, shapes=None):
     """Estimated forward FLOPs of each call for `batch_size` examples.
 
     Layers with weights cost two FLOPs per weight per output position (a
     multiply-add per kernel entry: Dense, convolutions, depthwise and
     separable convolutions, EinsumDense), attention adds its score and
     weighting products, normalization ~5 per element, embeddings and
-    weightless layers one per element they read or write. Unknown
-    dimensions other than the batch count as 1.
+    weightless layers one per element they read or write. Shapes come from
+    `shapes` (`keras_pipe.balance.shapes.infer_shapes`) where given; other
+    unknown dimensions than the batch count as 1.
     """
-    return [batch_size * _call_flops(call) for call in graph.calls]
+    return [batch_size * _call_flops(call, shapes) for call in graph.calls]
 
 
-def activation_bytes(graph, batch_size=1):
+def activation_bytes(graph, batch_size=1, shapes=None):
     """Bytes of each call's outputs for `batch_size` examples."""
-    return [sum(tensor_bytes(x, batch_size) for x in call.outputs)
+    return [sum(tensor_bytes(x, batch_size, shapes) for x in call.outputs)
             for call in graph.calls]
 
 
 def memory(graph, batch_size=1, num_micro_batches=1, remat="except_last",
-           optimizer_slots=2):
+           optimizer_slots=2, shapes=None):
     """Training memory, in bytes, each call adds to its stage.
 
     Weights count once; trainable weights also count a gradient and
@@ -155,14 +166,15 @@ def memory(graph, batch_size=1, num_micro_batches=1, remat="except_last",
     modes = validation.check_remat(remat)
     if isinstance(modes, str):
         return _memory(graph, batch_size, num_micro_batches,
-                       [modes] * len(graph.calls), optimizer_slots)
+                       [modes] * len(graph.calls), optimizer_slots, shapes)
     num_stages = len(modes)
     n = len(graph.calls)
     stage_of = [min(c * num_stages // max(n, 1), num_stages - 1)
                 for c in range(n)]
     for _ in range(4):
         costs = _memory(graph, batch_size, num_micro_batches,
-                        [modes[j] for j in stage_of], optimizer_slots)
+                        [modes[j] for j in stage_of], optimizer_slots,
+                        shapes)
         if num_stages > n:
             break
         sizes = block_partition(costs, num_stages)
@@ -174,11 +186,11 @@ def memory(graph, batch_size=1, num_micro_batches=1, remat="except_last",
 
 
 def _memory(graph, batch_size, num_micro_batches, call_modes,
-            optimizer_slots):
+            optimizer_slots, shapes=None):
     """`memory` with one remat mode per call."""
     result = []
     for own, out, mode in zip(_first_use(graph, "weights"),
-                              activation_bytes(graph, batch_size),
+                              activation_bytes(graph, batch_size, shapes),
                               call_modes):
         kept = num_micro_batches if mode == "never" else 1
         weights = 0
@@ -189,9 +201,9 @@ def _memory(graph, batch_size, num_micro_batches, call_modes,
     return result
 
 
-def _sample(kt, batch_size):
+def _sample(kt, batch_size, shapes=None):
     """A tensor like `kt`: zeros for integers and booleans, else normal."""
-    shape = _dims(kt.shape, batch_size)
+    shape = _dims(_shape(kt, shapes), batch_size)
     dtype = tf.as_dtype(kt.dtype)
     if dtype.is_floating:
         return tf.random.normal(shape, dtype=dtype)
@@ -211,7 +223,8 @@ def _timer(call, training):
     return run
 
 
-def time(graph, device=None, batch_size=1, repeats=5, training=True):
+def time(graph, device=None, batch_size=1, repeats=5, training=True,
+         shapes=None):
     """Measured forward time of each call, in seconds, for `batch_size` rows.
 
     Each call runs alone as a `tf.function` on random inputs of its input
@@ -228,6 +241,9 @@ def time(graph, device=None, batch_size=1, repeats=5, training=True):
         repeats: timed runs per call. Defaults to `5`.
         training: the `training` flag the layers run with. Defaults to
             `True`.
+        shapes: `{id(KerasTensor): shape}` to sample inputs of
+            (`keras_pipe.balance.shapes.infer_shapes`). Defaults to `None`
+            (the graph's shapes, unknown dimensions as 1).
 
     Returns:
         A list of seconds, one per call.
@@ -235,7 +251,7 @@ def time(graph, device=None, batch_size=1, repeats=5, training=True):
     result = []
     with tf.device(device) if device else contextlib.nullcontext():
         for call in graph.calls:
-            inputs = [_sample(x, batch_size) for x in call.inputs]
+            inputs = [_sample(x, batch_size, shapes) for x in call.inputs]
             run = _timer(call, training)
             _fetch(run(*inputs))
             samples = []
