@@ -171,11 +171,11 @@ def _saved_bytes(call, rows, recompute=False):
     out = sum(cost_lib.tensor_bytes(x, rows) for x in call.outputs)
     op = call.operation
     if isinstance(op, keras.layers.MultiHeadAttention):
-        query = cost_lib._dims(call.inputs[0].shape, rows)
+        query = cost_lib.dims(call.inputs[0].shape, rows)
         t_q = math.prod(query[1:-1])
         t_v = t_q
         if len(call.inputs) > 1:
-            t_v = math.prod(cost_lib._dims(call.inputs[1].shape, rows)[1:-1])
+            t_v = math.prod(cost_lib.dims(call.inputs[1].shape, rows)[1:-1])
         value_dim = op.value_dim or op.key_dim
         heads = op.num_heads
         # Query (and its scaled copy), key, value and attention output.

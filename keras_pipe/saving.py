@@ -103,7 +103,7 @@ def flat_layers(stages):
     are opened up; any other layer, a subclassed model included, is one
     entry. Input layers are left out.
     """
-    graph = _graph_of(stages)
+    graph = graph_of(stages)
     if graph is not None:
         return _source_layers(graph)
     seen, result = set(), []
@@ -152,7 +152,7 @@ def weight_paths(stages):
     `from_model` have the layout of the model they were cut from, nested
     models included (`layers/functional/layers/dense`).
     """
-    graph = _graph_of(stages)
+    graph = graph_of(stages)
     if graph is not None:
         stage_of = {}
         for j, stage in enumerate(stages):

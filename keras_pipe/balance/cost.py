@@ -36,7 +36,7 @@ _TRANSPOSED = (keras.layers.Conv1DTranspose, keras.layers.Conv2DTranspose,
                keras.layers.Conv3DTranspose)
 
 
-def _dims(shape, batch_size):
+def dims(shape, batch_size):
     """A shape with the batch dimension set and other unknowns set to 1."""
     return [batch_size if k == 0 and d is None else (1 if d is None else d)
             for k, d in enumerate(shape)]
@@ -48,7 +48,7 @@ def _shape(kt, shapes=None):
 
 
 def _elements(kt, batch_size=1, shapes=None):
-    return math.prod(_dims(_shape(kt, shapes), batch_size))
+    return math.prod(dims(_shape(kt, shapes), batch_size))
 
 
 def tensor_bytes(kt, batch_size=1, shapes=None):
@@ -89,7 +89,7 @@ def _channels_axis(op):
 
 def _positions(kt, axis, shapes=None):
     """Elements per example of `kt` divided by its channel count."""
-    shape = _dims(_shape(kt, shapes), 1)
+    shape = dims(_shape(kt, shapes), 1)
     channels = shape[axis] if len(shape) > 1 else 1
     return math.prod(shape[1:]) // max(channels, 1)
 
@@ -106,8 +106,8 @@ def _call_flops(call, shapes=None):
     if isinstance(op, _NORMALIZATION):
         return 5 * out_elements
     if isinstance(op, keras.layers.MultiHeadAttention):
-        query = _dims(_shape(inputs[0], shapes), 1)
-        value = _dims(_shape(inputs[1], shapes), 1) if len(
+        query = dims(_shape(inputs[0], shapes), 1)
+        value = dims(_shape(inputs[1], shapes), 1) if len(
             inputs) > 1 else query
         t_q, t_v = math.prod(query[1:-1]), math.prod(value[1:-1])
         heads, key_dim = op.num_heads, op.key_dim
@@ -115,7 +115,7 @@ def _call_flops(call, shapes=None):
         scores = 2 * heads * t_q * t_v * (key_dim + value_dim)
         return 2 * params * max(t_q, t_v) + scores + 3 * heads * t_q * t_v
     if isinstance(op, keras.layers.RNN) and inputs:
-        steps = _dims(_shape(inputs[0], shapes), 1)[1]
+        steps = dims(_shape(inputs[0], shapes), 1)[1]
         return 2 * params * steps
     if params and outputs:
         if isinstance(op, _TRANSPOSED) and inputs:
@@ -203,7 +203,7 @@ def _memory(graph, batch_size, num_micro_batches, call_modes,
 
 def _sample(kt, batch_size, shapes=None):
     """A tensor like `kt`: zeros for integers and booleans, else normal."""
-    shape = _dims(_shape(kt, shapes), batch_size)
+    shape = dims(_shape(kt, shapes), batch_size)
     dtype = tf.as_dtype(kt.dtype)
     if dtype.is_floating:
         return tf.random.normal(shape, dtype=dtype)
