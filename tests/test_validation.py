@@ -36,7 +36,7 @@ def assert_nothing_built(stages):
      r"remat must be one of \('always', 'except_last', 'never'\). "
      r"Received: remat='sometimes'"),
     (dict(schedule="interleaved"), ValueError,
-     r"schedule must be one of \('gpipe', '1f1b'\). "
+     r"schedule must be one of \('gpipe', '1f1b', 'zb_h1', .*\). "
      r"Received: schedule='interleaved'"),
     (dict(devices=["/device:CPU:0"]), ValueError,
      r"one device per stage: got 1 devices for 2 stages"),
