@@ -76,25 +76,3 @@ def test_schedules_with_stages_sharing_devices_check_the_order(devices,
         helpers.pair(lambda: helpers.dense_stages(4),
                      [devices[0], devices[0], devices[1], devices[1]], 2,
                      "never", schedule=name)
-
-
-@pytest.mark.parametrize("name", schedule.schedule_names())
-@pytest.mark.parametrize("m", [1, 2, 3, 8])
-@pytest.mark.parametrize("k", [2, 4])
-def test_every_registered_schedule_is_complete_and_ordered(name, m, k):
-    d = k // 2 if name in ("interleaved_1f1b", "zbv") else k
-    ticks = schedule.get_schedule(name).build(m, k, d)
-    when = {a: t for t, tick in enumerate(ticks) for a in tick}
-    kinds = {a.kind for a in when}
-    assert len(when) == sum(len(tick) for tick in ticks)  # no action twice
-    for i in range(m):
-        for j in range(k):
-            f, b = schedule.Action("F", i, j), schedule.Action("B", i, j)
-            assert f in when and b in when
-            assert when[f] < when[b]
-            if j:
-                assert when[schedule.Action("F", i, j - 1)] < when[f]
-            if j < k - 1:
-                assert when[schedule.Action("B", i, j + 1)] < when[b]
-            if "W" in kinds:
-                assert when[b] < when[schedule.Action("W", i, j)]
