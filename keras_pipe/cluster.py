@@ -17,8 +17,10 @@ lost task instead of waiting forever (TF waits with no deadline on a worker
 that hangs, and reports a killed one as an anonymous `UnavailableError`).
 
 Security: TF's gRPC runtime has no authentication and no encryption; anyone
-who can reach a worker's port can run arbitrary ops in it. Use a trusted
-network. `python -m keras_pipe.worker` listens on loopback by default.
+who can reach a worker's port, or the client's own port that `connect`
+opens, can run arbitrary ops in that process. Use a trusted network.
+`python -m keras_pipe.worker` and `connect` listen on loopback by default
+(`keras_pipe.bind`).
 """
 
 import json
@@ -28,9 +30,11 @@ import threading
 import time
 
 import tensorflow as tf
-from tensorflow.python.eager import cancellation
 from keras.src.backend.common import global_state
+from tensorflow.python.eager import cancellation
 from tensorflow.python.eager import context as context_lib
+
+from keras_pipe import bind as bind_lib
 
 __all__ = ["WorkerUnavailableError", "cluster_spec", "connect", "probe",
            "run"]
@@ -144,12 +148,19 @@ def _describe_tasks(tasks):
     return ", ".join(f"{name} at {address}" for name, address in tasks.items())
 
 
-def connect(cluster=None, timeout=30.0, job_name="localhost"):
+def connect(cluster=None, timeout=30.0, job_name="localhost",
+            bind="127.0.0.1"):
     """Connects this process to a cluster of TF workers and lists their devices.
 
     Every task must answer within `timeout` seconds, else nothing is
     connected and the error names the tasks that did not. Afterwards stage
     devices may name remote devices.
+
+    Connecting starts a TF gRPC server in this process too (workers send
+    results back through it). TF's gRPC runtime has no authentication, so
+    that server listens on `bind` only, loopback by default: workers on
+    other hosts need `bind` set to this host's address on their network.
+    Listening on every interface takes `bind="0.0.0.0"`.
 
     ```python
     devices = keras_pipe.connect(
@@ -169,6 +180,10 @@ def connect(cluster=None, timeout=30.0, job_name="localhost"):
         job_name: the job name of this (client) process; TF adds it to the
             cluster on a free local port unless the cluster names it.
             Defaults to `"localhost"`.
+        bind: the only IP address of this machine the client's TF server
+            listens on; workers reach the client there. `"0.0.0.0"` (or
+            `"::"`) opts in to every interface (trusted networks only).
+            Defaults to `"127.0.0.1"`.
 
     Returns:
         `{task name: [device names]}` for every task of the cluster, task
@@ -178,8 +193,11 @@ def connect(cluster=None, timeout=30.0, job_name="localhost"):
         TypeError, ValueError: for a malformed `cluster` or `timeout`.
         WorkerUnavailableError: if a task does not answer within `timeout`
             seconds; the message names each such task and its address.
+        RuntimeError: if the client's server cannot be kept on `bind`
+            (the message says how to opt in to every interface).
     """
     spec = cluster_spec(cluster)
+    bind = bind_lib.check_address(bind)
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) \
             or timeout <= 0:
         raise ValueError(f"timeout must be a number of seconds > 0. "
@@ -192,8 +210,10 @@ def connect(cluster=None, timeout=30.0, job_name="localhost"):
             f"Cannot reach {_describe_tasks(down)} within {timeout:g} s. "
             "Start the worker (python -m keras_pipe.worker --task N "
             "--cluster ...), check its address, or raise `timeout`.", down)
-    tf.config.experimental_connect_to_cluster(
-        _with_local_job(spec, job_name), job_name=job_name)
+    full_spec = _with_local_job(spec, job_name, bind)
+    _pin_client(bind)
+    tf.config.experimental_connect_to_cluster(full_spec, job_name=job_name)
+    _check_client_listener(full_spec, job_name, bind)
     listing = {}
     thread = threading.Thread(
         target=lambda: listing.update(
@@ -210,7 +230,34 @@ def connect(cluster=None, timeout=30.0, job_name="localhost"):
                    if d.startswith(name + "/")] for name in tasks}
 
 
-def _with_local_job(spec, job_name):
+def _pin_client(bind):
+    """Keeps the client's TF server on `bind`, or raises saying how to opt out."""
+    try:
+        bind_lib.pin(bind)
+    except RuntimeError as exc:
+        raise RuntimeError(
+            f"keras_pipe.connect() would leave this process's TF gRPC server "
+            f"(no authentication) listening on every interface, because it "
+            f"cannot be kept on {bind!r}: {exc} To listen on every "
+            "interface anyway (trusted network only), pass "
+            "keras_pipe.connect(..., bind='0.0.0.0').") from exc
+
+
+def _check_client_listener(spec, job_name, bind):
+    """Raises if the client's port listens on a wildcard address."""
+    if bind in bind_lib.WILDCARDS or job_name not in spec.jobs:
+        return
+    port = int(spec.task_address(job_name, 0).rsplit(":", 1)[1])
+    hosts = bind_lib.listening_hosts(port)
+    if any(h in bind_lib.WILDCARDS for h in hosts):
+        raise RuntimeError(
+            f"This process's TF gRPC server listens on {hosts} port {port}, "
+            f"not only on {bind!r}; TF cannot stop it: end this process. "
+            "To listen on every interface on purpose, pass "
+            "keras_pipe.connect(..., bind='0.0.0.0').")
+
+
+def _with_local_job(spec, job_name, bind="127.0.0.1"):
     """Adds this process's job to `spec`, at the same address as before.
 
     Left to TF, every connect puts the local job on a new port, while the
@@ -226,9 +273,11 @@ def _with_local_job(spec, job_name):
             if job.name == job_name:
                 address = job.tasks.get(server_def.task_index)
     if address is None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            address = f"127.0.0.1:{s.getsockname()[1]}"
+        host = "127.0.0.1" if bind in bind_lib.WILDCARDS else bind
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        with socket.socket(family) as s:
+            s.bind((host, 0))
+            address = bind_lib.format_address(host, s.getsockname()[1])
     return tf.train.ClusterSpec({**spec.as_dict(), job_name: [address]})
 
 

@@ -185,6 +185,32 @@ def run_resume(args):
                       "num_values": len(expected)}))
 
 
+def own_listeners():
+    """`[host]` of every TCP socket of this process in the LISTEN state."""
+    from keras_pipe.bind import listening_sockets
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(int(target[len("socket:["):-1]))
+    return sorted({f"{host}:{port}" for host, port, inode
+                   in listening_sockets() if inode in inodes})
+
+
+def run_listen(args):
+    """Connects, runs one remote op; lists this client's listening sockets."""
+    before = own_listeners()
+    keras_pipe.connect(args.cluster, timeout=30.0)
+    import tensorflow as tf
+    with tf.device(remote_devices(1)[0]):
+        value = float(tf.reduce_sum(tf.ones([3])))
+    print(json.dumps({"before": before, "after": own_listeners(),
+                      "value": value}))
+
+
 def run_hang(args):
     """Freeze a worker (SIGSTOP) mid-fit: the watchdog must end the fit."""
     x, y = data()
@@ -208,13 +234,15 @@ def run_hang(args):
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("scenario", choices=["remote", "resume", "hang"])
+    parser.add_argument("scenario", choices=["remote", "resume", "hang",
+                                             "listen"])
     parser.add_argument("--cluster", required=True,
                         type=lambda s: {"worker": s.split(",")})
     parser.add_argument("--kill-pid", type=int)
     parser.add_argument("--backup")
     args = parser.parse_args()
-    {"remote": run_remote, "resume": run_resume, "hang": run_hang}[args.scenario](args)
+    {"remote": run_remote, "resume": run_resume, "hang": run_hang,
+     "listen": run_listen}[args.scenario](args)
 
 
 if __name__ == "__main__":

@@ -28,16 +28,14 @@ def _free_port():
 
 
 def _env():
-    """Worker and client env: TF quiet, the bind shim already loaded.
+    """Worker and client env: TF quiet, no TF_CONFIG, nothing preloaded.
 
-    With the shim in LD_PRELOAD the worker does not re-execute itself, and
-    the client's own TF port stays on loopback too.
+    Workers and clients keep their TF ports on loopback by themselves.
     """
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", KERAS_BACKEND="tensorflow",
-               KERAS_PIPE_BIND_HOST="127.0.0.1",
-               LD_PRELOAD=worker_lib.bind_shim_path(),
                PYTHONPATH=str(ROOT))
-    env.pop("TF_CONFIG", None)
+    for name in ("TF_CONFIG", "LD_PRELOAD", "KERAS_PIPE_BIND_HOST"):
+        env.pop(name, None)
     return env
 
 
@@ -166,6 +164,16 @@ def test_workers_listen_on_loopback_only(workers):
     for address in workers.addresses:
         port = int(address.rsplit(":", 1)[1])
         assert worker_lib.listening_hosts(port) == ["127.0.0.1"]
+
+
+def test_client_listens_on_loopback_only(workers):
+    """After connect(), no socket of the client listens on 0.0.0.0 or ::."""
+    result = _scenario("listen", "--cluster", workers.spec)
+    assert result["value"] == 3.0
+    assert result["before"] == []
+    # One listener: the client's own TF server, on loopback.
+    assert len(result["after"]) == 1, result
+    assert result["after"][0].startswith("127.0.0.1:"), result
 
 
 def test_remote_stages_match_single_process(workers):
