@@ -35,6 +35,7 @@ from tensorflow.python.eager import cancellation
 from tensorflow.python.eager import context as context_lib
 
 from keras_pipe import bind as bind_lib
+from keras_pipe import diagnosis
 
 __all__ = ["WorkerUnavailableError", "cluster_spec", "connect", "probe",
            "run"]
@@ -363,12 +364,22 @@ def run(devices, action, function, *args, interval=1.0, misses=2,
     Returns:
         What `function` returns.
 
+    A TF error of the call that only reports a cancellation is replaced by
+    the error a stage raised, of its original type, naming the stage and
+    its device (`keras_pipe.diagnosis`).
+
     Raises:
         WorkerUnavailableError: naming each lost task and its address.
     """
     tasks = _remote_tasks(devices)
-    if not tasks or _Watch.active:
+    if _Watch.active:
         return function(*args, **kwargs)
+    if not tasks:
+        try:
+            return function(*args, **kwargs)
+        except tf.errors.OpError as error:
+            _raise_stage_error(function, action, args, kwargs, error)
+            raise
     watchdog = _Watch(tasks, interval, misses)
     keras_state = dict(vars(global_state.GLOBAL_STATE_TRACKER))
     outcome = {}
@@ -410,6 +421,20 @@ def run(devices, action, function, *args, interval=1.0, misses=2,
                 "worker, call keras_pipe.connect() again and rebuild the "
                 "model; with keras.callbacks.BackupAndRestore, fit() "
                 f"resumes from the last backup. ({detail})", lost) from error
+    if isinstance(error, tf.errors.OpError):
+        _raise_stage_error(function, action, args, kwargs, error)
     if error is not None:
         raise error
     return outcome["value"]
+
+
+def _raise_stage_error(function, action, args, kwargs, error):
+    """Raises the stage's own error for a TF error of a model's call.
+
+    `function` is a bound method of the model (`super().fit`); see
+    `keras_pipe.diagnosis`. Returns if there is nothing better to raise.
+    """
+    model = getattr(function, "__self__", None)
+    explained = diagnosis.explain(model, action, args, kwargs, error)
+    if explained is not error:
+        raise explained from error
