@@ -25,6 +25,7 @@ opens, can run arbitrary ops in that process. Use a trusted network.
 
 import json
 import os
+import re
 import socket
 import threading
 import time
@@ -37,8 +38,8 @@ from tensorflow.python.eager import context as context_lib
 from keras_pipe import bind as bind_lib
 from keras_pipe import diagnosis
 
-__all__ = ["WorkerUnavailableError", "cluster_spec", "connect", "probe",
-           "run"]
+__all__ = ["WorkerRestartedError", "WorkerUnavailableError", "cluster_spec",
+           "connect", "probe", "run"]
 
 
 class WorkerUnavailableError(ConnectionError):
@@ -52,6 +53,26 @@ class WorkerUnavailableError(ConnectionError):
     def __init__(self, message, tasks):
         super().__init__(message)
         self.tasks = dict(tasks)
+
+
+class WorkerRestartedError(WorkerUnavailableError):
+    """A task answers, but it is a new process: the state placed there is gone.
+
+    TF reports it as an `AbortedError` ("different device incarnation",
+    "Unable to find a context_id") before `connect()` is called again, and
+    as an `InvalidArgumentError` ("Unable to find the relevant tensor
+    remote_handle") for a model built before the restart.
+
+    Attributes:
+        tasks: `{task name: address}` of the restarted tasks.
+    """
+
+
+# What TF says when a worker process was replaced after `connect`.
+_RESTART_SIGNS = ("device incarnation", "was probably restarted",
+                  "Unable to find a context_id", "worker was restarted",
+                  "relevant tensor remote_handle")
+_TASK = re.compile(r"/job:[\w.-]+/replica:\d+/task:\d+")
 
 
 def cluster_spec(cluster=None):
@@ -346,7 +367,8 @@ def run(devices, action, function, *args, interval=1.0, misses=2,
     hung worker) it is left blocked in its thread and this function raises.
     A TF error raised by the call while a task is unreachable (TF raises one
     by itself when a killed worker's connection closes) is translated the
-    same way. So a lost worker ends the call within about
+    same way, and one saying that a task was restarted since `connect`
+    becomes a `WorkerRestartedError`. So a lost worker ends the call within about
     `interval * (misses + 1) + grace` seconds. Keras' thread-local state
     (dtype policy, seed generator) is copied into the helper thread.
 
@@ -370,6 +392,7 @@ def run(devices, action, function, *args, interval=1.0, misses=2,
 
     Raises:
         WorkerUnavailableError: naming each lost task and its address.
+        WorkerRestartedError: naming each restarted task and its address.
     """
     tasks = _remote_tasks(devices)
     if _Watch.active:
@@ -411,21 +434,55 @@ def run(devices, action, function, *args, interval=1.0, misses=2,
     if caller.is_alive() or isinstance(error, tf.errors.OpError):
         lost = dict(watchdog.lost) or _unreachable(tasks, interval * misses)
         if lost:
-            detail = (f"{type(error).__name__}: "
-                      f"{(str(error).strip().splitlines() or [''])[0]}"
-                      if error is not None else
+            detail = (_first_line(error) if error is not None else
                       f"no answer {grace:g} s after cancelling; the call is "
                       "left blocked in a daemon thread")
             raise WorkerUnavailableError(
                 f"Lost {_describe_tasks(lost)} during {action}. Restart the "
-                "worker, call keras_pipe.connect() again and rebuild the "
-                "model; with keras.callbacks.BackupAndRestore, fit() "
-                f"resumes from the last backup. ({detail})", lost) from error
+                f"worker, call keras_pipe.connect() again and {_REBUILD} "
+                f"({detail})", lost) from error
+        restarted = _restarted(error, tasks)
+        if restarted:
+            raise WorkerRestartedError(
+                f"{_describe_tasks(restarted)} was restarted after "
+                f"keras_pipe.connect(), and the model's variables there are "
+                f"gone ({action} cannot run). Call keras_pipe.connect() "
+                f"again if not done yet, then {_REBUILD} "
+                f"({_first_line(error)})", restarted) from error
     if isinstance(error, tf.errors.OpError):
         _raise_stage_error(function, action, args, kwargs, error)
     if error is not None:
         raise error
     return outcome["value"]
+
+
+_REBUILD = (
+    "rebuild the model: create it again with the same code (its variables "
+    "lived on the lost worker) and restore its weights: with "
+    "keras_pipe.BackupAndRestore in fit's callbacks, the same fit() call "
+    "resumes at the exact batch of the last backup; or load_weights() from "
+    "a checkpoint.")
+
+
+def _first_line(error):
+    """`Type: first line of the message` of a TF error."""
+    text = getattr(error, "message", None) or str(error)
+    lines = [l for l in text.strip().splitlines()
+             if l.strip() and not l.startswith(("Graph execution error",
+                                                "Detected at node",
+                                                "<stack traces"))]
+    return f"{type(error).__name__}: {lines[0].strip() if lines else ''}"
+
+
+def _restarted(error, tasks):
+    """The tasks of `tasks` that `error` says were restarted, else {}."""
+    text = str(error)
+    if not isinstance(error, tf.errors.OpError) or not any(
+            sign in text for sign in _RESTART_SIGNS):
+        return {}
+    named = {name: tasks[name] for name in _TASK.findall(text)
+             if name in tasks}
+    return named or dict(tasks)
 
 
 def _raise_stage_error(function, action, args, kwargs, error):

@@ -154,7 +154,7 @@ def run_resume(args):
 
     model = make_model(devices)
     killer = _KillAt(args.kill_pid, epoch=2, batch=1)
-    backup = keras.callbacks.BackupAndRestore(args.backup)
+    backup = keras_pipe.BackupAndRestore(args.backup)
     error = None
     try:
         model.fit(x, y, batch_size=16, epochs=epochs, shuffle=False,
@@ -178,7 +178,7 @@ def run_resume(args):
     model = make_model(devices, seed=99)  # Weights come from the backup.
     seen = _Epochs()
     model.fit(x, y, batch_size=16, epochs=epochs, shuffle=False, verbose=0,
-              callbacks=[keras.callbacks.BackupAndRestore(args.backup), seen])
+              callbacks=[keras_pipe.BackupAndRestore(args.backup), seen])
     print(json.dumps({"lost": lost, "reconnect_seconds": reconnect,
                       "resumed_epochs": seen.epochs,
                       "weights_max_diff": max_diff(values(model), expected),
@@ -211,6 +211,36 @@ def run_listen(args):
                       "value": value}))
 
 
+def _outcome(call):
+    """`{"error", "message", "tasks"}` of `call()`; error None if it worked."""
+    try:
+        call()
+    except Exception as exc:  # Reported to the test, which checks the type.
+        return {"error": type(exc).__name__,
+                "is_unavailable": isinstance(exc, WorkerUnavailableError),
+                "message": str(exc), "tasks": getattr(exc, "tasks", None)}
+    return {"error": None}
+
+
+def run_restart(args):
+    """A worker restarts between calls: the same model, then reconnect."""
+    x, y = data()
+    keras_pipe.connect(args.cluster, timeout=30.0)
+    devices = remote_devices(len(args.cluster["worker"]))
+    model = make_model(devices)
+    model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    print("READY", flush=True)
+    if sys.stdin.readline().strip() != "go":
+        return
+    fit = lambda m: m.fit(x, y, batch_size=16, epochs=1, verbose=0)  # noqa
+    result = {"same_model": _outcome(lambda: fit(model)),
+              "predict": _outcome(lambda: model.predict(x, verbose=0))}
+    keras_pipe.connect(args.cluster, timeout=30.0)
+    result["reconnected_same_model"] = _outcome(lambda: fit(model))
+    result["new_model"] = _outcome(lambda: fit(make_model(devices)))
+    print(json.dumps(result))
+
+
 def run_hang(args):
     """Freeze a worker (SIGSTOP) mid-fit: the watchdog must end the fit."""
     x, y = data()
@@ -235,14 +265,14 @@ def run_hang(args):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("scenario", choices=["remote", "resume", "hang",
-                                             "listen"])
+                                             "listen", "restart"])
     parser.add_argument("--cluster", required=True,
                         type=lambda s: {"worker": s.split(",")})
     parser.add_argument("--kill-pid", type=int)
     parser.add_argument("--backup")
     args = parser.parse_args()
     {"remote": run_remote, "resume": run_resume, "hang": run_hang,
-     "listen": run_listen}[args.scenario](args)
+     "listen": run_listen, "restart": run_restart}[args.scenario](args)
 
 
 if __name__ == "__main__":

@@ -206,6 +206,39 @@ def assert_lost_task_1(result, workers):
     assert result["seconds_to_error"] < 15.0, result
 
 
+def test_worker_restarted_between_calls(workers):
+    """Restart task 1 between two fits: a named error, then a clear rebuild."""
+    proc = subprocess.Popen(
+        [sys.executable, SCENARIOS, "restart", "--cluster", workers.spec],
+        env=_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        line = proc.stdout.readline()
+        assert line.strip() == "READY", line + proc.stderr.read()[-3000:]
+        victim = workers.procs[1]
+        victim.kill()
+        victim.wait(timeout=30)
+        workers.start(1)
+        workers.wait_ready()
+        out, err = proc.communicate("go\n", timeout=240)
+        assert proc.returncode == 0, err[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+    result = json.loads(out.strip().splitlines()[-1])
+    task, address = "/job:worker/replica:0/task:1", workers.addresses[1]
+    for key in ("same_model", "predict", "reconnected_same_model"):
+        outcome = result[key]
+        assert outcome["is_unavailable"], (key, outcome)
+        assert outcome["tasks"] == {task: address}, (key, outcome)
+        assert f"{task} at {address}" in outcome["message"], (key, outcome)
+        assert "keras_pipe.BackupAndRestore" in outcome["message"], outcome
+    assert "keras_pipe.connect()" in result["same_model"]["message"]
+    assert "rebuild the model" in result["reconnected_same_model"]["message"]
+    assert result["new_model"] == {"error": None}, result
+
+
 def test_hung_worker_ends_fit_in_bounded_time(workers):
     """SIGSTOP task 1 mid-fit: TF would wait forever; the watchdog does not."""
     victim = workers.procs[1]
