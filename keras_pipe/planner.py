@@ -13,6 +13,7 @@ import tensorflow as tf
 
 from keras_pipe import partition as partition_lib
 from keras_pipe import schedule as schedule_lib
+from keras_pipe import validation
 from keras_pipe.balance import cost as cost_lib
 
 __all__ = ["Plan", "StagePlan", "plan"]
@@ -160,8 +161,18 @@ def plan(model, num_stages, num_micro_batches=1, balance="params",
         A `Plan`.
 
     Raises:
-        TypeError, ValueError: as `keras_pipe.partition.split_model`.
+        TypeError, ValueError: as `keras_pipe.partition.split_model`; and
+            for an `optimizer_slots` that is not an int >= 0 or a
+            `flops_per_second` that is not a number > 0.
     """
+    if isinstance(optimizer_slots, bool) or not isinstance(optimizer_slots,
+                                                           int):
+        raise TypeError(
+            "optimizer_slots must be an int (2 for Adam, 0 for SGD). "
+            f"Received: optimizer_slots={optimizer_slots!r}")
+    validation.check_non_negative_number("optimizer_slots", optimizer_slots)
+    if flops_per_second is not None:
+        validation.check_positive_number("flops_per_second", flops_per_second)
     part = partition_lib.cut(model, num_stages, balance, devices,
                              num_micro_batches, remat, batch_size)
     graph = part.graph
