@@ -241,6 +241,18 @@ def run_restart(args):
     print(json.dumps(result))
 
 
+def run_stage_error(args):
+    """A wrong input width after tracing, on worker processes."""
+    keras_pipe.connect(args.cluster, timeout=30.0)
+    model = make_model(remote_devices(len(args.cluster["worker"])))
+    x, y = data()
+    for rows in (16, 8):  # Two batch sizes: Keras relaxes the traced shapes.
+        model.fit(x, y, batch_size=rows, epochs=1, verbose=0)
+    wide = np.concatenate([x, x[:, :1]], axis=1)
+    print(json.dumps({"fit": _outcome(
+        lambda: model.fit(wide, y, batch_size=16, verbose=0))}))
+
+
 def run_hang(args):
     """Freeze a worker (SIGSTOP) mid-fit: the watchdog must end the fit."""
     x, y = data()
@@ -265,14 +277,16 @@ def run_hang(args):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("scenario", choices=["remote", "resume", "hang",
-                                             "listen", "restart"])
+                                             "listen", "restart",
+                                             "stage_error"])
     parser.add_argument("--cluster", required=True,
                         type=lambda s: {"worker": s.split(",")})
     parser.add_argument("--kill-pid", type=int)
     parser.add_argument("--backup")
     args = parser.parse_args()
     {"remote": run_remote, "resume": run_resume, "hang": run_hang,
-     "listen": run_listen, "restart": run_restart}[args.scenario](args)
+     "listen": run_listen, "restart": run_restart,
+     "stage_error": run_stage_error}[args.scenario](args)
 
 
 if __name__ == "__main__":

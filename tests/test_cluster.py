@@ -195,6 +195,17 @@ def test_remote_stages_match_single_process(workers):
     assert result["reloaded_predict_max_diff"] == 0.0
 
 
+def test_stage_error_on_a_worker_names_stage_and_device(workers):
+    # Broke: "CancelledError: RecvAsync is cancelled" (see test_errors.py).
+    result = _scenario("stage_error", "--cluster", workers.spec)["fit"]
+    assert result["error"] == "ValueError", result
+    assert result["message"].startswith(
+        "Stage 0 ('sequential') on /job:worker/replica:0/task:0/device:CPU:0 "
+        "failed during fit:"), result
+    assert "expected axis -1 of input shape to have value 8" in \
+        result["message"], result
+
+
 def assert_lost_task_1(result, workers):
     """The scenario's fit ended with an error naming task 1, in time."""
     assert result["error"] == "WorkerUnavailableError"
