@@ -166,6 +166,24 @@ def _unreachable(tasks, timeout):
     return pending
 
 
+def _why_down(tasks):
+    """What a TCP connect to each task shows, e.g. 'task:1: connection refused'."""
+    reasons = []
+    for name, address in tasks.items():
+        host, _, port = address.rpartition(":")
+        try:
+            with socket.create_connection((host.strip("[]"), int(port)),
+                                          timeout=1.0):
+                why = ("accepts TCP connections but gives no gRPC answer: "
+                       "hung, or not a TF server")
+        except ConnectionRefusedError:
+            why = "connection refused: nothing listens on that port"
+        except (OSError, ValueError) as exc:
+            why = f"no connection: {exc}"
+        reasons.append(f"{name.rsplit('/', 1)[-1]}: {why}")
+    return "; ".join(reasons)
+
+
 def _describe_tasks(tasks):
     return ", ".join(f"{name} at {address}" for name, address in tasks.items())
 
@@ -229,7 +247,8 @@ def connect(cluster=None, timeout=30.0, job_name="localhost",
     down = _unreachable(tasks, timeout)
     if down:
         raise WorkerUnavailableError(
-            f"Cannot reach {_describe_tasks(down)} within {timeout:g} s. "
+            f"Cannot reach {_describe_tasks(down)} within {timeout:g} s "
+            f"({_why_down(down)}). "
             "Start the worker (python -m keras_pipe.worker --task N "
             "--cluster ...), check its address, or raise `timeout`.", down)
     full_spec = _with_local_job(spec, job_name, bind)

@@ -142,6 +142,10 @@ def test_connect_names_down_and_hung_workers_in_bounded_time():
     assert f"/job:worker/replica:0/task:0 at {down}" in message
     assert f"/job:worker/replica:0/task:1 at {hung}" in message
     assert "within 2 s" in message
+    assert "task:0: connection refused: nothing listens on that port" in \
+        message
+    assert "task:1: accepts TCP connections but gives no gRPC answer" in \
+        message
     assert info.value.tasks == {"/job:worker/replica:0/task:0": down,
                                 "/job:worker/replica:0/task:1": hung}
     assert 2.0 <= seconds < 5.0, seconds
