@@ -56,7 +56,8 @@ def _parse_cluster(text, job):
         if not text:
             raise ValueError(
                 "--cluster is required when TF_CONFIG is unset. Pass the "
-                "job's addresses, e.g. --cluster 127.0.0.1:2222,127.0.0.1:2223")
+                "job's addresses, e.g. "
+                "--cluster 127.0.0.1:2222,127.0.0.1:2223")
     text = text.strip()
     if text.startswith("{"):
         try:

@@ -38,7 +38,8 @@ def _cluster():
 
 WORKER_CASES = [
     # (flags, expected text)
-    (["--intra-op-threads", "-3"], "'-3' is not a thread count; pass an int >= 1"),
+    (["--intra-op-threads", "-3"],
+     "'-3' is not a thread count; pass an int >= 1"),
     (["--inter-op-threads", "0"], "'0' is not a thread count"),
     (["--intra-op-threads", "two"], "'two' is not a thread count"),
     (["--task", "-1"], "'-1' is not a task index; pass an int >= 0"),
