@@ -16,19 +16,32 @@ from setuptools.command.build_ext import build_ext
 _SHIM = "keras_pipe._bind"
 
 
+def _record(path):
+    """Writes the SHA-256 of the shim at `path` to `_bind.sha256` beside it."""
+    with open(path, "rb") as f:
+        digest = hashlib.sha256(f.read()).hexdigest()
+    record = os.path.join(os.path.dirname(path), "_bind.sha256")
+    with open(record, "w", encoding="utf-8") as f:
+        f.write(digest + "\n")
+
+
 class BuildExt(build_ext):
     """Builds the extensions, then records the SHA-256 of the bind shim."""
 
     def build_extension(self, ext):
         super().build_extension(ext)
-        if ext.name != _SHIM:
-            return
-        path = self.get_ext_fullpath(ext.name)
-        with open(path, "rb") as f:
-            digest = hashlib.sha256(f.read()).hexdigest()
-        record = os.path.join(os.path.dirname(path), "_bind.sha256")
-        with open(record, "w", encoding="utf-8") as f:
-            f.write(digest + "\n")
+        if ext.name == _SHIM:
+            _record(self.get_ext_fullpath(ext.name))
+
+    def copy_extensions_to_source(self):
+        # `pip install -e .`: the shim is copied into the source tree.
+        super().copy_extensions_to_source()
+        build_py = self.get_finalized_command("build_py")
+        for ext in self.extensions:
+            if ext.name == _SHIM:
+                _record(os.path.join(
+                    build_py.get_package_dir("keras_pipe"),
+                    os.path.basename(self.get_ext_filename(ext.name))))
 
     def get_outputs(self):
         outputs = super().get_outputs()
