@@ -40,3 +40,30 @@ def test_connect_refuses_to_listen_everywhere_and_says_how(monkeypatch):
     assert "no shim here." in message
     assert "keras_pipe.connect(..., bind='0.0.0.0')" in message
     assert context.get_server_def() is None  # Nothing was started.
+
+
+def test_serve_from_python_listens_on_loopback_only():
+    # Broke: serve() called from Python (no LD_PRELOAD shim) raised, but
+    # only after TF had started listening on every interface.
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = (
+        "import os\n"
+        "from keras_pipe import bind, worker\n"
+        f"worker.serve({{'worker': ['127.0.0.1:{port}']}}, task=0)\n"
+        f"print(bind.listening_hosts({port}), flush=True)\n"
+        "os._exit(0)\n")
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3",
+               PYTHONPATH=str(pathlib.Path(__file__).resolve().parents[1]))
+    for name in ("LD_PRELOAD", "KERAS_PIPE_BIND_HOST"):
+        env.pop(name, None)
+    result = subprocess.run([sys.executable, "-c", script], env=env,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip().splitlines()[-1] == "['127.0.0.1']"
