@@ -23,6 +23,7 @@ opens, can run arbitrary ops in that process. Use a trusted network.
 (`keras_pipe.bind`).
 """
 
+import ipaddress
 import json
 import os
 import re
@@ -238,6 +239,7 @@ def connect(cluster=None, timeout=30.0, job_name="localhost",
     """
     spec = cluster_spec(cluster)
     bind = bind_lib.check_address(bind)
+    _check_client_address(spec, job_name, bind)
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) \
             or timeout <= 0:
         raise ValueError(f"timeout must be a number of seconds > 0. "
@@ -269,6 +271,23 @@ def connect(cluster=None, timeout=30.0, job_name="localhost",
             f"did not finish within {timeout:g} s.", down)
     return {name: [d for d in listing["names"]
                    if d.startswith(name + "/")] for name in tasks}
+
+
+def _check_client_address(spec, job_name, bind):
+    """Raises if the cluster names this client at an IP other than `bind`."""
+    if job_name not in spec.jobs or bind in bind_lib.WILDCARDS:
+        return
+    address = spec.task_address(job_name, spec.task_indices(job_name)[0])
+    host = address.rpartition(":")[0].strip("[]")
+    try:
+        host = str(ipaddress.ip_address(host))
+    except ValueError:
+        return  # A host name: the workers resolve it.
+    if host != bind:
+        raise ValueError(
+            f"The cluster names this client ({job_name!r}) at {address!r}, "
+            f"but bind={bind!r}: workers would call back to {host!r}, where "
+            f"nothing listens. Pass bind={host!r}.")
 
 
 def _pin_client(bind):

@@ -110,6 +110,12 @@ def test_bad_connect_bind_is_named_before_connecting(bind, error, expected):
                            bind=bind)
 
 
+def test_connect_bind_other_than_the_clients_cluster_address():
+    cluster = {"worker": ["127.0.0.1:1"], "localhost": ["127.0.0.2:3"]}
+    with pytest.raises(ValueError, match="bind='127.0.0.2'"):
+        keras_pipe.connect(cluster, timeout=1.0)
+
+
 def _small_model():
     return keras.Sequential([keras.Input((4,)), keras.layers.Dense(4),
                              keras.layers.Dense(2)])
