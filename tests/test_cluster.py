@@ -201,13 +201,22 @@ def test_remote_stages_match_single_process(workers):
 
 def test_stage_error_on_a_worker_names_stage_and_device(workers):
     # Broke: "CancelledError: RecvAsync is cancelled" (see test_errors.py).
+    # With workers TF sometimes keeps the root error (then its node names
+    # the stage) and sometimes only the cancellation (then the replay
+    # finds Keras' own shape error): either way the stage's error shows.
     result = _scenario("stage_error", "--cluster", workers.spec)["fit"]
-    assert result["error"] == "ValueError", result
-    assert result["message"].startswith(
-        "Stage 0 ('sequential') on /job:worker/replica:0/task:0/device:CPU:0 "
-        "failed during fit:"), result
-    assert "expected axis -1 of input shape to have value 8" in \
-        result["message"], result
+    stage = "Stage 0 ('sequential') on /job:worker/replica:0/task:0/device:CPU:0"
+    if result["error"] == "ValueError":
+        assert result["message"].startswith(f"{stage} failed during fit:"), \
+            result
+        assert "expected axis -1 of input shape to have value 8" in \
+            result["message"], result
+    else:
+        assert result["error"] == "InvalidArgumentError", result
+        assert result["message"].startswith(
+            f"{stage} failed in the forward pass of micro-batch"), result
+        assert "incompatible" in result["message"], result  # MatMul's
+    assert "RecvAsync is cancelled" not in result["message"], result
 
 
 def assert_lost_task_1(result, workers):
