@@ -6,8 +6,9 @@ interrupted epoch runs again from its first batch, on top of weights that
 have already seen part of it. For a pipeline trained for hours between
 preemptions this both wastes work and changes the result. This subclass
 records how many batches of the epoch were done, in the same file as the
-weights (written to a temporary file, then renamed, so a crash never leaves
-weights and position out of step), and on restart skips those batches: the
+weights (written to a temporary file, fsynced, then renamed:
+`keras_pipe.saving.write_atomically`, so a crash never leaves weights and
+position out of step), and on restart skips those batches: the
 data they would have used is drawn and dropped, and training goes on from
 the next one. With a data order that depends on the epoch only (a fixed
 dataset, `shuffle=False`, or a shuffle with a fixed seed), the resumed fit
@@ -21,6 +22,7 @@ import shutil
 import h5py
 import keras
 
+from keras_pipe import saving
 from keras_pipe.timeline import Timeline  # noqa: F401  (re-exported)
 
 __all__ = ["BackupAndRestore", "Timeline"]
@@ -142,8 +144,6 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
         os.makedirs(self.backup_dir, exist_ok=True)
         if self.double_checkpoint and os.path.exists(self._weights_path):
             shutil.copyfile(self._weights_path, self._prev_weights_path)
-        temporary = self._weights_path + ".tmp.weights.h5"
-        self.model.save_weights(temporary, overwrite=True)
         optimizer = self.model.optimizer
         position = {
             "epoch": self._current_epoch,
@@ -151,15 +151,22 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
             "iterations": (int(optimizer.iterations.numpy())
                            if optimizer is not None else None),
         }
-        with h5py.File(temporary, "a") as f:
-            f.attrs[_ATTRIBUTE] = json.dumps(position)
-        os.replace(temporary, self._weights_path)
+
+        def write_weights(path):
+            self.model.save_weights(path, overwrite=True)
+            with h5py.File(path, "a") as f:
+                f.attrs[_ATTRIBUTE] = json.dumps(position)
+
+        saving.write_atomically(self._weights_path, write_weights)
         # Keras' own metadata file, read by the stock restore.
         if self.double_checkpoint and os.path.exists(
                 self._training_metadata_path):
             shutil.copyfile(self._training_metadata_path,
                             self._prev_training_metadata_path)
-        with open(temporary, "w") as f:
-            json.dump({"epoch": self._current_epoch,
-                       "batch": self._last_batch_seen}, f)
-        os.replace(temporary, self._training_metadata_path)
+
+        def write_metadata(path):
+            with open(path, "w") as f:
+                json.dump({"epoch": self._current_epoch,
+                           "batch": self._last_batch_seen}, f)
+
+        saving.write_atomically(self._training_metadata_path, write_metadata)

@@ -17,23 +17,30 @@ lost task instead of waiting forever (TF waits with no deadline on a worker
 that hangs, and reports a killed one as an anonymous `UnavailableError`).
 
 Security: TF's gRPC runtime has no authentication and no encryption; anyone
-who can reach a worker's port can run arbitrary ops in it. Use a trusted
-network. `python -m keras_pipe.worker` listens on loopback by default.
+who can reach a worker's port, or the client's own port that `connect`
+opens, can run arbitrary ops in that process. Use a trusted network.
+`python -m keras_pipe.worker` and `connect` listen on loopback by default
+(`keras_pipe.bind`).
 """
 
+import ipaddress
 import json
 import os
+import re
 import socket
 import threading
 import time
 
 import tensorflow as tf
-from tensorflow.python.eager import cancellation
 from keras.src.backend.common import global_state
+from tensorflow.python.eager import cancellation
 from tensorflow.python.eager import context as context_lib
 
-__all__ = ["WorkerUnavailableError", "cluster_spec", "connect", "probe",
-           "run"]
+from keras_pipe import bind as bind_lib
+from keras_pipe import diagnosis
+
+__all__ = ["WorkerRestartedError", "WorkerUnavailableError", "cluster_spec",
+           "connect", "probe", "run"]
 
 
 class WorkerUnavailableError(ConnectionError):
@@ -47,6 +54,26 @@ class WorkerUnavailableError(ConnectionError):
     def __init__(self, message, tasks):
         super().__init__(message)
         self.tasks = dict(tasks)
+
+
+class WorkerRestartedError(WorkerUnavailableError):
+    """A task answers, but it is a new process: the state placed there is gone.
+
+    TF reports it as an `AbortedError` ("different device incarnation",
+    "Unable to find a context_id") before `connect()` is called again, and
+    as an `InvalidArgumentError` ("Unable to find the relevant tensor
+    remote_handle") for a model built before the restart.
+
+    Attributes:
+        tasks: `{task name: address}` of the restarted tasks.
+    """
+
+
+# What TF says when a worker process was replaced after `connect`.
+_RESTART_SIGNS = ("device incarnation", "was probably restarted",
+                  "Unable to find a context_id", "worker was restarted",
+                  "relevant tensor remote_handle")
+_TASK = re.compile(r"/job:[\w.-]+/replica:\d+/task:\d+")
 
 
 def cluster_spec(cluster=None):
@@ -140,16 +167,41 @@ def _unreachable(tasks, timeout):
     return pending
 
 
+def _why_down(tasks):
+    """What a TCP connect to each task shows, e.g. 'task:1: connection refused'."""
+    reasons = []
+    for name, address in tasks.items():
+        host, _, port = address.rpartition(":")
+        try:
+            with socket.create_connection((host.strip("[]"), int(port)),
+                                          timeout=1.0):
+                why = ("accepts TCP connections but gives no gRPC answer: "
+                       "hung, or not a TF server")
+        except ConnectionRefusedError:
+            why = "connection refused: nothing listens on that port"
+        except (OSError, ValueError) as exc:
+            why = f"no connection: {exc}"
+        reasons.append(f"{name.rsplit('/', 1)[-1]}: {why}")
+    return "; ".join(reasons)
+
+
 def _describe_tasks(tasks):
     return ", ".join(f"{name} at {address}" for name, address in tasks.items())
 
 
-def connect(cluster=None, timeout=30.0, job_name="localhost"):
+def connect(cluster=None, timeout=30.0, job_name="localhost",
+            bind="127.0.0.1"):
     """Connects this process to a cluster of TF workers and lists their devices.
 
     Every task must answer within `timeout` seconds, else nothing is
     connected and the error names the tasks that did not. Afterwards stage
     devices may name remote devices.
+
+    Connecting starts a TF gRPC server in this process too (workers send
+    results back through it). TF's gRPC runtime has no authentication, so
+    that server listens on `bind` only, loopback by default: workers on
+    other hosts need `bind` set to this host's address on their network.
+    Listening on every interface takes `bind="0.0.0.0"`.
 
     ```python
     devices = keras_pipe.connect(
@@ -169,6 +221,10 @@ def connect(cluster=None, timeout=30.0, job_name="localhost"):
         job_name: the job name of this (client) process; TF adds it to the
             cluster on a free local port unless the cluster names it.
             Defaults to `"localhost"`.
+        bind: the only IP address of this machine the client's TF server
+            listens on; workers reach the client there. `"0.0.0.0"` (or
+            `"::"`) opts in to every interface (trusted networks only).
+            Defaults to `"127.0.0.1"`.
 
     Returns:
         `{task name: [device names]}` for every task of the cluster, task
@@ -178,8 +234,12 @@ def connect(cluster=None, timeout=30.0, job_name="localhost"):
         TypeError, ValueError: for a malformed `cluster` or `timeout`.
         WorkerUnavailableError: if a task does not answer within `timeout`
             seconds; the message names each such task and its address.
+        RuntimeError: if the client's server cannot be kept on `bind`
+            (the message says how to opt in to every interface).
     """
     spec = cluster_spec(cluster)
+    bind = bind_lib.check_address(bind)
+    _check_client_address(spec, job_name, bind)
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) \
             or timeout <= 0:
         raise ValueError(f"timeout must be a number of seconds > 0. "
@@ -189,11 +249,14 @@ def connect(cluster=None, timeout=30.0, job_name="localhost"):
     down = _unreachable(tasks, timeout)
     if down:
         raise WorkerUnavailableError(
-            f"Cannot reach {_describe_tasks(down)} within {timeout:g} s. "
+            f"Cannot reach {_describe_tasks(down)} within {timeout:g} s "
+            f"({_why_down(down)}). "
             "Start the worker (python -m keras_pipe.worker --task N "
             "--cluster ...), check its address, or raise `timeout`.", down)
-    tf.config.experimental_connect_to_cluster(
-        _with_local_job(spec, job_name), job_name=job_name)
+    full_spec = _with_local_job(spec, job_name, bind)
+    _pin_client(bind)
+    tf.config.experimental_connect_to_cluster(full_spec, job_name=job_name)
+    _check_client_listener(full_spec, job_name, bind)
     listing = {}
     thread = threading.Thread(
         target=lambda: listing.update(
@@ -210,7 +273,51 @@ def connect(cluster=None, timeout=30.0, job_name="localhost"):
                    if d.startswith(name + "/")] for name in tasks}
 
 
-def _with_local_job(spec, job_name):
+def _check_client_address(spec, job_name, bind):
+    """Raises if the cluster names this client at an IP other than `bind`."""
+    if job_name not in spec.jobs or bind in bind_lib.WILDCARDS:
+        return
+    address = spec.task_address(job_name, spec.task_indices(job_name)[0])
+    host = address.rpartition(":")[0].strip("[]")
+    try:
+        host = str(ipaddress.ip_address(host))
+    except ValueError:
+        return  # A host name: the workers resolve it.
+    if host != bind:
+        raise ValueError(
+            f"The cluster names this client ({job_name!r}) at {address!r}, "
+            f"but bind={bind!r}: workers would call back to {host!r}, where "
+            f"nothing listens. Pass bind={host!r}.")
+
+
+def _pin_client(bind):
+    """Keeps the client's TF server on `bind`, or raises saying how to opt out."""
+    try:
+        bind_lib.pin(bind)
+    except RuntimeError as exc:
+        raise RuntimeError(
+            f"keras_pipe.connect() would leave this process's TF gRPC server "
+            f"(no authentication) listening on every interface, because it "
+            f"cannot be kept on {bind!r}: {exc} To listen on every "
+            "interface anyway (trusted network only), pass "
+            "keras_pipe.connect(..., bind='0.0.0.0').") from exc
+
+
+def _check_client_listener(spec, job_name, bind):
+    """Raises if the client's port listens on a wildcard address."""
+    if bind in bind_lib.WILDCARDS or job_name not in spec.jobs:
+        return
+    port = int(spec.task_address(job_name, 0).rsplit(":", 1)[1])
+    hosts = bind_lib.listening_hosts(port)
+    if any(h in bind_lib.WILDCARDS for h in hosts):
+        raise RuntimeError(
+            f"This process's TF gRPC server listens on {hosts} port {port}, "
+            f"not only on {bind!r}; TF cannot stop it: end this process. "
+            "To listen on every interface on purpose, pass "
+            "keras_pipe.connect(..., bind='0.0.0.0').")
+
+
+def _with_local_job(spec, job_name, bind="127.0.0.1"):
     """Adds this process's job to `spec`, at the same address as before.
 
     Left to TF, every connect puts the local job on a new port, while the
@@ -226,9 +333,11 @@ def _with_local_job(spec, job_name):
             if job.name == job_name:
                 address = job.tasks.get(server_def.task_index)
     if address is None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            address = f"127.0.0.1:{s.getsockname()[1]}"
+        host = "127.0.0.1" if bind in bind_lib.WILDCARDS else bind
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        with socket.socket(family) as s:
+            s.bind((host, 0))
+            address = bind_lib.format_address(host, s.getsockname()[1])
     return tf.train.ClusterSpec({**spec.as_dict(), job_name: [address]})
 
 
@@ -296,7 +405,8 @@ def run(devices, action, function, *args, interval=1.0, misses=2,
     hung worker) it is left blocked in its thread and this function raises.
     A TF error raised by the call while a task is unreachable (TF raises one
     by itself when a killed worker's connection closes) is translated the
-    same way. So a lost worker ends the call within about
+    same way, and one saying that a task was restarted since `connect`
+    becomes a `WorkerRestartedError`. So a lost worker ends the call within about
     `interval * (misses + 1) + grace` seconds. Keras' thread-local state
     (dtype policy, seed generator) is copied into the helper thread.
 
@@ -314,12 +424,23 @@ def run(devices, action, function, *args, interval=1.0, misses=2,
     Returns:
         What `function` returns.
 
+    A TF error of the call that only reports a cancellation is replaced by
+    the error a stage raised, of its original type, naming the stage and
+    its device (`keras_pipe.diagnosis`).
+
     Raises:
         WorkerUnavailableError: naming each lost task and its address.
+        WorkerRestartedError: naming each restarted task and its address.
     """
     tasks = _remote_tasks(devices)
-    if not tasks or _Watch.active:
+    if _Watch.active:
         return function(*args, **kwargs)
+    if not tasks:
+        try:
+            return function(*args, **kwargs)
+        except tf.errors.OpError as error:
+            _raise_stage_error(function, action, args, kwargs, error)
+            raise
     watchdog = _Watch(tasks, interval, misses)
     keras_state = dict(vars(global_state.GLOBAL_STATE_TRACKER))
     outcome = {}
@@ -351,16 +472,64 @@ def run(devices, action, function, *args, interval=1.0, misses=2,
     if caller.is_alive() or isinstance(error, tf.errors.OpError):
         lost = dict(watchdog.lost) or _unreachable(tasks, interval * misses)
         if lost:
-            detail = (f"{type(error).__name__}: "
-                      f"{(str(error).strip().splitlines() or [''])[0]}"
-                      if error is not None else
+            detail = (_first_line(error) if error is not None else
                       f"no answer {grace:g} s after cancelling; the call is "
                       "left blocked in a daemon thread")
             raise WorkerUnavailableError(
                 f"Lost {_describe_tasks(lost)} during {action}. Restart the "
-                "worker, call keras_pipe.connect() again and rebuild the "
-                "model; with keras.callbacks.BackupAndRestore, fit() "
-                f"resumes from the last backup. ({detail})", lost) from error
+                f"worker, call keras_pipe.connect() again and {_REBUILD} "
+                f"({detail})", lost) from error
+        restarted = _restarted(error, tasks)
+        if restarted:
+            raise WorkerRestartedError(
+                f"{_describe_tasks(restarted)} was restarted after "
+                f"keras_pipe.connect(), and the model's variables there are "
+                f"gone ({action} cannot run). Call keras_pipe.connect() "
+                f"again if not done yet, then {_REBUILD} "
+                f"({_first_line(error)})", restarted) from error
+    if isinstance(error, tf.errors.OpError):
+        _raise_stage_error(function, action, args, kwargs, error)
     if error is not None:
         raise error
     return outcome["value"]
+
+
+_REBUILD = (
+    "rebuild the model: create it again with the same code (its variables "
+    "lived on the lost worker) and restore its weights: with "
+    "keras_pipe.BackupAndRestore in fit's callbacks, the same fit() call "
+    "resumes at the exact batch of the last backup; or load_weights() from "
+    "a checkpoint.")
+
+
+def _first_line(error):
+    """`Type: first line of the message` of a TF error."""
+    text = getattr(error, "message", None) or str(error)
+    lines = [l for l in text.strip().splitlines()
+             if l.strip() and not l.startswith(("Graph execution error",
+                                                "Detected at node",
+                                                "<stack traces"))]
+    return f"{type(error).__name__}: {lines[0].strip() if lines else ''}"
+
+
+def _restarted(error, tasks):
+    """The tasks of `tasks` that `error` says were restarted, else {}."""
+    text = str(error)
+    if not isinstance(error, tf.errors.OpError) or not any(
+            sign in text for sign in _RESTART_SIGNS):
+        return {}
+    named = {name: tasks[name] for name in _TASK.findall(text)
+             if name in tasks}
+    return named or dict(tasks)
+
+
+def _raise_stage_error(function, action, args, kwargs, error):
+    """Raises the stage's own error for a TF error of a model's call.
+
+    `function` is a bound method of the model (`super().fit`); see
+    `keras_pipe.diagnosis`. Returns if there is nothing better to raise.
+    """
+    model = getattr(function, "__self__", None)
+    explained = diagnosis.explain(model, action, args, kwargs, error)
+    if explained is not error:
+        raise explained from error

@@ -253,6 +253,15 @@ class PipelineModel(keras.Model):
         saving.check_store(self, store)
         super().load_own_variables(store)
 
+    def save(self, filepath, overwrite=True, **kwargs):
+        """Same as `keras.Model.save`, atomic: a crash keeps the old file."""
+        return saving.save_model(super().save, filepath, overwrite, **kwargs)
+
+    def save_weights(self, filepath, overwrite=True, max_shard_size=None):
+        """Same as `keras.Model.save_weights`, atomic like `save`."""
+        return saving.save_weights(super().save_weights, filepath, overwrite,
+                                   max_shard_size)
+
     def load_weights(self, filepath, skip_mismatch=False, **kwargs):
         """Same as `keras.Model.load_weights`, checked and all or nothing."""
         saving.load_weights(

@@ -14,6 +14,7 @@ import tensorflow as tf
 from keras_pipe import budget as budget_lib
 from keras_pipe import partition as partition_lib
 from keras_pipe import schedule as schedule_lib
+from keras_pipe import validation
 from keras_pipe.balance import cost as cost_lib
 from keras_pipe.balance import shapes as shapes_lib
 
@@ -200,9 +201,19 @@ def plan(model, num_stages=None, num_micro_batches=1, balance="params",
     Raises:
         TypeError, ValueError: as `keras_pipe.partition.split_model`;
             without `num_stages` and `devices`; with `memory_budget` but no
-            `batch_size`; and when nothing fits `memory_budget` (the error
-            names the smallest budget that would).
+            `batch_size`; when nothing fits `memory_budget` (the error
+            names the smallest budget that would); and for an
+            `optimizer_slots` that is not an int >= 0 or a
+            `flops_per_second` that is not a number > 0.
     """
+    if isinstance(optimizer_slots, bool) or not isinstance(optimizer_slots,
+                                                           int):
+        raise TypeError(
+            "optimizer_slots must be an int (2 for Adam, 0 for SGD). "
+            f"Received: optimizer_slots={optimizer_slots!r}")
+    validation.check_non_negative_number("optimizer_slots", optimizer_slots)
+    if flops_per_second is not None:
+        validation.check_positive_number("flops_per_second", flops_per_second)
     if num_stages is None:
         if devices is None:
             raise ValueError(

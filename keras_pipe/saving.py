@@ -22,12 +22,19 @@ Loading checks the file first and names it in every error: not a zip,
 truncated, damaged, another model class, a stage's weights missing. A failed
 `load_weights` restores the values the model had, so a model is never left
 half loaded.
+
+Saving is atomic (`write_atomically`): `save` and `save_weights`, and so
+Keras' `ModelCheckpoint` and `keras_pipe.BackupAndRestore`, write a
+temporary file in the target's folder, fsync it and rename it over the
+target. Keras writes in place, so a crash during the save of a large model
+would leave a truncated file and no previous copy.
 """
 
 import contextlib
 import json
 import os
 import threading
+import uuid
 import warnings
 import zipfile
 import zlib
@@ -43,7 +50,8 @@ from keras_pipe import placement
 
 __all__ = ["load_model", "flat_layers", "weight_paths", "get_config",
            "from_config", "compile_from_config", "load_weights",
-           "check_weights", "SeedStates"]
+           "check_weights", "SeedStates", "write_atomically", "save_model",
+           "save_weights"]
 
 _CONFIG = "config.json"
 _WEIGHTS = "model.weights.h5"
@@ -477,6 +485,96 @@ def load_weights(model, filepath, load, skip_mismatch=False):
 
 
 # ------------------------------------------------------------------ files
+
+def _ask_to_overwrite(path):
+    """Keras' interactive overwrite prompt (private API, Keras 3.15)."""
+    from keras.src.utils import io_utils  # noqa: PLC0415
+    return io_utils.ask_to_proceed_with_overwrite(path)
+
+
+def _fsync_directory(folder):
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return  # Not every platform opens directories.
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # Some file systems do not sync directories; the rename stands.
+    finally:
+        os.close(fd)
+
+
+def write_atomically(filepath, write, overwrite=True):
+    """Calls `write(temporary path)`, then moves that file onto `filepath`.
+
+    The temporary file is in the same folder (a rename within one file
+    system is atomic) and its name ends with the target's name (Keras picks
+    the format from the extension). It is fsynced before the rename and the
+    folder after it. A crash at any point leaves `filepath` as it was, or
+    the complete new file; a failed `write` removes the temporary file.
+
+    Args:
+        filepath: the file to write.
+        write: a function of one path that writes the file there.
+        overwrite: if `False` and `filepath` exists, ask first (Keras'
+            prompt). Defaults to `True`.
+
+    Returns:
+        What `write` returned, or `None` if the user declined to overwrite.
+    """
+    path = os.path.abspath(os.fspath(filepath))
+    if os.path.exists(path) and not overwrite:
+        if not _ask_to_overwrite(path):
+            return None
+    folder, name = os.path.split(path)
+    temporary = os.path.join(folder, f".{uuid.uuid4().hex[:8]}.tmp.{name}")
+    try:
+        result = write(temporary)
+        with open(temporary, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(temporary)
+        raise
+    _fsync_directory(folder)
+    return result
+
+
+def _local_file(filepath):
+    """Whether `filepath` names a file on a local file system."""
+    try:
+        path = os.fspath(filepath)
+    except TypeError:
+        return False
+    return isinstance(path, str) and "://" not in path
+
+
+def save_model(save, filepath, overwrite=True, **kwargs):
+    """`PipelineModel.save`: Keras' `save`, atomic for a local file.
+
+    A directory (`zipped=False`) or a remote path is written by Keras as is.
+    """
+    if kwargs.get("zipped") is False or not _local_file(filepath):
+        return save(filepath, overwrite=overwrite, **kwargs)
+    return write_atomically(
+        filepath, lambda path: save(path, overwrite=True, **kwargs),
+        overwrite)
+
+
+def save_weights(save, filepath, overwrite=True, max_shard_size=None):
+    """`PipelineModel.save_weights`: Keras' `save_weights`, atomic.
+
+    Sharded weights (`max_shard_size`, several files) and remote paths are
+    written by Keras as is.
+    """
+    if max_shard_size is not None or not _local_file(filepath):
+        return save(filepath, overwrite=overwrite,
+                    max_shard_size=max_shard_size)
+    return write_atomically(
+        filepath, lambda path: save(path, overwrite=True), overwrite)
+
 
 def _read_archive(path):
     """Checks a `.keras` zip; returns `(config dict, open h5py File)`."""

@@ -17,113 +17,36 @@ network only, and by default on loopback.
 Why this module exists beyond `tf.distribute.Server(...).join()`: the TF
 gRPC server listens on `0.0.0.0:<port>` (every interface) whatever host the
 cluster spec names (hard-coded in TF's `grpc_server_lib.cc`). Here a worker
-listens on `--bind` (default `127.0.0.1`) and nowhere else: on Linux, the
-process re-executes itself with a tiny `LD_PRELOAD` shim (`_bind.c`, built
-once with the system C compiler) that turns TF's wildcard `bind()` into a
-bind to that address, and then checks in `/proc/net` that no socket of the
-port listens on a wildcard address. Listening on every interface takes an
-explicit `--bind 0.0.0.0`.
+listens on `--bind` (default `127.0.0.1`) and nowhere else: `serve` first
+rewrites TF's bind() calls in this process (`keras_pipe.bind.pin`, a small C
+library built when keras_pipe is installed), then checks in `/proc/net` that
+no socket of the port listens on a wildcard address. Listening on every
+interface takes an explicit `--bind 0.0.0.0`. Every flag is checked before
+the server starts; a bad one ends the process with a message naming it.
 """
 
 import argparse
-import hashlib
+import ipaddress
 import json
 import os
-import pathlib
-import shutil
-import subprocess
+import socket
 import sys
-import tempfile
+
+from keras_pipe import bind as bind_lib
+from keras_pipe import validation
+from keras_pipe.bind import listening_hosts  # noqa: F401  (public here too)
 
 __all__ = ["serve", "bind_shim_path", "listening_hosts", "main"]
 
-_WILDCARDS = ("0.0.0.0", "::")
-_SHIM_ENV = "KERAS_PIPE_BIND_HOST"
-_SHIM_SOURCE = pathlib.Path(__file__).with_name("_bind.c")
-
 
 def bind_shim_path():
-    """Builds (once) the bind shim and returns the path of its shared library.
+    """The path of the checked bind shim (see `keras_pipe.bind.shim_path`).
 
-    The library is cached under `$XDG_CACHE_HOME/keras_pipe` (or
-    `~/.cache/keras_pipe`), keyed by a hash of its source. To keep a
-    *client's* own TF gRPC port on loopback as well (`keras_pipe.connect`
-    opens one), start the client with
-    `LD_PRELOAD=<this path> KERAS_PIPE_BIND_HOST=127.0.0.1`.
-
-    Raises:
-        RuntimeError: if the platform is not Linux or no C compiler (`$CC`,
-            `cc` or `gcc`) can build it.
+    Workers and `keras_pipe.connect` load it themselves. Preloading it
+    (`LD_PRELOAD=<path> KERAS_PIPE_BIND_HOST=127.0.0.1`) applies the same
+    rule to every library of a process.
     """
-    if not sys.platform.startswith("linux"):
-        raise RuntimeError(
-            "Pinning the TF gRPC server to one address needs LD_PRELOAD, "
-            f"which this platform ({sys.platform}) does not have. Pass "
-            "--bind 0.0.0.0 to accept TF's default of listening on every "
-            "interface (trusted network only).")
-    source = _SHIM_SOURCE.read_bytes()
-    digest = hashlib.sha256(source).hexdigest()[:16]
-    cache = pathlib.Path(os.environ.get("XDG_CACHE_HOME")
-                         or pathlib.Path.home() / ".cache") / "keras_pipe"
-    target = cache / f"bind-{digest}.so"
-    if target.exists():
-        return str(target)
-    compilers = [c for c in (os.environ.get("CC"), "cc", "gcc") if c]
-    compiler = next((shutil.which(c) for c in compilers if shutil.which(c)),
-                    None)
-    if compiler is None:
-        raise RuntimeError(
-            "No C compiler (tried $CC, cc, gcc) to build the shim that keeps "
-            "the TF gRPC server on the --bind address. Install one, or pass "
-            "--bind 0.0.0.0 to listen on every interface (trusted network "
-            "only).")
-    cache.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=cache) as tmp:
-        built = pathlib.Path(tmp) / target.name
-        result = subprocess.run(
-            [compiler, "-shared", "-fPIC", "-O2", "-o", str(built),
-             str(_SHIM_SOURCE), "-ldl"], capture_output=True, text=True)
-        if result.returncode:
-            raise RuntimeError(
-                f"Building the bind shim with {compiler} failed:\n"
-                f"{result.stderr}Pass --bind 0.0.0.0 to listen on every "
-                "interface instead (trusted network only).")
-        os.replace(built, target)  # Atomic: concurrent workers are safe.
-    return str(target)
-
-
-def _decode_address(hex_address):
-    """Decodes an address of /proc/net/tcp{,6} into text."""
-    import ipaddress
-    import struct
-    # The kernel prints the address as 32-bit words in host byte order.
-    packed = b"".join(struct.pack("=I", int(hex_address[k:k + 8], 16))
-                      for k in range(0, len(hex_address), 8))
-    address = ipaddress.ip_address(packed)
-    if address.version == 6 and address.ipv4_mapped is not None:
-        return str(address.ipv4_mapped)
-    return str(address)
-
-
-def listening_hosts(port):
-    """The local addresses with a TCP socket listening on `port` (Linux).
-
-    Returns:
-        A sorted list such as `["127.0.0.1"]`; `"0.0.0.0"` or `"::"` for a
-        wildcard listener. Empty where `/proc/net` is unavailable.
-    """
-    hosts = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            lines = pathlib.Path(table).read_text().splitlines()[1:]
-        except OSError:
-            continue
-        for line in lines:
-            fields = line.split()
-            address, hex_port = fields[1].rsplit(":", 1)
-            if fields[3] == "0A" and int(hex_port, 16) == port:  # LISTEN
-                hosts.add(_decode_address(address))
-    return sorted(hosts)
+    return bind_lib.shim_path()
 
 
 def _parse_cluster(text, job):
@@ -131,21 +54,106 @@ def _parse_cluster(text, job):
     if text is None:
         text = os.environ.get("TF_CONFIG")
         if not text:
-            raise ValueError("--cluster is required when TF_CONFIG is unset.")
+            raise ValueError(
+                "--cluster is required when TF_CONFIG is unset. Pass the "
+                "job's addresses, e.g. "
+                "--cluster 127.0.0.1:2222,127.0.0.1:2223")
     text = text.strip()
     if text.startswith("{"):
-        value = json.loads(text)
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(
+                f"--cluster is not valid JSON ({exc.msg} at character "
+                f"{exc.pos}). Pass comma-separated addresses (host:port,...) "
+                f"or a JSON object {{job: [addresses]}}. Received: "
+                f"--cluster {text!r}") from None
+        if not isinstance(value, dict):
+            raise ValueError(
+                "--cluster JSON must be an object {job: [addresses]} or a "
+                f"TF_CONFIG. Received: --cluster {text!r}")
         return value.get("cluster", value)
     return {job: [a.strip() for a in text.split(",") if a.strip()]}
+
+
+def _split_address(address, where):
+    """`(host, port)` of `host:port` or `[v6]:port`, with a valid port."""
+    host, sep, port = str(address).rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(
+            f"{where} must be host:port with a port in 1..65535. Received: "
+            f"{address!r}")
+    return host.strip("[]"), int(port)
+
+
+def _host_addresses(host):
+    """The IP addresses a cluster entry's host resolves to."""
+    try:
+        return {str(ipaddress.ip_address(host))}
+    except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
+    except socket.gaierror as exc:
+        raise ValueError(
+            f"The cluster names host {host!r}, which does not resolve "
+            f"({exc}). Use an IP address in --cluster.") from None
+    return {info[4][0] for info in infos}
+
+
+def _check_serve_args(spec, job, task, bind, inter_op_threads,
+                      intra_op_threads, cpu_affinity):
+    """Checks `serve`'s arguments; returns (address, port, bind)."""
+    if isinstance(task, bool) or not isinstance(task, int) or task < 0:
+        raise ValueError(f"task must be an int >= 0, this task's index in "
+                         f"its job. Received: task={task!r}")
+    if job not in spec.jobs or task not in spec.task_indices(job):
+        raise ValueError(
+            f"Task {task} of job {job!r} is not in the cluster "
+            f"{spec.as_dict()}. Pass --task/--job naming one of its tasks.")
+    for name, value in (("inter_op_threads", inter_op_threads),
+                        ("intra_op_threads", intra_op_threads)):
+        if value is not None:
+            validation.check_positive_int(name, value)
+    if cpu_affinity is not None:
+        available = sorted(os.sched_getaffinity(0))
+        bad = sorted(set(cpu_affinity) - set(available))
+        if not cpu_affinity or bad:
+            raise ValueError(
+                f"cpu_affinity names CPUs {bad or '[]'} this process cannot "
+                f"run on; available: {available}. Received: "
+                f"cpu_affinity={list(cpu_affinity)}")
+    address = spec.task_address(job, task)
+    host, port = _split_address(address, f"The address of task {task}")
+    bind = bind_lib.check_address(bind)
+    if bind not in bind_lib.WILDCARDS and bind not in _host_addresses(host):
+        raise ValueError(
+            f"bind={bind!r} differs from this task's cluster address "
+            f"{address!r}: clients would dial {host!r} while the server "
+            f"listens on {bind!r} only. Pass --bind with the address of "
+            f"{host!r}, or fix --cluster.")
+    probe_host = "::" if ":" in bind else (
+        "0.0.0.0" if bind in bind_lib.WILDCARDS else bind)
+    family = socket.AF_INET6 if ":" in probe_host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((probe_host, port))
+        except OSError as exc:
+            raise ValueError(
+                f"Port {port} on {bind} is not free ({exc.strerror}): another "
+                "process (an older worker?) listens there. Stop it, or give "
+                "this task another port in --cluster.") from None
+    return address, port, bind
 
 
 def serve(cluster, task, job="worker", bind="127.0.0.1",
           inter_op_threads=None, intra_op_threads=None, cpu_affinity=None):
     """Starts the TF server of one task in this process and returns it.
 
-    Call before anything else initializes TensorFlow. Listening on `bind`
-    only needs the shim loaded (see `main`); `serve` checks it and raises
-    if the port also listens on another address.
+    Call before anything else initializes TensorFlow's runtime. The server
+    listens on `bind` only (see `keras_pipe.bind.pin`); every argument is
+    checked before it starts.
 
     ```python
     server = serve({"worker": ["127.0.0.1:2222", "127.0.0.1:2223"]}, task=0)
@@ -157,11 +165,13 @@ def serve(cluster, task, job="worker", bind="127.0.0.1",
             or a TF_CONFIG dict/JSON string.
         task: this task's index in `job`.
         job: this task's job name. Defaults to `"worker"`.
-        bind: the only address the server may listen on; `"0.0.0.0"`
+        bind: the only address the server may listen on, an IP address of
+            this machine matching the task's cluster address; `"0.0.0.0"`
             listens on every interface. Defaults to `"127.0.0.1"`.
-        inter_op_threads: size of TF's inter-op pool. Defaults to `None`
-            (TF's choice).
-        intra_op_threads: size of TF's intra-op pool. Defaults to `None`.
+        inter_op_threads: size of TF's inter-op pool, >= 1. Defaults to
+            `None` (TF's choice).
+        intra_op_threads: size of TF's intra-op pool, >= 1. Defaults to
+            `None`.
         cpu_affinity: CPU ids this process may run on (Linux). Defaults to
             `None` (unchanged).
 
@@ -169,21 +179,25 @@ def serve(cluster, task, job="worker", bind="127.0.0.1",
         The started `tf.distribute.Server`.
 
     Raises:
-        ValueError: if `task` is not in `job`, or the server listens on an
-            address other than `bind`.
+        TypeError: for a thread count that is not an int, or a `bind`
+            that is not a string.
+        ValueError: if `task` is not in `job`, a thread count is < 1, a CPU
+            is not available, the task's port is outside 1..65535 or in
+            use, or `bind` is a host name, not an address of this machine,
+            or not the task's cluster address.
+        RuntimeError: if the server cannot be kept on `bind` (no shim).
     """
-    if cpu_affinity is not None:
-        os.sched_setaffinity(0, set(cpu_affinity))
     import tensorflow as tf
 
     from keras_pipe.cluster import cluster_spec
 
     spec = cluster_spec(cluster)
-    if job not in spec.jobs or task not in spec.task_indices(job):
-        raise ValueError(
-            f"Task {task} of job {job!r} is not in the cluster "
-            f"{spec.as_dict()}. Pass --task/--job naming one of its tasks.")
-    address = spec.task_address(job, task)
+    address, port, bind = _check_serve_args(
+        spec, job, task, bind, inter_op_threads, intra_op_threads,
+        cpu_affinity)
+    if cpu_affinity is not None:
+        os.sched_setaffinity(0, set(cpu_affinity))
+    bind_lib.pin(bind)
     config = tf.compat.v1.ConfigProto()
     if inter_op_threads is not None:
         tf.config.threading.set_inter_op_parallelism_threads(inter_op_threads)
@@ -193,23 +207,51 @@ def serve(cluster, task, job="worker", bind="127.0.0.1",
         config.intra_op_parallelism_threads = intra_op_threads
     server = tf.distribute.Server(spec, job_name=job, task_index=task,
                                   config=config, start=True)
-    port = int(address.rsplit(":", 1)[1])
     hosts = listening_hosts(port)
-    if bind not in _WILDCARDS and any(h in _WILDCARDS for h in hosts):
-        raise ValueError(
+    if bind not in bind_lib.WILDCARDS and any(
+            h in bind_lib.WILDCARDS for h in hosts):
+        raise RuntimeError(
             f"The TF server of /job:{job}/task:{task} listens on {hosts} "
-            f"port {port}, not only on {bind!r}: TF binds every interface "
-            "unless this process runs with the keras_pipe bind shim. Start "
-            "it with `python -m keras_pipe.worker`.")
+            f"port {port}, not only on {bind!r}. Stop this process.")
     return server
 
 
 def _cpu_list(text):
     cpus = set()
-    for part in text.split(","):
-        lo, _, hi = part.partition("-")
-        cpus.update(range(int(lo), int(hi or lo) + 1))
+    try:
+        for part in text.split(","):
+            lo, _, hi = part.partition("-")
+            cpus.update(range(int(lo), int(hi or lo) + 1))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a CPU list; pass ids such as 0,1 or 0-3") \
+            from None
+    if not cpus or min(cpus) < 0:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a CPU list; pass ids >= 0 such as 0,1 or 0-3")
     return sorted(cpus)
+
+
+def _count(text):
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value is None or value < 1:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a thread count; pass an int >= 1")
+    return value
+
+
+def _index(text):
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value is None or value < 0:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a task index; pass an int >= 0")
+    return value
 
 
 def _parser():
@@ -218,7 +260,7 @@ def _parser():
         description="Serve one TensorFlow task for keras_pipe stages. TF's "
         "gRPC runtime has NO authentication: anyone reaching the port can "
         "run code in this process. Trusted networks only.")
-    parser.add_argument("--task", type=int, required=True,
+    parser.add_argument("--task", type=_index, required=True,
                         help="index of this task in its job")
     parser.add_argument("--job", default="worker",
                         help="job name (default: worker)")
@@ -227,10 +269,11 @@ def _parser():
                         "or JSON: {job: [addresses]} or a TF_CONFIG. "
                         "Default: $TF_CONFIG")
     parser.add_argument("--bind", default="127.0.0.1",
-                        help="the only address to listen on (default: "
-                        "127.0.0.1; 0.0.0.0 = every interface)")
-    parser.add_argument("--inter-op-threads", type=int, default=None)
-    parser.add_argument("--intra-op-threads", type=int, default=None)
+                        help="the only IP address to listen on, the one of "
+                        "this task's --cluster entry (default: 127.0.0.1; "
+                        "0.0.0.0 = every interface)")
+    parser.add_argument("--inter-op-threads", type=_count, default=None)
+    parser.add_argument("--intra-op-threads", type=_count, default=None)
     parser.add_argument("--cpu-affinity", type=_cpu_list, default=None,
                         help="CPU ids, e.g. 0,1 or 0-3")
     return parser
@@ -239,29 +282,20 @@ def _parser():
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     args = _parser().parse_args(argv)
-    if args.bind not in _WILDCARDS and os.environ.get(_SHIM_ENV) != args.bind:
-        try:
-            shim = bind_shim_path()
-        except RuntimeError as exc:
-            sys.exit(f"keras_pipe.worker: {exc}")
-        env = dict(os.environ)
-        env[_SHIM_ENV] = args.bind
-        env["LD_PRELOAD"] = " ".join(
-            p for p in (shim, env.get("LD_PRELOAD")) if p)
-        os.execve(sys.executable,
-                  [sys.executable, "-m", "keras_pipe.worker", *argv], env)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    cluster = _parse_cluster(args.cluster, args.job)
     try:
+        cluster = _parse_cluster(args.cluster, args.job)
         server = serve(cluster, args.task, job=args.job, bind=args.bind,
                        inter_op_threads=args.inter_op_threads,
                        intra_op_threads=args.intra_op_threads,
                        cpu_affinity=args.cpu_affinity)
-    except ValueError as exc:
+    except (TypeError, ValueError, RuntimeError) as exc:
         sys.exit(f"keras_pipe.worker: {exc}")
+    _, port = _split_address(server.target.split("://")[-1], "target")
+    listen = bind_lib.format_address(bind_lib.check_address(args.bind), port)
     print(f"keras_pipe.worker: serving /job:{args.job}/replica:0/task:"
-          f"{args.task} on {args.bind} ({server.target}); no "
-          "authentication: trusted network only", flush=True)
+          f"{args.task} on {listen}; no authentication: trusted network "
+          "only", flush=True)
     server.join()
 
 

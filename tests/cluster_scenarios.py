@@ -154,7 +154,7 @@ def run_resume(args):
 
     model = make_model(devices)
     killer = _KillAt(args.kill_pid, epoch=2, batch=1)
-    backup = keras.callbacks.BackupAndRestore(args.backup)
+    backup = keras_pipe.BackupAndRestore(args.backup)
     error = None
     try:
         model.fit(x, y, batch_size=16, epochs=epochs, shuffle=False,
@@ -178,11 +178,79 @@ def run_resume(args):
     model = make_model(devices, seed=99)  # Weights come from the backup.
     seen = _Epochs()
     model.fit(x, y, batch_size=16, epochs=epochs, shuffle=False, verbose=0,
-              callbacks=[keras.callbacks.BackupAndRestore(args.backup), seen])
+              callbacks=[keras_pipe.BackupAndRestore(args.backup), seen])
     print(json.dumps({"lost": lost, "reconnect_seconds": reconnect,
                       "resumed_epochs": seen.epochs,
                       "weights_max_diff": max_diff(values(model), expected),
                       "num_values": len(expected)}))
+
+
+def own_listeners():
+    """`[host]` of every TCP socket of this process in the LISTEN state."""
+    from keras_pipe.bind import listening_sockets
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(int(target[len("socket:["):-1]))
+    return sorted({f"{host}:{port}" for host, port, inode
+                   in listening_sockets() if inode in inodes})
+
+
+def run_listen(args):
+    """Connects, runs one remote op; lists this client's listening sockets."""
+    before = own_listeners()
+    keras_pipe.connect(args.cluster, timeout=30.0)
+    import tensorflow as tf
+    with tf.device(remote_devices(1)[0]):
+        value = float(tf.reduce_sum(tf.ones([3])))
+    print(json.dumps({"before": before, "after": own_listeners(),
+                      "value": value}))
+
+
+def _outcome(call):
+    """`{"error", "message", "tasks"}` of `call()`; error None if it worked."""
+    try:
+        call()
+    except Exception as exc:  # Reported to the test, which checks the type.
+        return {"error": type(exc).__name__,
+                "is_unavailable": isinstance(exc, WorkerUnavailableError),
+                "message": str(exc), "tasks": getattr(exc, "tasks", None)}
+    return {"error": None}
+
+
+def run_restart(args):
+    """A worker restarts between calls: the same model, then reconnect."""
+    x, y = data()
+    keras_pipe.connect(args.cluster, timeout=30.0)
+    devices = remote_devices(len(args.cluster["worker"]))
+    model = make_model(devices)
+    model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    print("READY", flush=True)
+    if sys.stdin.readline().strip() != "go":
+        return
+    fit = lambda m: m.fit(x, y, batch_size=16, epochs=1, verbose=0)  # noqa
+    result = {"same_model": _outcome(lambda: fit(model)),
+              "predict": _outcome(lambda: model.predict(x, verbose=0))}
+    keras_pipe.connect(args.cluster, timeout=30.0)
+    result["reconnected_same_model"] = _outcome(lambda: fit(model))
+    result["new_model"] = _outcome(lambda: fit(make_model(devices)))
+    print(json.dumps(result))
+
+
+def run_stage_error(args):
+    """A wrong input width after tracing, on worker processes."""
+    keras_pipe.connect(args.cluster, timeout=30.0)
+    model = make_model(remote_devices(len(args.cluster["worker"])))
+    x, y = data()
+    for rows in (16, 8):  # Two batch sizes: Keras relaxes the traced shapes.
+        model.fit(x, y, batch_size=rows, epochs=1, verbose=0)
+    wide = np.concatenate([x, x[:, :1]], axis=1)
+    print(json.dumps({"fit": _outcome(
+        lambda: model.fit(wide, y, batch_size=16, verbose=0))}))
 
 
 def run_hang(args):
@@ -208,13 +276,17 @@ def run_hang(args):
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("scenario", choices=["remote", "resume", "hang"])
+    parser.add_argument("scenario", choices=["remote", "resume", "hang",
+                                             "listen", "restart",
+                                             "stage_error"])
     parser.add_argument("--cluster", required=True,
                         type=lambda s: {"worker": s.split(",")})
     parser.add_argument("--kill-pid", type=int)
     parser.add_argument("--backup")
     args = parser.parse_args()
-    {"remote": run_remote, "resume": run_resume, "hang": run_hang}[args.scenario](args)
+    {"remote": run_remote, "resume": run_resume, "hang": run_hang,
+     "listen": run_listen, "restart": run_restart,
+     "stage_error": run_stage_error}[args.scenario](args)
 
 
 if __name__ == "__main__":

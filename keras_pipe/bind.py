@@ -1,0 +1,240 @@
+"""Keeping TensorFlow's gRPC server on one address, in workers and clients.
+
+TF's gRPC server listens on `0.0.0.0:<port>` (every interface) whatever the
+host in the cluster spec (hard-coded in TF's `grpc_server_lib.cc`); a worker
+starts one, and so does a client in `keras_pipe.connect`. TF's gRPC runtime
+has no authentication, so anyone reaching such a port runs code in the
+process. `pin(host)` makes TF bind `host` instead: it loads a small C
+library (`_bind.c`, compiled when keras_pipe is installed, checked against
+the SHA-256 recorded at build time) that rewrites the `bind` entries of
+TF's own shared objects (their GOT) to a bind() that turns a wildcard
+address into `host`. Python's sockets and other libraries are left alone.
+Unlike an `LD_PRELOAD` shim it needs no restart of the process, so a
+worker imports TF once and a client pins itself inside `connect`.
+
+`listening_hosts(port)` reads `/proc/net/tcp{,6}` to check the result.
+"""
+
+import ctypes
+import hashlib
+import importlib.machinery
+import ipaddress
+import os
+import pathlib
+import shutil
+import socket
+import stat
+import struct
+import subprocess
+import sys
+import tempfile
+
+__all__ = ["WILDCARDS", "check_address", "format_address", "listening_hosts",
+           "pin", "shim_path"]
+
+# Addresses meaning "every interface".
+WILDCARDS = ("0.0.0.0", "::")
+_PACKAGE = pathlib.Path(__file__).parent
+_SOURCE = _PACKAGE / "_bind.c"
+_LOADED = {}
+
+
+def check_address(host, name="bind"):
+    """Checks that `host` is an IP address of this machine (or a wildcard).
+
+    Returns:
+        The address as normalized text, e.g. `"127.0.0.1"` or `"::1"`.
+
+    Raises:
+        TypeError: if `host` is not a string.
+        ValueError: if it is a host name, or no interface has the address.
+    """
+    if not isinstance(host, str):
+        raise TypeError(f"{name} must be an IP address string such as "
+                        f"'127.0.0.1'. Received: {name}={host!r}")
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        raise ValueError(
+            f"{name} must be an IP address of this machine (e.g. "
+            f"'127.0.0.1', or '0.0.0.0' for every interface), not a host "
+            f"name. Received: {name}={host!r}") from None
+    text = str(address)
+    if text in WILDCARDS:
+        return text
+    family = socket.AF_INET6 if address.version == 6 else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind((text, 0))
+        except OSError as exc:
+            raise ValueError(
+                f"{name}={host!r} is not an address of this machine ({exc}). "
+                "Pass one of its interface addresses, e.g. '127.0.0.1'."
+            ) from None
+    return text
+
+
+def format_address(host, port):
+    """`host:port`, with brackets for IPv6 (`[::1]:2222`)."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _decode_address(hex_address):
+    """Decodes an address of /proc/net/tcp{,6} into text."""
+    # The kernel prints the address as 32-bit words in host byte order.
+    packed = b"".join(struct.pack("=I", int(hex_address[k:k + 8], 16))
+                      for k in range(0, len(hex_address), 8))
+    address = ipaddress.ip_address(packed)
+    if address.version == 6 and address.ipv4_mapped is not None:
+        return str(address.ipv4_mapped)
+    return str(address)
+
+
+def listening_sockets():
+    """`[(host, port, inode)]` of every listening TCP socket (Linux)."""
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = pathlib.Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            address, hex_port = fields[1].rsplit(":", 1)
+            if fields[3] == "0A":  # LISTEN
+                found.append((_decode_address(address), int(hex_port, 16),
+                              int(fields[9])))
+    return found
+
+
+def listening_hosts(port):
+    """The local addresses with a TCP socket listening on `port` (Linux).
+
+    Returns:
+        A sorted list such as `["127.0.0.1"]`; `"0.0.0.0"` or `"::"` for a
+        wildcard listener. Empty where `/proc/net` is unavailable.
+    """
+    return sorted({h for h, p, _ in listening_sockets() if p == port})
+
+
+def _sha256(path):
+    return hashlib.sha256(pathlib.Path(path).read_bytes()).hexdigest()
+
+
+def _installed_shim():
+    """The shim built by setup.py next to this module, else None."""
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        candidate = _PACKAGE / f"_bind{suffix}"
+        if candidate.exists():
+            return candidate
+    return None
+
+
+def _build_into_cache():
+    """Compiles `_bind.c` into the user's cache (source checkouts only)."""
+    source = _SOURCE.read_bytes()
+    digest = hashlib.sha256(source).hexdigest()[:16]
+    cache = pathlib.Path(os.environ.get("XDG_CACHE_HOME")
+                         or pathlib.Path.home() / ".cache") / "keras_pipe"
+    target = cache / f"bind-{digest}.so"
+    if target.exists() and target.with_suffix(".sha256").exists():
+        return target
+    compilers = [c for c in (os.environ.get("CC"), "cc", "gcc") if c]
+    compiler = next((shutil.which(c) for c in compilers if shutil.which(c)),
+                    None)
+    if compiler is None:
+        raise RuntimeError(
+            "keras_pipe was not installed with its compiled bind shim "
+            "(_bind.c), and no C compiler ($CC, cc, gcc) can build it. "
+            "Install keras_pipe with pip (it builds the shim).")
+    cache.mkdir(parents=True, exist_ok=True, mode=0o700)
+    with tempfile.TemporaryDirectory(dir=cache) as tmp:
+        built = pathlib.Path(tmp) / target.name
+        result = subprocess.run(
+            [compiler, "-shared", "-fPIC", "-O2", "-o", str(built),
+             str(_SOURCE), "-ldl"], capture_output=True, text=True)
+        if result.returncode:
+            raise RuntimeError(
+                f"Building the bind shim with {compiler} failed:\n"
+                f"{result.stderr}")
+        record = pathlib.Path(tmp) / "record"
+        record.write_text(_sha256(built) + "\n")
+        os.replace(built, target)  # Atomic: concurrent builds are safe.
+        os.replace(record, target.with_suffix(".sha256"))
+    return target
+
+
+def shim_path():
+    """The path of the bind shim, after checking its SHA-256.
+
+    The shim is built by `pip install` (setup.py) next to this module with
+    its hash in `_bind.sha256`; in a source checkout without that build it
+    is compiled once into `$XDG_CACHE_HOME/keras_pipe` (or
+    `~/.cache/keras_pipe`) with the same record.
+
+    Raises:
+        RuntimeError: if the platform is not Linux, the shim cannot be
+            built, or its hash differs from the recorded one (the file was
+            changed after the build), or the file is writable by others.
+    """
+    if not sys.platform.startswith("linux"):
+        raise RuntimeError(
+            "Keeping TF's gRPC server on one address needs Linux; this "
+            f"platform is {sys.platform}.")
+    path = _installed_shim()
+    record = _PACKAGE / "_bind.sha256"
+    if path is None or not record.exists():
+        path = _build_into_cache()
+        record = path.with_suffix(".sha256")
+    expected = record.read_text().split()[0]
+    actual = _sha256(path)
+    if actual != expected:
+        raise RuntimeError(
+            f"The bind shim {str(path)!r} has SHA-256 {actual}, but "
+            f"{str(record)!r} records {expected}: the file was changed after "
+            "it was built. Reinstall keras_pipe (or delete the cached file).")
+    mode = os.stat(path).st_mode
+    if mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise RuntimeError(
+            f"The bind shim {str(path)!r} is writable by other users "
+            f"(mode {stat.filemode(mode)}); refusing to load it. Run "
+            f"`chmod go-w {path}`.")
+    return str(path)
+
+
+def pin(host):
+    """Makes TF's gRPC servers started from now on listen on `host` only.
+
+    Call after importing TensorFlow and before TF starts its server
+    (`tf.distribute.Server`, `tf.config.experimental_connect_to_cluster`).
+    A wildcard `host` (`"0.0.0.0"`, `"::"`) is a no-op.
+
+    Returns:
+        The number of `bind` call sites rewritten in TF's libraries.
+
+    Raises:
+        RuntimeError: if the shim cannot be loaded (see `shim_path`) or no
+            TF library calls bind() through a rewritable entry.
+    """
+    host = check_address(host)
+    if host in WILDCARDS:
+        return 0
+    import tensorflow  # Its libraries must be loaded.
+
+    # Only shared objects inside TF's package directory are rewritten.
+    tf_dir = os.path.join(os.path.dirname(tensorflow.__file__), "")
+
+    path = shim_path()
+    library = _LOADED.get(path)
+    if library is None:
+        library = ctypes.CDLL(path)
+        library.keras_pipe_pin.argtypes = [ctypes.c_char_p, ctypes.c_char_p]
+        library.keras_pipe_pin.restype = ctypes.c_int
+        _LOADED[path] = library
+    patched = library.keras_pipe_pin(host.encode(), tf_dir.encode())
+    if patched <= 0:
+        raise RuntimeError(
+            f"Could not redirect TensorFlow's bind() calls to {host!r} "
+            f"(result {patched}): TF's libraries have no rewritable bind "
+            "entry in this build.")
+    return patched
