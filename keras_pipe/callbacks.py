@@ -23,6 +23,7 @@ import h5py
 import keras
 
 from keras_pipe import saving
+from keras_pipe import internals
 from keras_pipe.timeline import Timeline  # noqa: F401  (re-exported)
 
 __all__ = ["BackupAndRestore", "Timeline"]
@@ -90,7 +91,7 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
         epoch, steps = position["epoch"], position["steps"]
         if steps and steps == (self.params or {}).get("steps"):
             epoch, steps = epoch + 1, 0  # Saved after the epoch's last batch.
-        self.model._initial_epoch = epoch
+        internals.set_initial_epoch(self.model, epoch)
         self._current_epoch = epoch
         self._skip = steps
 
@@ -122,7 +123,7 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
             self._train_function = None
         # Keras leaves the resumed epoch on the model; a later fit would
         # start there.
-        self.model._initial_epoch = None
+        internals.set_initial_epoch(self.model, None)
         super().on_train_end(logs)
 
     # ---------------------------------------------------------------- save

@@ -32,12 +32,10 @@ import threading
 import time
 
 import tensorflow as tf
-from keras.src.backend.common import global_state
-from tensorflow.python.eager import cancellation
-from tensorflow.python.eager import context as context_lib
 
 from keras_pipe import bind as bind_lib
 from keras_pipe import diagnosis
+from keras_pipe import internals
 
 __all__ = ["WorkerRestartedError", "WorkerUnavailableError", "cluster_spec",
            "connect", "probe", "run"]
@@ -327,7 +325,7 @@ def _with_local_job(spec, job_name, bind="127.0.0.1"):
     if job_name in spec.jobs:
         return spec
     address = None
-    server_def = context_lib.get_server_def()
+    server_def = internals.get_server_def()
     if server_def is not None and server_def.job_name == job_name:
         for job in server_def.cluster.job:
             if job.name == job_name:
@@ -343,7 +341,7 @@ def _with_local_job(spec, job_name, bind="127.0.0.1"):
 
 def _remote_tasks(devices):
     """`{task: address}` of the cluster tasks that `devices` live on."""
-    server_def = context_lib.get_server_def()
+    server_def = internals.get_server_def()
     if server_def is None:
         return {}
     local = f"/job:{server_def.job_name}/replica:0/task:{server_def.task_index}"
@@ -373,7 +371,7 @@ class _Watch:
         self.misses = misses
         self.lost = {}
         self.lost_at = None
-        self.manager = cancellation.CancellationManager()
+        self.manager = internals.cancellation.CancellationManager()
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True,
                                        name="keras_pipe-watch")
@@ -442,14 +440,14 @@ def run(devices, action, function, *args, interval=1.0, misses=2,
             _raise_stage_error(function, action, args, kwargs, error)
             raise
     watchdog = _Watch(tasks, interval, misses)
-    keras_state = dict(vars(global_state.GLOBAL_STATE_TRACKER))
+    keras_state = internals.keras_global_state()
     outcome = {}
 
     def call():
         for name, value in keras_state.items():
-            global_state.set_global_attribute(name, value)
+            internals.set_keras_global_attribute(name, value)
         try:
-            with cancellation.CancellationManagerContext(watchdog.manager):
+            with internals.cancellation.CancellationManagerContext(watchdog.manager):
                 outcome["value"] = function(*args, **kwargs)
         except BaseException as exc:  # Re-raised in the calling thread.
             outcome["error"] = exc

@@ -104,13 +104,12 @@ def to_model(model, name=None):
 
 def _pipelined_export(model, filepath, verbose, input_signature):
     """SavedModel of the pipeline itself, with its device placement."""
-    from keras.src.export.saved_model import ExportArchive
 
     if input_signature is None:
         spec = _input_spec(model)
         input_signature = [keras.tree.map_structure(
             lambda t: tf.TensorSpec(t.shape, t.dtype), spec)]
-    archive = ExportArchive()
+    archive = keras.export.ExportArchive()
     archive.track(model)
     archive.add_endpoint(
         "serve", lambda *args: model(*args, training=False),

@@ -22,9 +22,8 @@ cannot be opened: it stays one call and is listed in `Graph.opaque`.
 import dataclasses
 
 import keras
-from keras.src.models.functional import Functional
-from keras.src.models.functional import operation_fn
-from keras.src.models.functional import unpack_singleton
+
+from keras_pipe import internals
 
 __all__ = ["Call", "Graph", "read_graph"]
 
@@ -83,7 +82,7 @@ class Call:
         local = {id(x): values[id(self.tensor_for(x))]
                  for x in self.node.input_tensors}
         args, kwargs = self.node.arguments.fill_in(local)
-        outputs = operation_fn(self.operation, training=training)(
+        outputs = internals.operation_fn(self.operation, training=training)(
             *args, **kwargs)
         for x, y in zip(self.node.outputs, keras.tree.flatten(outputs)):
             values[id(self.tensor_for(x))] = y
@@ -125,7 +124,7 @@ class Graph:
 
     def pack_outputs(self, flat):
         """Packs flat output tensors into the model's output structure."""
-        return unpack_singleton(keras.tree.pack_sequence_as(
+        return internals.unpack_singleton(keras.tree.pack_sequence_as(
             self.functional._outputs_struct, list(flat)))
 
     def output_spec(self):
@@ -164,14 +163,14 @@ def _functional_of(model):
                 "symbolically. Start it with keras.Input(shape=...) or pass "
                 "stages to PipelineModel by hand.")
         return functional
-    if not isinstance(model, Functional):
+    if not isinstance(model, internals.Functional):
         raise TypeError(
             f"Cannot read the layer graph of {model.name!r}: it is a "
             f"subclassed keras.Model ({type(model).__name__}), whose call() "
             "is Python code. Rebuild it with the Functional API "
             "(keras.Input ... keras.Model(inputs, outputs)) or as a "
             "keras.Sequential, or pass stages to PipelineModel by hand.")
-    if type(model).call is not Functional.call:
+    if type(model).call is not internals.Functional.call:
         raise TypeError(
             f"Cannot partition {model.name!r}: {type(model).__name__} "
             "overrides call(), so its layer graph may not be what it "
@@ -206,8 +205,8 @@ def _inner_graph(op):
         if getattr(op, "_functional", None) is None:
             return None, "a Sequential model without a graph (no Input)"
         return op._functional, None
-    if isinstance(op, Functional):
-        if type(op).call is not Functional.call:
+    if isinstance(op, internals.Functional):
+        if type(op).call is not internals.Functional.call:
             return None, f"{type(op).__name__} overrides call()"
         return op, None
     if isinstance(op, keras.Model):

@@ -44,11 +44,48 @@ check_versions({"keras": keras.__version__, "tensorflow": tf.__version__})
 from keras.src.backend import get_keras_mask  # noqa: E402
 from keras.src.backend.common import global_state  # noqa: E402
 from keras.src.losses import loss as _loss_lib  # noqa: E402
+from keras.src.models.functional import Functional  # noqa: E402
+from keras.src.models.functional import operation_fn  # noqa: E402
+from keras.src.models.functional import unpack_singleton  # noqa: E402
+from keras.src.saving.keras_saveable import KerasSaveable  # noqa: E402
+from keras.src.utils import io_utils as _io_utils  # noqa: E402
+from keras.src.utils import naming as _naming  # noqa: E402
+from keras.src.utils import tracking as _tracking  # noqa: E402
+from tensorflow.python.eager import cancellation  # noqa: E402
+from tensorflow.python.eager import context as _tf_context  # noqa: E402
 
-__all__ = ["SUPPORTED", "check_versions", "colocate_optimizer",
-           "eager_scope", "get_keras_mask", "reduce_weighted_values",
+# Keras' Functional graph: the class, how it calls one operation, and how
+# it unwraps a single output (`keras_pipe.graph`, `keras_pipe.saving`).
+# `KerasSaveable`: the base of objects Keras saving walks (seed states).
+# `cancellation`: TF's cancellation manager (`keras_pipe.cluster`).
+to_snake_case = _naming.to_snake_case
+ask_to_proceed_with_overwrite = _io_utils.ask_to_proceed_with_overwrite
+no_automatic_tracking = _tracking.DotNotTrackScope
+get_server_def = _tf_context.get_server_def
+
+
+def set_initial_epoch(model, epoch):
+    """Makes `fit` start at `epoch` (what Keras' BackupAndRestore sets)."""
+    model._initial_epoch = epoch
+
+
+def keras_global_state():
+    """Keras' global state (scopes, seed generator) as a dict."""
+    return dict(vars(global_state.GLOBAL_STATE_TRACKER))
+
+
+def set_keras_global_attribute(name, value):
+    """Sets one attribute of Keras' global state (in another thread)."""
+    global_state.set_global_attribute(name, value)
+
+__all__ = ["Functional", "KerasSaveable", "SUPPORTED",
+           "ask_to_proceed_with_overwrite", "cancellation", "check_versions",
+           "colocate_optimizer", "eager_scope", "get_keras_mask",
+           "get_server_def", "keras_global_state", "keyed_random",
+           "no_automatic_tracking", "operation_fn", "reduce_weighted_values",
            "reinitialize_variable", "replaced_losses",
-           "scale_loss_for_distribution"]
+           "scale_loss_for_distribution", "seed_state_variables",
+           "set_initial_epoch", "set_keras_global_attribute", "to_snake_case", "unpack_singleton"]
 
 reduce_weighted_values = _loss_lib.reduce_weighted_values
 scale_loss_for_distribution = _loss_lib.scale_loss_for_distribution

@@ -27,13 +27,13 @@ import dataclasses
 import warnings
 
 import keras
-from keras.src.utils import tracking
 
+from keras_pipe.balance import shapes as shapes_lib
 from keras_pipe import balance as balance_lib
 from keras_pipe import graph as graph_lib
+from keras_pipe import internals
 from keras_pipe import placement
 from keras_pipe import validation
-from keras_pipe.balance import shapes as shapes_lib
 
 __all__ = ["BALANCE_MODES", "GraphStage", "Partition", "cut", "split_model"]
 
@@ -52,7 +52,7 @@ class GraphStage(keras.layers.Layer):
     def __init__(self, graph, calls, input_tensors, output_tensors, first,
                  last, **kwargs):
         super().__init__(dtype=graph.functional.dtype_policy, **kwargs)
-        with tracking.DotNotTrackScope():
+        with internals.no_automatic_tracking():
             self._self_setattr_tracking = False
             self._graph = graph
             self._calls = list(calls)

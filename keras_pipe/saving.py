@@ -43,9 +43,8 @@ import h5py
 import keras
 import numpy as np
 import tensorflow as tf
-from keras.src.saving.keras_saveable import KerasSaveable
-from keras.src.utils import naming
 
+from keras_pipe import internals
 from keras_pipe import placement
 
 __all__ = ["load_model", "flat_layers", "weight_paths", "get_config",
@@ -65,8 +64,7 @@ _LOADING = threading.local()
 
 def is_container(layer):
     """Sequential and plain Functional models are opened; other layers are not."""
-    from keras.src.models.functional import Functional
-    return type(layer) in (keras.Sequential, Functional)
+    return type(layer) in (keras.Sequential, internals.Functional)
 
 
 def graph_of(stages):
@@ -127,7 +125,7 @@ def _snake_names(layers):
     """Keras' names for list entries (`_save_container_state`)."""
     used, names = {}, []
     for layer in layers:
-        name = naming.to_snake_case(type(layer).__name__)
+        name = internals.to_snake_case(type(layer).__name__)
         if name in used:
             used[name] += 1
             name = f"{name}_{used[name]}"
@@ -175,7 +173,7 @@ def weight_paths(stages):
         layers = [l for l in _stage_layers(stage) if id(l) not in seen]
         seen.update(id(l) for l in layers)
         for layer in layers:
-            name = naming.to_snake_case(type(layer).__name__)
+            name = internals.to_snake_case(type(layer).__name__)
             if name in used:
                 used[name] += 1
                 name = f"{name}_{used[name]}"
@@ -185,7 +183,7 @@ def weight_paths(stages):
     return result
 
 
-class SeedStates(KerasSaveable):
+class SeedStates(internals.KerasSaveable):
     """The seed generator states of some layers, as one saveable object.
 
     Keras saves a layer's own variables only; the state of a
@@ -488,8 +486,7 @@ def load_weights(model, filepath, load, skip_mismatch=False):
 
 def _ask_to_overwrite(path):
     """Keras' interactive overwrite prompt (private API, Keras 3.15)."""
-    from keras.src.utils import io_utils  # noqa: PLC0415
-    return io_utils.ask_to_proceed_with_overwrite(path)
+    return internals.ask_to_proceed_with_overwrite(path)
 
 
 def _fsync_directory(folder):

@@ -101,3 +101,41 @@ def test_colocate_optimizer_patches_the_object_not_the_class(loss_scale):
     np.testing.assert_allclose(variable.numpy(), [3.0 - 0.06, 4.0 - 0.08],
                                rtol=1e-6)
     assert {name.split(":")[0] for name in devices_seen} == {"w"}
+
+
+def test_set_initial_epoch_is_what_fit_reads():
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    model.compile("sgd", "mse")
+    seen = []
+
+    class Record(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            seen.append(epoch)
+
+    class Skip(keras.callbacks.Callback):
+        def on_train_begin(self, logs=None):
+            internals.set_initial_epoch(self.model, 2)
+
+    x = np.zeros((4, 2), "float32")
+    model.fit(x, x[:, :1], epochs=3, verbose=0, callbacks=[Skip(), Record()])
+    assert seen == [2]
+
+
+def test_keras_global_state_round_trips():
+    state = internals.keras_global_state()
+    assert isinstance(state, dict)
+    internals.set_keras_global_attribute("keras_pipe_probe", 1)
+    assert internals.keras_global_state()["keras_pipe_probe"] == 1
+    internals.set_keras_global_attribute("keras_pipe_probe", None)
+
+
+def test_graph_hooks_exist_with_the_expected_shapes():
+    inputs = keras.Input((3,))
+    model = keras.Model(inputs, keras.layers.Dense(2)(inputs))
+    assert isinstance(model, internals.Functional)
+    assert internals.unpack_singleton([5]) == 5
+    assert internals.to_snake_case("DenseLayer") == "dense_layer"
+    assert callable(internals.operation_fn(model.layers[-1], training=False))
+    with internals.no_automatic_tracking():
+        pass
+    assert internals.cancellation.CancellationManager() is not None

@@ -136,3 +136,22 @@ def test_private_use_finder_finds_one():
                                   "keras_pipe.schedule", "keras_pipe.model"])
 def test_core_does_not_import_the_timeline(core):
     assert "keras_pipe.timeline" not in _graph()[core]
+
+
+def test_internals_are_imported_in_one_module_only():
+    # Every keras.src / tensorflow.python import lives in internals.py, which
+    # checks the Keras and TF versions it was written for.
+    bad = []
+    for name, tree in _modules().items():
+        if name == "keras_pipe.internals":
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                modules = [node.module]
+            elif isinstance(node, ast.Import):
+                modules = [alias.name for alias in node.names]
+            else:
+                continue
+            bad += [f"{name} imports {m}" for m in modules
+                    if m.startswith(("keras.src", "tensorflow.python"))]
+    assert not bad, bad
