@@ -33,22 +33,31 @@ def _now(anchor):
     return np.float64(time.time())
 
 
-def stamp(after):
+def stamp(after, device=None):
     """The wall-clock time once the tensors `after` exist.
 
     Not `tf.timestamp()`: it is stateful, and `tf.function` orders all
     stateful ops in program order, which would serialize the stages. A
     stateless `numpy_function` fed from the data (so that no two stamps can
     be merged or folded) is not ordered that way.
+
+    A `numpy_function` runs Python, so it must run in this process: with
+    `device` (the client's CPU) the stamp of a stage on a remote worker is
+    taken here when one element of `after` has arrived, a transfer later
+    than on the worker (a fraction of a millisecond on loopback).
     """
     after = [t for t in after if t is not None]
-    anchor = tf.zeros((), tf.float64)
+    first = None
     if after:
         first = tf.reshape(after[0], [-1])[:1]
-        anchor = tf.reduce_sum(tf.cast(first, tf.float64))
-    with tf.control_dependencies(after):
-        now = tf.numpy_function(_now, [anchor], tf.float64, stateful=False)
-    return tf.reshape(now, ())
+    with tf.device(device):
+        anchor = tf.zeros((), tf.float64)
+        if first is not None:
+            anchor = tf.reduce_sum(tf.cast(first, tf.float64))
+        with tf.control_dependencies(after):
+            now = tf.numpy_function(_now, [anchor], tf.float64,
+                                    stateful=False)
+        return tf.reshape(now, ())
 
 
 class Recorder:
@@ -58,6 +67,8 @@ class Recorder:
         self.num_micro_batches = num_micro_batches
         self.num_stages = num_stages
         self._buffer = buffer
+        # Stamps run where the buffer lives: this process's CPU.
+        self.device = None if buffer is None else buffer.device
         self._starts, self._ends = {}, {}
 
     @staticmethod
@@ -68,14 +79,13 @@ class Recorder:
         kind = "recompute" if match.group(4) else match.group(3)
         return kind, int(match.group(2)), int(match.group(1))
 
-    @staticmethod
-    def stamp(after):
-        """A timestamp op once `after` exist (see `stamp`)."""
-        return stamp(after)
+    def stamp(self, after):
+        """A timestamp op once `after` exist, in this process (`stamp`)."""
+        return stamp(after, self.device)
 
     def start(self, name, after):
         """A timestamp taken once `after` (tensors) are ready."""
-        start = stamp(after)
+        start = self.stamp(after)
         self._starts[self._key(name)] = start
         return start
 
@@ -85,7 +95,7 @@ class Recorder:
         self._ends[self._key(name)] = end
 
     def end(self, name, after):
-        self._ends[self._key(name)] = stamp(after)
+        self._ends[self._key(name)] = self.stamp(after)
 
     def finish(self):
         """Writes the stamps of the traced step into the buffer variable."""

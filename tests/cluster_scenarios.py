@@ -274,11 +274,31 @@ def run_hang(args):
     os._exit(0)  # The stopped worker's RPCs may never return: do not wait.
 
 
+def run_timeline(args):
+    """The Timeline records a step whose stages run on the workers."""
+    devices = keras_pipe.connect(args.cluster, timeout=60.0)
+    del devices
+    model = make_model(remote_devices(2))
+    logdir = tempfile.mkdtemp()
+    recorder = keras_pipe.callbacks.Timeline(logdir, steps=(1, 2),
+                                             verbose=False)
+    x, y = data()
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0, shuffle=False,
+              callbacks=[recorder])
+    result = recorder.results[-1]
+    print(json.dumps({
+        "kinds": sorted({e["kind"] for e in result["events"]}),
+        "events": len(result["events"]),
+        "stages": sorted({e["stage"] for e in result["events"]}),
+        "bubble": result["measured_bubble"],
+        "png": os.path.getsize(os.path.join(logdir, "step2.png"))}))
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("scenario", choices=["remote", "resume", "hang",
                                              "listen", "restart",
-                                             "stage_error"])
+                                             "stage_error", "timeline"])
     parser.add_argument("--cluster", required=True,
                         type=lambda s: {"worker": s.split(",")})
     parser.add_argument("--kill-pid", type=int)
@@ -286,7 +306,8 @@ def main():
     args = parser.parse_args()
     {"remote": run_remote, "resume": run_resume, "hang": run_hang,
      "listen": run_listen, "restart": run_restart,
-     "stage_error": run_stage_error}[args.scenario](args)
+     "stage_error": run_stage_error,
+     "timeline": run_timeline}[args.scenario](args)
 
 
 if __name__ == "__main__":

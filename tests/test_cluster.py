@@ -302,3 +302,15 @@ def test_worker_killed_during_fit_then_resume(workers, tmp_path):
     result = json.loads(out.strip().splitlines()[-1])
     assert result["resumed_epochs"] == [2, 3]
     assert result["weights_max_diff"] == 0.0, result
+
+
+def test_timeline_records_stages_on_workers(workers):
+    # Stamps are numpy_functions: they run Python, so they are placed on the
+    # client; before, a recorded step on workers failed.
+    result = _scenario("timeline", "--cluster", workers.spec)
+    assert result["stages"] == [0, 1]
+    assert set(result["kinds"]) >= {"forward", "backward"}
+    # 2 micro-batches x 2 stages, forward and backward (plus recomputes).
+    assert result["events"] >= 8
+    assert 0.0 < result["bubble"] < 1.0
+    assert result["png"] > 1000
