@@ -397,7 +397,7 @@ class Executor:
             step.cells[i][-1].output_grads)
 
     def _seed_full(self, step, head):
-        """The full-batch loss, once; seeds every micro-batch not yet seeded."""
+        """The full-batch loss, once; seeds the micro-batches not seeded."""
         y_pred = self.outputs(step)
         with tf.device(self.replicas[0][-1].device):
             loss = head.full(y_pred)

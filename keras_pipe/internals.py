@@ -85,7 +85,8 @@ __all__ = ["Functional", "KerasSaveable", "SUPPORTED",
            "no_automatic_tracking", "operation_fn", "reduce_weighted_values",
            "reinitialize_variable", "replaced_losses",
            "scale_loss_for_distribution", "seed_state_variables",
-           "set_initial_epoch", "set_keras_global_attribute", "to_snake_case", "unpack_singleton"]
+           "set_initial_epoch", "set_keras_global_attribute",
+           "to_snake_case", "unpack_singleton"]
 
 reduce_weighted_values = _loss_lib.reduce_weighted_values
 scale_loss_for_distribution = _loss_lib.scale_loss_for_distribution
@@ -138,7 +139,7 @@ def replaced_losses(compile_loss, make):
 
 
 def colocate_optimizer(optimizer, device_of):
-    """Patches `optimizer`'s per-variable hooks to run on each variable's device.
+    """Patches `optimizer`'s per-variable hooks onto each variable's device.
 
     Patched on the object, not its class: `add_variable_from_reference`
     and `update_step` (slots and update math under

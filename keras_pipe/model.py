@@ -325,7 +325,7 @@ class PipelineModel(keras.Model):
 
     def compile(self, *args, jit_compile="auto", run_eagerly=False,
                 **kwargs):
-        """Same as `keras.Model.compile`, with XLA off and a colocated optimizer.
+        """`keras.Model.compile`, with XLA off and a colocated optimizer.
 
         Raises:
             ValueError: if `jit_compile=True` (XLA cannot compile a function

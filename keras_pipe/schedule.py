@@ -411,7 +411,8 @@ def get_schedule(name):
         ValueError: naming the registered schedules if `name` is unknown.
     """
     if not isinstance(name, str) or name not in _REGISTRY:
-        raise ValueError(f"schedule must be one of {schedule_names()}. Received: "
+        raise ValueError(f"schedule must be one of {schedule_names()}. "
+                         "Received: "
                          f"schedule={name!r}")
     return _REGISTRY[name]
 

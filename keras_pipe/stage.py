@@ -42,18 +42,16 @@ import keras
 import tensorflow as tf
 
 from keras_pipe import internals
+from keras_pipe.tensors import (exact_spec, float_leaves, is_float, pairs,
+                                relaxed_spec)
 from keras_pipe.gradients import add_gradients
 from keras_pipe.weight_grad import SplitBackward
 
 __all__ = ["Stage", "StageRun"]
 
 
-def _is_float(t):
-    return t is not None and t.dtype.is_floating
 
 
-def _float_leaves(structure):
-    return [t for t in keras.tree.flatten(structure) if _is_float(t)]
 
 
 @dataclasses.dataclass
@@ -153,9 +151,9 @@ class Stage:
         return outputs, new_state, losses
 
     def _traced(self, inputs, params, state, training):
-        signature = (keras.tree.map_structure(_relaxed_spec, inputs),
-                     [_exact_spec(p) for p in params],
-                     [_exact_spec(s) for s in state])
+        signature = (keras.tree.map_structure(relaxed_spec, inputs),
+                     [exact_spec(p) for p in params],
+                     [exact_spec(s) for s in state])
         key = (bool(training), repr(signature))
         if key not in self._functions:
             changed = []
@@ -196,7 +194,8 @@ class Stage:
             before = [scope.get_current_value(v) for v in self.state_variables]
             outputs = self.layer(inputs, training=training)
         new_state = [None if new is old else new for new, old in zip(
-            (scope.get_current_value(v) for v in self.state_variables), before)]
+            (scope.get_current_value(v) for v in self.state_variables),
+            before)]
         return outputs, new_state, list(scope.losses)
 
     def forward(self, inputs, params, state, training, remat,
@@ -228,7 +227,7 @@ class Stage:
             with tape or contextlib.nullcontext(), tf.control_dependencies(
                     control_inputs):
                 if tape is not None:
-                    tape.watch(_float_leaves(inputs) + list(params))
+                    tape.watch(float_leaves(inputs) + list(params))
                 outputs, new_state, losses = self.call(
                     inputs, params, state, training)
             if observer is not None:
@@ -278,9 +277,9 @@ class Stage:
                 grads = self._taped_backward(run, output_grads, loss_grads,
                                              name, control_inputs, observer)
                 totals = [add_gradients(t, g) for t, g in zip(
-                    totals, grads[len(_float_leaves(run.inputs)):])]
+                    totals, grads[len(float_leaves(run.inputs)):])]
             input_grads = iter(grads)
-            return ([next(input_grads) if _is_float(t) else None
+            return ([next(input_grads) if is_float(t) else None
                      for t in flat_inputs], totals)
 
     def backward_input(self, run, output_grads, loss_grads, training,
@@ -330,14 +329,14 @@ class Stage:
 
     def _taped_backward(self, run, output_grads, loss_grads, name,
                         control_inputs, observer):
-        ys, grad_ys = _pairs(keras.tree.flatten(run.outputs) + run.losses,
+        ys, grad_ys = pairs(keras.tree.flatten(run.outputs) + run.losses,
                              output_grads + loss_grads)
         after = list(control_inputs)
         if observer is not None:
             after = [observer.start(name, grad_ys + ys + after)]
         with tf.control_dependencies(after):
             grads = run.tape.gradient(
-                ys, _float_leaves(run.inputs) + list(run.params),
+                ys, float_leaves(run.inputs) + list(run.params),
                 output_gradients=grad_ys,
                 unconnected_gradients=tf.UnconnectedGradients.NONE)
         if observer is not None:
@@ -362,7 +361,7 @@ class Stage:
         if stamp is not None:
             observer.put(name + "/recompute", stamps[0], stamps[1])
             observer.put(name, stamps[1], stamps[2])
-        n = len(_float_leaves(run.inputs))
+        n = len(float_leaves(run.inputs))
         sums = iter(sums)
         new_totals = [next(sums) if d else add_gradients(t, g)
                       for t, g, d in zip(totals, grads[n:], dense)]
@@ -372,10 +371,10 @@ class Stage:
                          stamp):
         inputs, params, state, seeds, sums = args
         num_output_grads = sum(given[:num_outputs])  # the rest: losses
-        exact = _exact_spec
-        specs = (keras.tree.map_structure(_relaxed_spec, inputs),
+        exact = exact_spec
+        specs = (keras.tree.map_structure(relaxed_spec, inputs),
                  [exact(p) for p in params], [exact(t) for t in state],
-                 [_relaxed_spec(g) for g in seeds[:num_output_grads]] +
+                 [relaxed_spec(g) for g in seeds[:num_output_grads]] +
                  [exact(g) for g in seeds[num_output_grads:]],
                  [exact(t) for t in sums])
         key = ("backward", bool(training), repr(specs), given, dense,
@@ -387,19 +386,19 @@ class Stage:
             start = _stamp_or_none(stamp, seeds)
             with tf.GradientTape(watch_accessed_variables=False) as tape, \
                     tf.name_scope("recompute"):
-                tape.watch(_float_leaves(inputs) + list(params))
+                tape.watch(float_leaves(inputs) + list(params))
                 outputs, _, losses = self.call_inline(inputs, params, state,
                                                       training)
             seeds = iter(seeds)
             grad_of = [next(seeds) if g else None for g in given]
-            ys, grad_ys = _pairs(keras.tree.flatten(outputs) + losses,
+            ys, grad_ys = pairs(keras.tree.flatten(outputs) + losses,
                                  grad_of)
             middle = _stamp_or_none(stamp, ys)
             grads = tape.gradient(
-                ys, _float_leaves(inputs) + list(params),
+                ys, float_leaves(inputs) + list(params),
                 output_gradients=grad_ys,
                 unconnected_gradients=tf.UnconnectedGradients.NONE)
-            n = len(_float_leaves(inputs))
+            n = len(float_leaves(inputs))
             sums = iter(sums)
             new_sums = [add_gradients(next(sums), g)
                         for g, d in zip(grads[n:], dense) if d]
@@ -416,24 +415,10 @@ class Stage:
         return function
 
 
-def _exact_spec(t):
-    """A TensorSpec of `t` (without its name, which would be in a key)."""
-    return tf.TensorSpec(t.shape, t.dtype)
 
 
-def _relaxed_spec(t):
-    """A TensorSpec of `t` with the batch dimension left open."""
-    if t.shape.rank:
-        return tf.TensorSpec((None,) + tuple(t.shape[1:]), t.dtype)
-    return _exact_spec(t)
 
 
 def _stamp_or_none(stamp, after):
     return None if stamp is None else stamp(after)
 
-
-def _pairs(ys, grads):
-    """The (output, gradient) pairs that take part in a backward pass."""
-    pairs = [(y, g) for y, g in zip(ys, grads)
-             if g is not None and _is_float(y)]
-    return [y for y, _ in pairs], [g for _, g in pairs]

@@ -67,6 +67,8 @@ import keras
 import tensorflow as tf
 
 from keras_pipe import gradients as gradients_lib
+from keras_pipe.tensors import (exact_spec, float_leaves, is_float, pairs,
+                                relaxed_spec)
 
 __all__ = ["SplitBackward", "SplitPlan", "Stash"]
 
@@ -214,7 +216,7 @@ class SplitBackward:
             inputs, params, state, output_grads, loss_grads)
         grads, stash = function(*args)
         grads = iter(grads)
-        return ([next(grads) if _is_float(t) else None for t in flat_inputs],
+        return ([next(grads) if is_float(t) else None for t in flat_inputs],
                 Stash(stash, key))
 
     def backward_weight(self, params, stashes, totals=None):
@@ -254,11 +256,11 @@ class SplitBackward:
         seeds = [g for g in list(output_grads) + list(loss_grads)
                  if g is not None]
         num_output_seeds = sum(given[:num_outputs])
-        specs = (keras.tree.map_structure(_relaxed_spec, inputs),
-                 [_exact_spec(p) for p in params],
-                 [_exact_spec(s) for s in state],
-                 [_relaxed_spec(g) for g in seeds[:num_output_seeds]] +
-                 [_exact_spec(g) for g in seeds[num_output_seeds:]])
+        specs = (keras.tree.map_structure(relaxed_spec, inputs),
+                 [exact_spec(p) for p in params],
+                 [exact_spec(s) for s in state],
+                 [relaxed_spec(g) for g in seeds[:num_output_seeds]] +
+                 [exact_spec(g) for g in seeds[num_output_seeds:]])
         key = (repr(specs), given)
         args = (inputs, list(params), list(state), seeds)
         if key in self._functions:
@@ -267,14 +269,14 @@ class SplitBackward:
         def run(inputs, params, state, seeds):
             graph = tf.compat.v1.get_default_graph()
             first = len(graph.get_operations())
-            float_inputs = _float_leaves(inputs)
+            float_inputs = float_leaves(inputs)
             with tf.GradientTape(watch_accessed_variables=False) as tape:
                 tape.watch(float_inputs + list(params))
                 outputs, _, losses = self.call(inputs, params, state,
                                                self.training)
             ops = graph.get_operations()[first:]
             seeds = iter(seeds)
-            ys, grad_ys = _pairs(
+            ys, grad_ys = pairs(
                 keras.tree.flatten(outputs) + list(losses),
                 [next(seeds) if g else None for g in given])
             plan = _make_plan(ops, inputs, params, ys)
@@ -319,9 +321,9 @@ class SplitBackward:
             rest = [None if d else g for g, d in zip(grads, dense)]
             return rest, new_sums
 
-        specs = ([_exact_spec(p) for p in params],
+        specs = ([exact_spec(p) for p in params],
                  [list(plan.stash_specs)] * num_micro_batches,
-                 [_exact_spec(p) for p, d in zip(params, dense) if d])
+                 [exact_spec(p) for p, d in zip(params, dense) if d])
         function = tf.function(
             run, autograph=False,
             experimental_attributes={"_noinline": True},
@@ -613,30 +615,14 @@ def _is_stateful(op):
     return op.op_def.is_stateful
 
 
-def _is_float(t):
-    return t is not None and t.dtype.is_floating
 
 
-def _float_leaves(structure):
-    return [t for t in keras.tree.flatten(structure) if _is_float(t)]
 
 
-def _pairs(ys, grads):
-    """The (output, gradient) pairs that take part in a backward pass."""
-    pairs = [(y, g) for y, g in zip(ys, grads)
-             if g is not None and _is_float(y)]
-    return [y for y, _ in pairs], [g for _, g in pairs]
 
 
-def _exact_spec(t):
-    return tf.TensorSpec(t.shape, t.dtype)
 
 
-def _relaxed_spec(t):
-    """A TensorSpec of `t` with the batch dimension left open."""
-    if t.shape.rank:
-        return tf.TensorSpec((None,) + tuple(t.shape[1:]), t.dtype)
-    return _exact_spec(t)
 
 
 def _relaxed_type_spec(t):
