@@ -114,10 +114,18 @@ class Step:
     last: dict = dataclasses.field(default_factory=dict)
     loss: object = None
     seeded_by_parts: bool = False
+    _shares: dict = dataclasses.field(default_factory=dict)
 
     @property
     def num_micro_batches(self):
         return len(self.micro_batches)
+
+    def shares(self, dtype):
+        """Each micro-batch's share of the batch's rows, built once."""
+        key = tf.as_dtype(dtype).name
+        if key not in self._shares:
+            self._shares[key] = _shares(self.micro_batches, dtype)
+        return self._shares[key]
 
 
 
@@ -245,6 +253,13 @@ class Executor:
         for a in actions:
             if a.kind == "W":
                 step.cells[a.i][a.j].split = True
+        # Seeds come from each micro-batch's own part of the loss when a
+        # backward call starts before the last forward call, and with
+        # replicas (the full-batch loss would join them); else from the
+        # full-batch loss once.
+        last_forward = max(n for n, a in enumerate(actions) if a.kind == "F")
+        step.seeded_by_parts = self.num_replicas > 1 or any(
+            a.kind == "B" for a in actions[:last_forward])
         pending = {}  # device -> [(i, j)]: W actions not yet issued
         for action in actions:
             i, j = action.i, action.j
@@ -279,11 +294,16 @@ class Executor:
         # A split backward pass recomputes the stage in B: the forward
         # pass keeps no activations for it.
         r = step.replica[i]
-        micro_batch = step.micro_batches[i]
-        rows = tf.stack([tf.cast(micro_batch.offset, tf.int32),
-                         tf.cast(step.total_rows, tf.int32)])
+        state = list(step.state[r][j])
+        if any(kind == "seed" for kind, _ in runner.state_kinds):
+            # Random draws keyed by the rows' places in the global batch.
+            micro_batch = step.micro_batches[i]
+            with tf.device(runner.device):
+                state.append(tf.stack([
+                    tf.cast(micro_batch.offset, tf.int32),
+                    tf.cast(step.total_rows, tf.int32)]))
         run, new_state = runner.forward(
-            x, step.params[r][j], step.state[r][j] + [rows], step.training,
+            x, step.params[r][j], state, step.training,
             self._remat(step, i, j) or step.cells[i][j].split,
             control_inputs=step.last.get(runner.device, []),
             differentiable=step.differentiable,
@@ -365,7 +385,7 @@ class Executor:
         `add_loss` terms are batch means: the full-batch value is the mean
         of the micro-batch values weighted by micro-batch size.
         """
-        shares = _shares(step.micro_batches, dtype)
+        shares = step.shares(dtype)
         terms = [tf.cast(tf.reduce_sum(l), dtype) * shares[i]
                  for i, row in enumerate(step.cells) for cell in row
                  for l in cell.run.losses]
@@ -373,19 +393,14 @@ class Executor:
 
     # ---------------------------------------------------------------- seeds
 
-    def _all_forwards_done(self, step):
-        return all(row[-1].run is not None for row in step.cells)
-
     def _maybe_seed_part(self, step, head, i):
         """Seeds micro-batch `i` from its loss part if backward starts early.
 
-        Called when micro-batch `i` left the last stage. If every forward
-        call is done and no part was seeded yet, the full-batch loss seeds
-        everything instead (at the first backward call).
+        Called when micro-batch `i` left the last stage. Without parts, the
+        full-batch loss seeds everything at the first backward call.
         """
-        if not step.seeded_by_parts and self._all_forwards_done(step):
+        if not step.seeded_by_parts:
             return
-        step.seeded_by_parts = True
         last = self.runner(step, i, self.num_stages - 1)
         # The loss head joins the last stage's chain of calls.
         with tf.device(last.device), tf.control_dependencies(
@@ -426,7 +441,7 @@ class Executor:
 
     def _seed_layer_losses(self, step, scale, indices):
         """Gradients of the total loss for the stages' `add_loss` terms."""
-        shares = _shares(step.micro_batches, tf.float32)
+        shares = step.shares(tf.float32)
         for i in indices:
             for cell in step.cells[i]:
                 cell.loss_grads = [

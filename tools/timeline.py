@@ -1,11 +1,12 @@
 """Draws the timeline of one training step of the demo pipeline.
 
     python tools/timeline.py [--num-stages 4] [--num-micro-batches 8]
-                             [--schedule gpipe|1f1b] [--out docs]
+                             [--schedule NAME] [--out docs] [--name timeline]
 
 Runs the demo's model (`keras_pipe.demo`) through `fit` with the
-`keras_pipe.callbacks.Timeline` callback and writes `timeline.png` and
-`timeline.trace.json` (chrome://tracing) to `--out`. Without GPUs the
+`keras_pipe.callbacks.Timeline` callback and writes `NAME.png` and
+`NAME.trace.json` (chrome://tracing) to `--out` (`--name`, default
+`timeline`). Without GPUs the
 stages run on logical CPU devices, which share the machine's cores: the
 picture shows the schedule, not a speed-up.
 """
@@ -27,6 +28,7 @@ def main(argv=None):
     parser.add_argument("--schedule", default="gpipe")
     parser.add_argument("--batch-size", type=int, default=512)
     parser.add_argument("--out", default="timeline_out")
+    parser.add_argument("--name", default="timeline")
     args = parser.parse_args(argv)
 
     import keras_pipe
@@ -51,13 +53,13 @@ def main(argv=None):
                   callbacks=[timeline])
         os.makedirs(args.out, exist_ok=True)
         shutil.copy(os.path.join(logdir, "step3.png"),
-                    os.path.join(args.out, "timeline.png"))
+                    os.path.join(args.out, args.name + ".png"))
         shutil.copy(os.path.join(logdir, "step3.trace.json"),
-                    os.path.join(args.out, "timeline.trace.json"))
+                    os.path.join(args.out, args.name + ".trace.json"))
     result = timeline.results[-1]
     print(f"measured bubble {result['measured_bubble']:.1%}, GPipe "
           f"(K-1)/(M+K-1) = {result['theoretical_bubble']:.1%}; wrote "
-          f"{args.out}/timeline.png")
+          f"{args.out}/{args.name}.png")
 
 
 if __name__ == "__main__":
