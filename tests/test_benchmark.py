@@ -280,7 +280,7 @@ def test_plot_writes_a_small_png(tmp_path):
 def test_bad_part_is_refused(capsys):
     with pytest.raises(SystemExit):
         bm.main(["--only", "a,x"])
-    assert "--only takes parts among a,b,c,d,e. Received: ['x']" in (
+    assert "--only takes parts among a,b,c,d,e,f. Received: ['x']" in (
         capsys.readouterr().err)
 
 
@@ -317,3 +317,13 @@ def test_settings_are_json_and_quick_is_smaller():
     assert len(quick["d"]["grid"]) < len(full["d"]["grid"])
     assert (8, 4) in quick["d"]["grid"] and (8, 32) in quick["d"]["grid"]
     assert 8 in quick["c"]["micro_batches"]
+
+
+def test_replicas_table_gives_the_ratio_to_one_replica():
+    result = {"R1": {"step_seconds": 0.2, "best_step_seconds": 0.18},
+              "R2": {"step_seconds": 0.25, "best_step_seconds": 0.2},
+              "M": 2, "model": "m"}
+    title, headers, rows = bm.replicas_table(result)
+    assert "M=2 per replica" in title
+    assert headers[-1] == "ratio to R=1"
+    assert rows[1] == ["R=2, K=2", "250", "200", "1.25x"]

@@ -25,6 +25,9 @@ context only: the machine may be shared and noisy):
       stage, as one device runs one op at a time) against (M+K-1) stage
       times, for a forward pass and training steps (GPipe, GPipe with
       remat, 1F1B);
+  (f) 2 replicas x 2 stages against 1 replica of a BatchNormalization +
+      Dropout model on 4 worker processes (replicas no longer wait for
+      each other's state);
 
 and writes `benchmark.json` (every number), `benchmark.md` (the tables in
 Markdown) and `benchmark.png` to `--out`.
@@ -428,6 +431,26 @@ def throughput_tables(a):
     return tables
 
 
+def replicas_table(result):
+    """Table (f): step time of R=2 replicas x K=2 stages vs R=1, same model.
+
+    Pure, for `tests/test_benchmark.py`.
+    """
+    one, two = result["R1"], result["R2"]
+    return ((
+        "(f) Replicas with BatchNormalization + Dropout on 4 worker "
+        f"processes (2 per core), {result['model']}, M={result['M']} per "
+        "replica, same global batch: step time of 2 replicas x 2 stages "
+        "over 1 replica x 2 stages (medians of interleaved rounds)"),
+        ["run", "ms/step", "fastest ms/step", "ratio to R=1"],
+        [["R=1, K=2", fmt(one["step_seconds"] * 1e3, 0),
+          fmt(one["best_step_seconds"] * 1e3, 0), "1.00x"],
+         ["R=2, K=2", fmt(two["step_seconds"] * 1e3, 0),
+          fmt(two["best_step_seconds"] * 1e3, 0),
+          fmt(ratio(two["step_seconds"], one["step_seconds"]),
+              suffix="x")]])
+
+
 def summarize(results):
     """Tables (text) and goal checks from the parts' JSON."""
     tables, goals = [], {}
@@ -527,6 +550,9 @@ def summarize(results):
         worst = max((abs(r["ratio"] - 1) for r in rows if r["ratio"]),
                     default=None)
         goals["e"] = check_goal("e", worst)
+    f = results.get("f")
+    if f and "error" not in f:
+        tables.append(replicas_table(f))
     goal_rows = [[key, g["goal"], g["bound"], fmt(g["measured"], 3),
                   fmt(g["met"]) if g["met"] is not None else "not measured",
                   g.get("note", "")]
@@ -1084,7 +1110,49 @@ def child_fidelity(p):
     return {"runs": runs}
 
 
+def child_replicas(p):
+    """Client of 4 workers: R=1 vs R=2 replicas of a 2-stage BN+Dropout MLP."""
+    tf, keras = _tf_env()
+    del tf
+    import numpy as np
+
+    import keras_pipe
+    devices = keras_pipe.connect({"worker": p["cluster"]}, timeout=60.0)
+    remote = [names[0] for _, names in sorted(devices.items())]
+
+    def stages():
+        per = p["layers"] // 2
+        return [keras.Sequential(
+            [layer for _ in range(per) for layer in (
+                keras.layers.Dense(p["width"], activation="relu"),
+                keras.layers.BatchNormalization(),
+                keras.layers.Dropout(0.1))], name=f"stage{j}")
+            for j in range(2)]
+
+    x, y = _throughput_data(np, p["steps"], p["batch"], p["width"])
+    models = {}
+    for r in (1, 2):
+        keras.utils.set_random_seed(0)
+        model = keras_pipe.PipelineModel(stages(), devices=remote[:2],
+                                         num_micro_batches=p["M"])
+        model.build((None, p["width"]))
+        if r == 2:
+            model.replicate(remote[:4])
+        model.compile(keras.optimizers.Adam(1e-4), "mse")
+        _fit_steps(keras, model, x[:3 * p["batch"]], y[:3 * p["batch"]],
+                   p["batch"])
+        models[r] = model
+    steps = {r: [] for r in models}
+    for _ in range(p["rounds"]):
+        for r, model in models.items():
+            steps[r] += _fit_steps(keras, model, x, y, p["batch"])
+    return {f"R{r}": {"step_seconds": median(steps[r]),
+                      "best_step_seconds": min(steps[r]), "steps": steps[r]}
+            for r in models}
+
+
 CHILDREN = {"baseline": child_baseline, "throughput": child_throughput,
+            "replicas": child_replicas,
             "overhead": child_overhead, "memory": child_memory,
             "build": child_build, "fidelity": child_fidelity}
 
@@ -1210,6 +1278,8 @@ def settings(quick, schedules=SCHEDULES):
               "steps_per_execution": 4,
               "steps_per_execution_micro_batches": [4],
               "steps": 8 if quick else 12, "rounds": 2 if quick else 4},
+        "f": {"layers": 4, "width": 512, "batch": 512, "M": 2,
+              "steps": 6 if quick else 10, "rounds": 2 if quick else 4},
         "b": {"models": [model, {"layers": 4, "width": 128, "batch": 64}],
               "steps": 8 if quick else 20, "rounds": 3 if quick else 6},
         # Activations dominate in the first model; in the second, weights,
@@ -1320,6 +1390,18 @@ def run_parts(parts, quick, outdir, log=print, schedules=SCHEDULES):
         log("(e) schedule fidelity with fixed-duration stages")
         loads["e"] = os.getloadavg()
         results["e"] = run_child("fidelity", s["e"], 3600, log=log)
+    if "f" in parts:
+        log("(f) 2 replicas x 2 stages vs 1 replica, BatchNorm + Dropout")
+        loads["f"] = os.getloadavg()
+        from keras_pipe.worker import bind_shim_path  # imports TF, here only
+        with Workers(4, outdir) as workers:
+            results["f"] = run_child(
+                "replicas", dict(s["f"], cluster=workers.addresses), 1800,
+                shim=bind_shim_path(), log=log)
+        results["f"].update(M=s["f"]["M"], model=(
+            f"2 stages of {s['f']['layers'] // 2} x (Dense({s['f']['width']})"
+            " + BatchNormalization + Dropout), batch "
+            f"{s['f']['batch']}"))
     for part, load in loads.items():  # 1, 5, 15-minute load averages
         results[part]["load_average_at_start"] = load
     return results
@@ -1469,7 +1551,7 @@ def main(argv=None):
     parser.add_argument("--out", default="benchmark_out",
                         help="folder for benchmark.json, benchmark.png and "
                         "worker logs (default: benchmark_out)")
-    parser.add_argument("--only", default="a,b,c,d,e",
+    parser.add_argument("--only", default="a,b,c,d,e,f",
                         help="comma-separated parts to run (default: all)")
     parser.add_argument("--schedules", default=",".join(SCHEDULES),
                         help="comma-separated schedules of part (a) (and "
@@ -1482,9 +1564,9 @@ def main(argv=None):
         _child_main(args.child, json.loads(args.params))
         return
     parts = [p.strip() for p in args.only.split(",") if p.strip()]
-    unknown = sorted(set(parts) - set("abcde"))
+    unknown = sorted(set(parts) - set("abcdef"))
     if unknown:
-        parser.error(f"--only takes parts among a,b,c,d,e. Received: "
+        parser.error(f"--only takes parts among a,b,c,d,e,f. Received: "
                      f"{unknown}")
     schedules = [n.strip() for n in args.schedules.split(",") if n.strip()]
     unknown = [n for n in schedules if n not in SCHEDULES]
