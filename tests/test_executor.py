@@ -53,10 +53,11 @@ def test_per_stage_remat_is_exact(devices):
     check_one_step(pipe, reference, x, y)
 
 
-@pytest.mark.parametrize("name,devices_of", [
-    ("1f1b", [0, 1, 2]), ("zb_h1", [0, 1, 2]), ("zb_h2", [0, 1, 2]),
-    ("interleaved_1f1b", [0, 1, 0, 1]), ("zbv", [0, 1, 1, 0])])
-@pytest.mark.parametrize("remat", ["never", "except_last"])
+@pytest.mark.parametrize("name,devices_of,remat", [
+    ("1f1b", [0, 1, 2], "never"), ("zb_h1", [0, 1, 2], "never"),
+    ("zb_h1", [0, 1, 2], "except_last"), ("zb_h2", [0, 1, 2], "always"),
+    ("interleaved_1f1b", [0, 1, 0, 1], "except_last"),
+    ("zbv", [0, 1, 1, 0], "never")])
 def test_every_schedule_gives_the_unsplit_gradients(devices, name,
                                                     devices_of, remat):
     stages = len(devices_of)
