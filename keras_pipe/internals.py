@@ -260,6 +260,43 @@ from keras.src.random.seed_generator import SeedGenerator  # noqa: E402
 from keras.src.random.seed_generator import draw_seed  # noqa: E402
 
 
+_PHILOX = 1  # RNG_ALG_PHILOX: counter-based, 4 numbers per counter step
+
+
+def _philox_rows(kind, dims, rows, seed, dtype):
+    """`kind` ("uniform" or "normal") numbers of this micro-batch's rows.
+
+    Philox is counter-based: element `k` of a draw of the whole global
+    batch comes from counter `k // 4`. Starting the counter at this
+    micro-batch's first element gives exactly the rows that draw would have
+    given there, without drawing the other rows.
+    """
+    key, counter = tf.raw_ops.StatelessRandomGetKeyCounter(seed=seed)
+    per_row = tf.cast(tf.reduce_prod(tf.stack(
+        [tf.cast(d, tf.int64) for d in dims[1:]] + [tf.constant(1, tf.int64)])),
+        tf.int64)
+    first = tf.cast(rows[0], tf.int64) * per_row
+    skip = first % 4
+    counter = counter + tf.stack([tf.cast((first - skip) // 4, tf.uint64),
+                                  tf.constant(0, tf.uint64)])
+    count = tf.cast(dims[0], tf.int64) * per_row + skip
+    op = (tf.raw_ops.StatelessRandomUniformV2 if kind == "uniform"
+          else tf.raw_ops.StatelessRandomNormalV2)
+    flat = op(shape=tf.reshape(count, [1]), key=key, counter=counter,
+              alg=_PHILOX, dtype=dtype)
+    return tf.reshape(flat[skip:], tf.stack(
+        [tf.cast(d, tf.int32) for d in dims]))
+
+
+def _batch_dims(shape):
+    """The dims of `shape` if its first one is a batch (unknown when traced)."""
+    dims = list(shape) if not isinstance(shape, tf.Tensor) else [
+        shape[k] for k in range(shape.shape[0])]
+    if not dims or isinstance(dims[0], int):
+        return None
+    return dims
+
+
 def _rows_of(shape, rows, draw):
     """`draw(shape)` for a batch-first shape, keyed by the global row.
 
@@ -269,11 +306,12 @@ def _rows_of(shape, rows, draw):
     batch size left open) and is drawn as is, the same for every
     micro-batch; otherwise the rows of the whole global batch are drawn and
     this micro-batch's rows are sliced out, so row `r` sees the same numbers
-    whatever micro-batch, stage or replica it lands in.
+    whatever micro-batch, stage or replica it lands in (uniform and normal
+    draws start Philox's counter at the micro-batch's rows instead, which
+    gives the same numbers without drawing the rest).
     """
-    dims = list(shape) if not isinstance(shape, tf.Tensor) else [
-        shape[k] for k in range(shape.shape[0])]
-    if not dims or isinstance(dims[0], int):
+    dims = _batch_dims(shape)
+    if dims is None:
         return draw(shape)
     full = draw(tf.stack([tf.cast(rows[1], tf.int32)] + [
         tf.cast(d, tf.int32) for d in dims[1:]]))
@@ -303,13 +341,23 @@ def keyed_random(rows):
 
     def uniform(shape, minval=0.0, maxval=1.0, dtype=None, seed=None):
         s = seeded(seed)
-        return _rows_of(shape, rows, lambda sh: originals["uniform"](
-            sh, minval=minval, maxval=maxval, dtype=dtype, seed=s))
+        dims = _batch_dims(shape)
+        if dims is None or not _is_float_dtype(dtype):
+            return _rows_of(shape, rows, lambda sh: originals["uniform"](
+                sh, minval=minval, maxval=maxval, dtype=dtype, seed=s))
+        dtype = _float_dtype(dtype)
+        u = _philox_rows("uniform", dims, rows, s, dtype)
+        return u * tf.cast(maxval - minval, dtype) + tf.cast(minval, dtype)
 
     def normal(shape, mean=0.0, stddev=1.0, dtype=None, seed=None):
         s = seeded(seed)
-        return _rows_of(shape, rows, lambda sh: originals["normal"](
-            sh, mean=mean, stddev=stddev, dtype=dtype, seed=s))
+        dims = _batch_dims(shape)
+        if dims is None:
+            return originals["normal"](shape, mean=mean, stddev=stddev,
+                                       dtype=dtype, seed=s)
+        dtype = _float_dtype(dtype)
+        n = _philox_rows("normal", dims, rows, s, dtype)
+        return n * tf.cast(stddev, dtype) + tf.cast(mean, dtype)
 
     def truncated_normal(shape, mean=0.0, stddev=1.0, dtype=None, seed=None):
         s = seeded(seed)
@@ -327,10 +375,11 @@ def keyed_random(rows):
                                                            noise_shape)
         dims = [tf.shape(inputs)[0]] + [noise_shape[k] for k in range(
             1, len(inputs.shape))]
+        where = rows
         if isinstance(noise_shape, list) and isinstance(noise_shape[0], int):
-            dims[0] = noise_shape[0]  # shared over the batch
-        keep = _rows_of(dims, rows, lambda sh: tf.random.stateless_uniform(
-            sh, seed=s, dtype=inputs.dtype)) >= rate
+            dims[0] = noise_shape[0]  # shared over the batch: every
+            where = [0, 0]            # micro-batch draws the same
+        keep = _philox_rows("uniform", dims, where, s, inputs.dtype) >= rate
         scale = tf.cast(1.0 / (1.0 - rate), inputs.dtype)
         return tf.where(keep, inputs * scale, tf.zeros_like(inputs))
 
@@ -343,6 +392,16 @@ def keyed_random(rows):
     finally:
         for name, fn in originals.items():
             setattr(_tf_random, name, fn)
+
+
+def _float_dtype(dtype):
+    return tf.as_dtype(keras.backend.standardize_dtype(
+        dtype or keras.backend.floatx()))
+
+
+def _is_float_dtype(dtype):
+    return dtype is None or tf.as_dtype(
+        keras.backend.standardize_dtype(dtype)).is_floating
 
 
 def seed_state_variables(layer):

@@ -139,3 +139,27 @@ def test_graph_hooks_exist_with_the_expected_shapes():
     with internals.no_automatic_tracking():
         pass
     assert internals.cancellation.CancellationManager() is not None
+
+
+@pytest.mark.parametrize("draw", ["uniform", "normal", "dropout"])
+def test_keyed_random_rows_match_the_global_draw(draw):
+    # Philox counter offsets give a micro-batch's rows of the global draw
+    # without drawing the rest: the rows of 3 micro-batches concatenate to
+    # the whole batch's draw, and the same rows come out of any cut.
+    generator = keras.random.SeedGenerator(5)
+    state = generator.state.numpy().copy()
+
+    def rows_of(offset, size, total=10):
+        generator.state.assign(state)
+        x = tf.ones((size, 6))
+        with internals.keyed_random(tf.constant([offset, total])):
+            if draw == "dropout":
+                return keras.random.dropout(x, 0.5, seed=generator)
+            fn = getattr(keras.random, draw)
+            return fn(tf.shape(x), seed=generator)
+
+    whole = rows_of(0, 10)
+    parts = tf.concat([rows_of(0, 3), rows_of(3, 3), rows_of(6, 4)], 0)
+    np.testing.assert_array_equal(parts.numpy(), whole.numpy())
+    np.testing.assert_array_equal(rows_of(5, 2).numpy(), whole[5:7].numpy())
+    assert np.std(whole.numpy()) > 0.1  # random, not constant
