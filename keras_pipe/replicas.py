@@ -32,11 +32,13 @@ strategy:
   a pipeline, whose stage weights are a 1/K share of the model, that is
   the simple, exact choice. Checkpoints are unchanged by replication.
 
-State (BatchNormalization statistics, Dropout seeds) is threaded through
-the `R * M` micro-batches in order, as in a pipeline of `R * M`
-micro-batches, so a stage with state makes replica `r + 1` wait for the
-state that replica `r` leaves on that stage: stateless stages run fully in
-parallel, stateful ones are exact but serialized across replicas.
+State does not join replicas: random draws are keyed by each row's place
+in the global batch (so Dropout masks do not depend on the replica), and
+BatchNormalization moving statistics are threaded by each replica on its
+own and merged once per step as if the replicas' micro-batches had run one
+after another (`keras_pipe.executor`). Other state (a layer's own
+non-trainable variables) is still threaded from call to call in issue
+order, which makes the replicas wait for each other on that stage.
 """
 
 from keras_pipe import placement
