@@ -255,7 +255,11 @@ def test_worker_restarted_between_calls(workers):
     for key in ("same_model", "predict", "reconnected_same_model"):
         outcome = result[key]
         assert outcome["is_unavailable"], (key, outcome)
-        assert outcome["tasks"] == {task: address}, (key, outcome)
+        # The restarted task is named; under load TF's message can name the
+        # task that was talking to it too (seen once in a full run).
+        assert outcome["tasks"].get(task) == address, (key, outcome)
+        assert set(outcome["tasks"]) <= {task,
+                                         "/job:worker/replica:0/task:0"}
         assert f"{task} at {address}" in outcome["message"], (key, outcome)
         assert "keras_pipe.BackupAndRestore" in outcome["message"], outcome
     assert "keras_pipe.connect()" in result["same_model"]["message"]
