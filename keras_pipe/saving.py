@@ -168,19 +168,14 @@ def weight_paths(stages):
         _nested_paths(_source_layers(graph), "layers", stage_of, set(),
                       result)
         return result
-    used, result, seen = {}, [], set()
+    owned, seen = [], set()
     for j, stage in enumerate(stages):
         layers = [l for l in _stage_layers(stage) if id(l) not in seen]
         seen.update(id(l) for l in layers)
-        for layer in layers:
-            name = internals.to_snake_case(type(layer).__name__)
-            if name in used:
-                used[name] += 1
-                name = f"{name}_{used[name]}"
-            else:
-                used[name] = 0
-            result.append((j, layer, f"layers/{name}"))
-    return result
+        owned += [(j, layer) for layer in layers]
+    names = _snake_names([layer for _, layer in owned])
+    return [(j, layer, f"layers/{name}")
+            for (j, layer), name in zip(owned, names)]
 
 
 class SeedStates(internals.KerasSaveable):
