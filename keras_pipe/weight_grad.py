@@ -376,16 +376,8 @@ def _make_plan(ops, inputs, params, ys):
             mixing_ops.append(op)
     problems = []
     for op in mixing_ops:
-        if "_gradient_op_type" in op.node_def.attr:
-            problems.append(f"mixing op {op.name!r} has a custom gradient "
-                            f"({op.type})")
-        elif op.type in _CALLS:
-            problems.append(f"mixing op {op.name!r} is control flow or a "
-                            f"function call ({op.type})")
-        elif _is_stateful(op):
-            problems.append(f"mixing op {op.name!r} is stateful ({op.type})")
-        else:
-            problems += _replay_problems(op)
+        problems += _unreplayable(op, f"mixing op {op.name!r}",
+                                  check_state=True)
     direct = [y for y in ys if kind_of(y) == "P"]
     # The P and C ops that W replays: the ancestors of what it needs.
     needed = [t for op in mixing_ops for t in op.inputs
@@ -399,14 +391,8 @@ def _make_plan(ops, inputs, params, ys):
         stack.extend(t.op.inputs)
     replay = [op for op in ops if op in wanted]
     for op in replay:
-        if "_gradient_op_type" in op.node_def.attr:
-            problems.append(f"op {op.name!r} on the params has a custom "
-                            f"gradient ({op.type})")
-        elif op.type in _CALLS:
-            problems.append(f"op {op.name!r} on the params is control flow "
-                            f"or a function call ({op.type})")
-        else:
-            problems += _replay_problems(op)
+        problems += _unreplayable(op, f"op {op.name!r} on the params",
+                                  check_state=False)
     if problems:
         return SplitPlan(False, "; ".join(problems))
     mixing = []
@@ -553,6 +539,17 @@ def _concatenable(op, kind_of):
         return (xs == [1] and axis is not None and int(axis) == 0 and
                 op.get_attr("batch_dims") == 0)
     return False
+
+
+def _unreplayable(op, label, check_state):
+    """Why W cannot replay `op` (a custom gradient, a call, ...), or []."""
+    if "_gradient_op_type" in op.node_def.attr:
+        return [f"{label} has a custom gradient ({op.type})"]
+    if op.type in _CALLS:
+        return [f"{label} is control flow or a function call ({op.type})"]
+    if check_state and _is_stateful(op):
+        return [f"{label} is stateful ({op.type})"]
+    return _replay_problems(op)
 
 
 def _replay_problems(op):
