@@ -232,26 +232,22 @@ def _cpu_list(text):
     return sorted(cpus)
 
 
-def _count(text):
-    try:
-        value = int(text)
-    except ValueError:
-        value = None
-    if value is None or value < 1:
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not a thread count; pass an int >= 1")
-    return value
+def _int_at_least(minimum, what):
+    """An argparse type: an int >= `minimum`, else an error naming `what`."""
+    def parse(text):
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < minimum:
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is not a {what}; pass an int >= {minimum}")
+        return value
+    return parse
 
 
-def _index(text):
-    try:
-        value = int(text)
-    except ValueError:
-        value = None
-    if value is None or value < 0:
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not a task index; pass an int >= 0")
-    return value
+_count = _int_at_least(1, "thread count")
+_index = _int_at_least(0, "task index")
 
 
 def _parser():
