@@ -28,8 +28,9 @@ import tensorflow as tf
 
 from keras_pipe import microbatch
 from keras_pipe import schedule as schedule_lib
-from keras_pipe.replicas import replica_of
 from keras_pipe.gradients import sum_gradients
+from keras_pipe.replicas import replica_of
+from keras_pipe.tensors import is_float
 
 __all__ = ["Cell", "Executor", "LossHead", "Step", "sum_on_devices"]
 
@@ -128,10 +129,6 @@ class Step:
         return self._shares[key]
 
 
-
-
-def _is_float(t):
-    return t is not None and t.dtype.is_floating
 
 
 def _shares(micro_batches, dtype):
@@ -431,13 +428,13 @@ class Executor:
         """
         outputs = [keras.tree.flatten(step.cells[i][-1].run.outputs)
                    for i in indices]
-        targets = [t for flat in outputs for t in flat if _is_float(t)]
+        targets = [t for flat in outputs for t in flat if is_float(t)]
         with tf.device(self.replicas[0][-1].device):
             grads = iter(tf.gradients(loss, targets,
                                       unconnected_gradients="none"))
         for i, flat in zip(indices, outputs):
             step.cells[i][-1].output_grads = [
-                next(grads) if _is_float(t) else None for t in flat]
+                next(grads) if is_float(t) else None for t in flat]
 
     def _seed_layer_losses(self, step, scale, indices):
         """Gradients of the total loss for the stages' `add_loss` terms."""
