@@ -28,7 +28,9 @@ import tensorflow as tf
 __all__ = ["explain", "is_derived"]
 
 _DERIVED = b"type.googleapis.com/tensorflow.DerivedStatus"
-_NODE = re.compile(r"stage(\d+)/mb(\d+)/(forward|backward)")
+# A stage's forward ops run in place get their gradients from a tape, under
+# "gradient_tape/stage{j}/mb{i}/forward/...": those are the backward pass.
+_NODE = re.compile(r"(gradient_tape/)?stage(\d+)/mb(\d+)/(forward|backward)")
 
 
 def is_derived(error):
@@ -106,7 +108,8 @@ def explain(model, action, args, kwargs, error):
         found = _NODE.search(error.message or "")
         if not found:
             return error
-        j, i, part = int(found[1]), int(found[2]), found[3]
+        j, i = int(found[2]), int(found[3])
+        part = "backward" if found[1] else found[4]
         if j >= len(devices):
             return error
         new = _with_message(

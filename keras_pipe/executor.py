@@ -288,8 +288,6 @@ class Executor:
         runner = self.runner(step, i, j)
         x = (step.micro_batches[i].inputs if j == 0
              else step.cells[i][j - 1].run.outputs)
-        # A split backward pass recomputes the stage in B: the forward
-        # pass keeps no activations for it.
         r = step.replica[i]
         state = list(step.state[r][j])
         if any(kind == "seed" for kind, _ in runner.state_kinds):
@@ -301,10 +299,11 @@ class Executor:
                     tf.cast(step.total_rows, tf.int32)]))
         run, new_state = runner.forward(
             x, step.params[r][j], state, step.training,
-            self._remat(step, i, j) or step.cells[i][j].split,
+            self._remat(step, i, j),
             control_inputs=step.last.get(runner.device, []),
             differentiable=step.differentiable,
-            name=f"stage{j}/mb{i}/forward", observer=observer)
+            name=f"stage{j}/mb{i}/forward", observer=observer,
+            split=step.cells[i][j].split)
         step.last[runner.device] = keras.tree.flatten(run.outputs)[:1]
         self._thread_state(step, i, j, runner, new_state)
         step.cells[i][j].run = run

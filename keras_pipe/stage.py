@@ -65,6 +65,7 @@ class StageRun:
     losses: list        # scalar losses added by the stage's layers
     remat: bool
     tape: object = None  # records the forward call when remat is off
+    ops: list = None     # the forward's own ops, when run in place (split)
 
 
 class Stage:
@@ -200,7 +201,7 @@ class Stage:
 
     def forward(self, inputs, params, state, training, remat,
                 control_inputs=(), differentiable=False, name="forward",
-                observer=None):
+                observer=None, split=False):
         """Forward pass of one micro-batch; returns (StageRun, new_state).
 
         `control_inputs` make this micro-batch wait for the previous one on
@@ -209,8 +210,15 @@ class Stage:
         tape that records this call alone (`remat=False`) or the recompute.
         `observer` (the Timeline's recorder, or None) stamps the call's
         start and end.
+
+        `split=True` (a split backward pass follows, B then W) without
+        remat runs the layer's ops in place rather than as a function call,
+        so that B can take gradients w.r.t. the ops inside the stage from
+        this tape and reuse the forward activations (`backward_input`).
+        The inputs' batch size is left open in those ops, as in the traced
+        call, so that W may concatenate micro-batches.
         """
-        tape = None
+        tape = ops = None
         with tf.device(self.device), tf.name_scope(name):
             if not differentiable:
                 inputs = keras.tree.map_structure(
@@ -226,13 +234,23 @@ class Stage:
             # The call op itself waits: one op per micro-batch and stage.
             with tape or contextlib.nullcontext(), tf.control_dependencies(
                     control_inputs):
+                if tape is not None and split:
+                    inputs = keras.tree.map_structure(_open_batch, inputs)
                 if tape is not None:
                     tape.watch(float_leaves(inputs) + list(params))
-                outputs, new_state, losses = self.call(
-                    inputs, params, state, training)
+                if tape is not None:
+                    graph = tf.compat.v1.get_default_graph()
+                    first = len(graph.get_operations())
+                    outputs, new_state, losses = self.call_inline(
+                        inputs, params, state, training)
+                    ops = graph.get_operations()[first:]
+                else:
+                    outputs, new_state, losses = self.call(
+                        inputs, params, state, training)
             if observer is not None:
                 observer.end(name, keras.tree.flatten(outputs) + losses)
-        run = StageRun(inputs, params, state, outputs, losses, remat, tape)
+        run = StageRun(inputs, params, state, outputs, losses, remat, tape,
+                       ops)
         return run, new_state
 
     def backward(self, run, output_grads, loss_grads, training, totals,
@@ -301,9 +319,17 @@ class Stage:
                 after = [observer.start(name, [g for g in output_grads
                                                if g is not None] + after)]
             with tf.control_dependencies(after):
-                grads, stash = split.backward_input(
-                    run.inputs, list(run.params), list(run.state),
-                    list(output_grads), list(loss_grads))
+                if run.ops is not None:
+                    ys, grad_ys = pairs(
+                        keras.tree.flatten(run.outputs) + run.losses,
+                        list(output_grads) + list(loss_grads))
+                    grads, stash = split.backward_recorded(
+                        run.tape, run.ops, run.inputs, list(run.params), ys,
+                        grad_ys)
+                else:
+                    grads, stash = split.backward_input(
+                        run.inputs, list(run.params), list(run.state),
+                        list(output_grads), list(loss_grads))
             if observer is not None:
                 observer.end(name, [g for g in grads if g is not None] +
                              list(stash))
@@ -417,6 +443,15 @@ class Stage:
 
 
 
+
+
+def _open_batch(t):
+    """`t` with its static batch size unknown (the same values)."""
+    if not isinstance(t, tf.Tensor) or t.shape.rank in (None, 0) or (
+            t.shape[0] is None):
+        return t
+    return tf.raw_ops.PlaceholderWithDefault(
+        input=t, shape=tf.TensorShape([None]).concatenate(t.shape[1:]))
 
 
 def _stamp_or_none(stamp, after):

@@ -219,6 +219,53 @@ class SplitBackward:
         return ([next(grads) if is_float(t) else None for t in flat_inputs],
                 Stash(stash, key))
 
+    def backward_recorded(self, tape, ops, inputs, params, ys, grad_ys):
+        """B from a forward pass that `tape` recorded: nothing recomputed.
+
+        The forward pass ran the stage's ops in place (not as a function
+        call), under `tape`, which watched the float inputs and the params;
+        `ops` are those ops. B takes the gradient w.r.t. the inputs and the
+        mixing ops' outputs from that tape, so it reuses the forward
+        activations, and stashes the mixing ops' X inputs (forward tensors,
+        no copies) and output gradients, like `backward_input`.
+
+        Args:
+            tape: the non-persistent `tf.GradientTape` of the forward pass.
+            ops: the forward pass's ops, in creation order.
+            inputs: the stage's inputs (nested structure).
+            params: the trainable values the forward pass read.
+            ys: the forward's outputs and losses that have a gradient.
+            grad_ys: their gradients.
+
+        Returns:
+            `(input_grads, stash)` as `backward_input` returns them.
+        """
+        flat_inputs = keras.tree.flatten(inputs)
+        if not ys:
+            return [None] * len(flat_inputs), Stash([], None)
+        float_inputs = float_leaves(inputs)
+        plan = _make_plan(ops, inputs, params, ys)
+        if not plan.splittable:
+            grads, stash = _fused_input(plan, tape, float_inputs, params, ys,
+                                        grad_ys)
+        else:
+            sources = [m.op.outputs[k] for m in plan.mixing
+                       for k in m.grad_slots]
+            grads = tape.gradient(
+                ys, float_inputs + sources, output_gradients=grad_ys,
+                unconnected_gradients=tf.UnconnectedGradients.NONE)
+            n = len(float_inputs)
+            stash = _fill_stash(plan, dict(zip(
+                [t.ref() for t in sources], grads[n:])), ys, grad_ys)
+            grads = grads[:n]
+        key = ("recorded",) + _structure(plan)
+        # Micro-batches of the same structure share one plan: W replays
+        # the first one's ops on every stash of that key.
+        self._plans.setdefault(key, plan)
+        grads = iter(grads)
+        return ([next(grads) if is_float(t) else None for t in flat_inputs],
+                Stash(stash, key))
+
     def backward_weight(self, params, stashes, totals=None):
         """W: per param, the gradient summed over the stashes' micro-batches.
 
@@ -332,6 +379,21 @@ class SplitBackward:
         return function
 
 
+def _structure(plan):
+    """What W's trace depends on: ops, their attributes, stash layout."""
+    def attrs(op):
+        return tuple(sorted((k, v.SerializeToString())
+                            for k, v in op.node_def.attr.items()))
+
+    return (plan.splittable, tuple(plan.param_slots),
+            tuple((m.op.type, attrs(m.op), tuple(sorted(m.x_slots.items())),
+                   tuple(sorted(m.grad_slots.items())), m.concat, m.zeros)
+                  for m in plan.mixing),
+            tuple((op.type, attrs(op)) for op in plan.replay),
+            tuple(slot for _, slot in plan.direct),
+            repr(plan.stash_specs))
+
+
 def _fused_input(plan, tape, float_inputs, params, ys, grad_ys):
     """B of a stage that cannot be split: every gradient, stashed."""
     grads = tape.gradient(
@@ -410,12 +472,16 @@ def _make_plan(ops, inputs, params, ys):
 
 def _fill_stash(plan, output_grads, ys, grad_ys):
     """Assigns stash slots; returns the stash (drops ops without gradient)."""
-    stash, slots = [], {}
+    stash, slots, specs = [], {}, []
 
-    def slot_of(t):
+    def slot_of(t, shape=None):
         if t.ref() not in slots:
             slots[t.ref()] = len(stash)
             stash.append(t)
+            # An output gradient given with a static batch size is stashed
+            # under the op's own (open) one: one W for every size.
+            specs.append(_relaxed_type_spec(t) if shape is None else
+                         tf.TensorSpec(shape, t.dtype))
         return slots[t.ref()]
 
     kept = []
@@ -429,7 +495,7 @@ def _fill_stash(plan, output_grads, ys, grad_ys):
         for k, g in grads.items():
             g = tf.convert_to_tensor(g)
             g.set_shape(g.shape.merge_with(m.op.outputs[k].shape))
-            m.grad_slots[k] = slot_of(g)
+            m.grad_slots[k] = slot_of(g, m.op.outputs[k].shape)
         kept.append(m)
     plan.mixing = kept
     seeds = {y.ref(): g for y, g in zip(ys, grad_ys)}
@@ -437,7 +503,7 @@ def _fill_stash(plan, output_grads, ys, grad_ys):
     for y, _ in plan.direct:
         direct.append((y, slot_of(seeds[y.ref()])))
     plan.direct = direct
-    plan.stash_specs = [_relaxed_type_spec(t) for t in stash]
+    plan.stash_specs = specs
     return stash
 
 

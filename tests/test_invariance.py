@@ -118,14 +118,18 @@ def test_replicas_do_not_wait_for_each_other(devices, schedule):
                   keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     graph = tf.function(model.train_step).get_concrete_function(
         (tf.TensorSpec((8, WIDTH)), tf.TensorSpec((8,), tf.int32))).graph
-    calls = {}
+    # A stage call is a function call op, or (a forward pass without
+    # remat, run in place) the ops of its name scope.
+    calls, seen = {}, {0: set(), 1: set()}
     for op in graph.get_operations():
-        match = re.fullmatch(r"stage(\d)/mb(\d)/(forward|backward)/\w*Call",
-                             op.name.rsplit("/", 1)[0] + "/" + op.type)
+        match = re.match(r"stage(\d)/mb(\d)/(forward|backward)/", op.name)
         if match:
-            replica = int(match.group(2)) // m  # micro-batches 0-1, 2-3
+            i = int(match.group(2))
+            replica = i // m  # micro-batches 0-1, 2-3
             calls.setdefault(replica, []).append(op)
-    assert len(calls[0]) == len(calls[1]) == 2 * k * m  # forward + backward
+            seen[replica].add((match.group(1), i % m, match.group(3)))
+    assert len(seen[0]) == len(seen[1]) == 2 * k * m  # forward + backward
+    assert seen[0] == seen[1]
     for r, own in calls.items():
         others = set(calls[1 - r])
         for op in own:

@@ -34,10 +34,13 @@ def train(devices, remat, steps=3, schedule="gpipe"):
 def test_all_remat_modes_train_identically_with_batchnorm_and_dropout(
         devices):
     never, never_loss = train(devices, "never")
-    # Same schedule: the same sums in the same order (rtol 1e-6). 1F1B adds
-    # the micro-batch gradients in another order (rtol 1e-5).
-    for remat, schedule, rtol in [("always", "gpipe", 1e-6),
-                                  ("except_last", "gpipe", 1e-6),
+    # rtol 1e-5, atol 1e-5 (float32): 1F1B adds the micro-batch gradients
+    # in another order; without remat the forward ops run in place in the
+    # step's graph, with remat inside the recompute function, and grappler
+    # fuses the two differently: weights 2.2e-6 apart after three Adam(0.05)
+    # steps.
+    for remat, schedule, rtol in [("always", "gpipe", 1e-5),
+                                  ("except_last", "gpipe", 1e-5),
                                   ("always", "1f1b", 1e-5),
                                   ("never", "1f1b", 1e-5)]:
         pipe, loss = train(devices, remat, schedule=schedule)
@@ -45,7 +48,7 @@ def test_all_remat_modes_train_identically_with_batchnorm_and_dropout(
         # Weights, BatchNorm moving statistics and dropout seed states.
         for v, ref in zip(pipe.variables, never.variables):
             np.testing.assert_allclose(v.numpy(), ref.numpy(), rtol=rtol,
-                                       atol=rtol / 10, err_msg=v.path)
+                                       atol=1e-5, err_msg=v.path)
 
 
 @pytest.mark.parametrize("remat", ["always", "except_last", "never"])
@@ -146,21 +149,29 @@ def test_backward_reads_forward_activations_only_without_remat(devices,
     graph = step.get_concrete_function(
         tf.TensorSpec((8, helpers.IN_DIM)), tf.TensorSpec((8,), tf.int32),
     ).graph
-    backward_calls = [
-        op for op in graph.get_operations()
-        if re.fullmatch(r"stage\d/mb\d/backward/PartitionedCall(_\d+)?",
-                        op.name)]
-    assert len(backward_calls) == 4  # 2 stages x 2 micro-batches
+    # Each call's ops live in its name scope: one function call op with
+    # remat; without, the stage's own ops run in place and the tape that
+    # recorded them names their gradients "gradient_tape/<forward scope>".
+    scopes = {}
+    for op in graph.get_operations():
+        match = re.match(r"(gradient_tape/)?(stage\d/mb\d)/(forward|"
+                         r"backward)/", op.name)
+        if match:
+            kind = "backward" if match[1] else match[3]
+            scopes.setdefault((match[2], kind), set()).add(op)
+    backward = {call for call, kind in scopes if kind == "backward"}
+    assert len(backward) == 4  # 2 stages x 2 micro-batches
     # A backward call may read its stage's input (the previous stage's
-    # output, kept at the boundary), never what its own forward call made.
-    from_forward = [
-        (op.name, t.op.name) for op in backward_calls for t in op.inputs
-        if t.op.type == "PartitionedCall"
-        and t.op.name.startswith(op.name.split("/backward")[0] + "/forward")]
+    # output, kept at the boundary, cut by a StopGradient in the forward's
+    # scope), never what its own forward call computed from it.
+    from_forward = {
+        call for call in backward for op in scopes[call, "backward"]
+        for t in op.inputs
+        if t.op in scopes[call, "forward"] and t.op.type != "StopGradient"}
     if remat == "always":
-        assert from_forward == []
+        assert from_forward == set()
     else:
-        assert len({name for name, _ in from_forward}) == 4
+        assert from_forward == backward
 
 
 def test_stage_functions_are_traced_a_fixed_number_of_times(devices):

@@ -84,8 +84,9 @@ def test_replicas_run_on_their_own_devices(devices):
     calls = {}
     for op in graph.get_operations():
         parts = op.name.split("/")
-        if len(parts) > 2 and parts[2] in ("forward", "backward") and \
-                op.type in ("PartitionedCall", "StatefulPartitionedCall"):
+        # A call op, or (no remat) the stage's own ops in its scope.
+        if len(parts) > 3 and parts[2] in ("forward", "backward") and \
+                op.type not in ("NoOp", "Const"):
             calls[op.name] = op.device
     # 4 micro-batches: 0, 1 on replica 0 (devices 0, 1); 2, 3 on replica 1.
     for i in range(4):

@@ -318,3 +318,125 @@ def test_custom_gradient_and_python_function_fall_back(path, reason):
 def test_call_must_be_callable():
     with pytest.raises(TypeError, match="`call` must be callable"):
         weight_grad.SplitBackward("not a function", training=True)
+
+
+# ---------------------------------------------------- B from the forward tape
+
+
+def _check_recorded(layer, make_input, training=True, rtol=RTOL, atol=ATOL,
+                    sizes=SIZES):
+    """As `_check`, with B taken from the forward pass's own tape.
+
+    The forward pass runs in place (`Stage.forward(split=True)`, as the
+    executor runs it when a split backward follows without remat), inside a
+    `tf.function`; B reuses its activations. Returns the split and the ops B
+    built for the first micro-batch.
+    """
+    rng = np.random.default_rng(0)
+    micro_batches = [make_input(rng, n) for n in sizes]
+    stage, params, state = _stage(layer, micro_batches[0])
+    seeds, expected = [], [None] * len(params)
+    ref_inputs = []
+    for x in micro_batches:
+        outputs, _, losses = stage.call_inline(x, params, state, training)
+        output_grads, loss_grads = _seeds(rng, outputs, losses)
+        seeds.append((output_grads, loss_grads))
+        inputs, ref = _fused(stage, x, params, state, training, output_grads,
+                             loss_grads)
+        ref_inputs.append(inputs)
+        expected = [gradients.add_gradients(t, g)
+                    for t, g in zip(expected, ref)]
+    b_ops = []
+
+    @tf.function(autograph=False)
+    def step(micro_batches, params, state):
+        stashes, input_grads = [], []
+        for x, (output_grads, loss_grads) in zip(micro_batches, seeds):
+            run, _ = stage.forward(x, params, state, training, remat=False,
+                                   split=True)
+            graph = tf.compat.v1.get_default_graph()
+            first = len(graph.get_operations())
+            grads, stash = stage.backward_input(run, output_grads,
+                                                loss_grads, training)
+            if not b_ops:
+                b_ops.extend(graph.get_operations()[first:])
+            input_grads.append(grads)
+            stashes.append(stash)
+        totals = stage.backward_weight(params, stashes[:2], [None] *
+                                       len(params), training)
+        return input_grads, stage.backward_weight(params, stashes[2:],
+                                                  totals, training)
+
+    input_grads, totals = step(micro_batches, params, state)
+    for x, got, want in zip(micro_batches, input_grads, ref_inputs):
+        floats = [g for g, t in zip(got, keras.tree.flatten(x))
+                  if t.dtype.is_floating]
+        assert [g is None for g in floats] == [g is None for g in want]
+        for g, w in zip(floats, want):
+            if w is not None:
+                _assert_close(g, w, rtol, atol)
+    for got, want, v in zip(totals, expected, stage.trainable_variables):
+        assert (got is None) == (want is None), v.path
+        if want is not None:
+            _assert_close(got, want, rtol, atol, err_msg=v.path)
+    (split,) = stage._split.values()
+    return split, b_ops
+
+
+def test_recorded_backward_reuses_the_forward_activations():
+    layer = keras.Sequential([
+        keras.layers.Dense(8, activation="tanh"),
+        keras.layers.Dense(8, activation="tanh"),
+        keras.layers.Dense(3)])
+    split, b_ops = _check_recorded(layer, _floats(6))
+    assert split.splittable, split.reason
+    types = {op.type for op in b_ops}
+    # No recompute: B neither calls a function (the recomputing B is one)
+    # nor runs the forward's activations again; it differentiates them.
+    assert not types & {"PartitionedCall", "StatefulPartitionedCall",
+                        "Tanh"}, types
+    assert "TanhGrad" in types, types
+    # Every micro-batch size shares one plan; W concatenates the kernels'.
+    (plan,) = split._plans.values()
+    assert {m.op.type for m in plan.mixing if m.concat} == {"MatMul",
+                                                            "BiasAdd"}
+
+
+def test_recorded_backward_conv_batch_norm_dropout():
+    layer = keras.Sequential([
+        keras.layers.Conv2D(4, 3, padding="same"),
+        keras.layers.BatchNormalization(),
+        keras.layers.ReLU(),
+        keras.layers.Dropout(0.5, seed=3),
+        keras.layers.Flatten(),
+        keras.layers.Dense(3)])
+    split, _ = _check_recorded(layer, _floats(6, 6, 2))
+    assert split.splittable, split.reason
+
+
+def test_recorded_backward_attention_and_losses():
+    tokens = keras.Input((5,), dtype="int32")
+    h = keras.layers.Embedding(20, 8)(tokens)
+    h = keras.layers.LayerNormalization()(h)
+    h = keras.layers.MultiHeadAttention(num_heads=2, key_dim=4)(h, h)
+    h = keras.layers.Dense(8, activity_regularizer=keras.regularizers.L2(
+        0.1), kernel_regularizer=keras.regularizers.L2(0.1))(h)
+    logits = _PenalizedDense(3)(h)
+    split, _ = _check_recorded(
+        keras.Model(tokens, logits),
+        lambda rng, n: tf.constant(rng.integers(0, 20, (n, 5)), "int32"))
+    assert split.splittable, split.reason
+
+
+@pytest.mark.parametrize("path, reason", [
+    ("custom_gradient", "custom gradient"), ("lstm", "While")])
+def test_recorded_backward_falls_back_to_fused(path, reason):
+    if path == "lstm":
+        layer = keras.Sequential([keras.layers.LSTM(4),
+                                  keras.layers.Dense(3)])
+        make = _floats(5, 3)
+    else:
+        layer, make = _Unusual(path, name="unusual"), _floats(6)
+    split, _ = _check_recorded(layer, make, sizes=(3, 5, 2))
+    assert not split.splittable
+    assert reason in split.reason, split.reason
