@@ -349,6 +349,13 @@ class SplitBackward:
         return key, function, args
 
     def _traced_weight(self, key, num_micro_batches, params, dense):
+        """W as a traced function, or (stashes of a recorded B) in place.
+
+        After a B that ran in place (`backward_recorded`), W runs in place
+        too: a function call op queued behind its device's next call would
+        hold back the transfer of B's input gradient (see
+        `keras_pipe.executor._handed_over`).
+        """
         wkey = ("weight", key, num_micro_batches, dense)
         if wkey in self._functions:
             return self._functions[wkey]
@@ -368,6 +375,8 @@ class SplitBackward:
             rest = [None if d else g for g, d in zip(grads, dense)]
             return rest, new_sums
 
+        if key[0] == "recorded":
+            return run
         specs = ([exact_spec(p) for p in params],
                  [list(plan.stash_specs)] * num_micro_batches,
                  [exact_spec(p) for p, d in zip(params, dense) if d])

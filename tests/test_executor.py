@@ -77,3 +77,32 @@ def test_schedules_with_stages_sharing_devices_check_the_order(devices,
         helpers.pair(lambda: helpers.dense_stages(4),
                      [devices[0], devices[0], devices[1], devices[1]], 2,
                      "never", schedule=name)
+
+
+@pytest.mark.parametrize("name,remat", [("gpipe", "never"),
+                                        ("zb_h1", "never"),
+                                        ("1f1b", "always")])
+def test_transfers_leave_through_an_identity_on_the_sender(devices, name,
+                                                           remat):
+    # TF's executor queues a finished op's `_Send` behind the next call on
+    # the same device (its control successor); through an Identity that
+    # runs in line, the transfer leaves at once (`executor._handed_over`).
+    # Every tensor that crosses to another stage's device must come from an
+    # Identity on the sender's device.
+    import tensorflow as tf
+    pipe, _ = helpers.pair(lambda: helpers.dense_stages(3), devices[:3], 3,
+                           remat, schedule=name)
+    pipe.compile("sgd", "sparse_categorical_crossentropy")
+    x, y, _ = helpers.data(9)
+    graph = tf.function(pipe.compute_loss_and_gradients).get_concrete_function(
+        tf.constant(x), tf.constant(y)).graph
+    spec = tf.DeviceSpec.from_string
+    crossing = []
+    for op in graph.get_operations():
+        for t in op.inputs:
+            if (op.device and t.op.device and spec(op.device) !=
+                    spec(t.op.device) and "/mb" in op.name):
+                crossing.append((t.op.type, t.op.name, op.name))
+    assert crossing, "no tensor crossed devices"
+    assert all(kind == "Identity" for kind, _, _ in crossing), [
+        c for c in crossing if c[0] != "Identity"][:5]

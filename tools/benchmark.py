@@ -1340,9 +1340,15 @@ def run_throughput(p, outdir, log):
     return result
 
 
-def run_parts(parts, quick, outdir, log=print, schedules=SCHEDULES):
-    """Runs the chosen parts, each in child processes; returns their JSON."""
+def run_parts(parts, quick, outdir, log=print, schedules=SCHEDULES,
+              micro_batches=None):
+    """Runs the chosen parts, each in child processes; returns their JSON.
+
+    `micro_batches`, if given, replaces part (a)'s values of M.
+    """
     s = settings(quick, schedules)
+    if micro_batches:
+        s["a"]["micro_batches"] = list(micro_batches)
     results = {}
     loads = {}
     if "a" in parts:
@@ -1557,6 +1563,9 @@ def main(argv=None):
                         help="comma-separated schedules of part (a) (and "
                         "(c), among " + ",".join(MEMORY_SCHEDULES) + "); "
                         "default: all of " + ",".join(SCHEDULES))
+    parser.add_argument("--micro-batches", default="",
+                        help="comma-separated values of M for part (a) "
+                        "(default: 1,2,4,8,16; with --quick 2,4)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--params", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -1573,13 +1582,22 @@ def main(argv=None):
     if unknown or not schedules:
         parser.error(f"--schedules takes names among {','.join(SCHEDULES)}. "
                      f"Received: {unknown or args.schedules!r}")
+    try:
+        micro_batches = [int(n) for n in args.micro_batches.split(",")
+                         if n.strip()]
+    except ValueError:
+        micro_batches = None
+    if micro_batches is None or any(n < 1 for n in micro_batches):
+        parser.error("--micro-batches takes positive ints, e.g. 4,8. "
+                     f"Received: {args.micro_batches!r}")
     # SIGTERM unwinds like Ctrl-C, so that the worker processes are killed.
     signal.signal(signal.SIGTERM, _terminate)
     outdir = pathlib.Path(args.out)
     outdir.mkdir(parents=True, exist_ok=True)
     env = environment()
     start = time.perf_counter()
-    results = run_parts(parts, args.quick, outdir, schedules=schedules)
+    results = run_parts(parts, args.quick, outdir, schedules=schedules,
+                        micro_batches=micro_batches)
     env["load_average_end"] = os.getloadavg()
     tables, goals = summarize(results)
     for title, headers, rows in tables:
