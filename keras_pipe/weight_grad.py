@@ -243,21 +243,9 @@ class SplitBackward:
         flat_inputs = keras.tree.flatten(inputs)
         if not ys:
             return [None] * len(flat_inputs), Stash([], None)
-        float_inputs = float_leaves(inputs)
         plan = _make_plan(ops, inputs, params, ys)
-        if not plan.splittable:
-            grads, stash = _fused_input(plan, tape, float_inputs, params, ys,
-                                        grad_ys)
-        else:
-            sources = [m.op.outputs[k] for m in plan.mixing
-                       for k in m.grad_slots]
-            grads = tape.gradient(
-                ys, float_inputs + sources, output_gradients=grad_ys,
-                unconnected_gradients=tf.UnconnectedGradients.NONE)
-            n = len(float_inputs)
-            stash = _fill_stash(plan, dict(zip(
-                [t.ref() for t in sources], grads[n:])), ys, grad_ys)
-            grads = grads[:n]
+        grads, stash = _input_gradients(plan, tape, float_leaves(inputs),
+                                        params, ys, grad_ys)
         key = ("recorded",) + _structure(plan)
         # Micro-batches of the same structure share one plan: W replays
         # the first one's ops on every stash of that key.
@@ -328,18 +316,8 @@ class SplitBackward:
                 [next(seeds) if g else None for g in given])
             plan = _make_plan(ops, inputs, params, ys)
             self._plans[key] = plan
-            if not plan.splittable:
-                return _fused_input(plan, tape, float_inputs, params, ys,
+            return _input_gradients(plan, tape, float_inputs, params, ys,
                                     grad_ys)
-            sources = [m.op.outputs[k] for m in plan.mixing
-                       for k in m.grad_slots]
-            grads = tape.gradient(
-                ys, float_inputs + sources, output_gradients=grad_ys,
-                unconnected_gradients=tf.UnconnectedGradients.NONE)
-            n = len(float_inputs)
-            stash = _fill_stash(plan, dict(zip(
-                [t.ref() for t in sources], grads[n:])), ys, grad_ys)
-            return grads[:n], stash
 
         function = tf.function(
             run, autograph=False,
@@ -401,6 +379,20 @@ def _structure(plan):
             tuple((op.type, attrs(op)) for op in plan.replay),
             tuple(slot for _, slot in plan.direct),
             repr(plan.stash_specs))
+
+
+def _input_gradients(plan, tape, float_inputs, params, ys, grad_ys):
+    """B's body: input gradients and the stash, from the forward's tape."""
+    if not plan.splittable:
+        return _fused_input(plan, tape, float_inputs, params, ys, grad_ys)
+    sources = [m.op.outputs[k] for m in plan.mixing for k in m.grad_slots]
+    grads = tape.gradient(
+        ys, float_inputs + sources, output_gradients=grad_ys,
+        unconnected_gradients=tf.UnconnectedGradients.NONE)
+    n = len(float_inputs)
+    stash = _fill_stash(plan, dict(zip(
+        [t.ref() for t in sources], grads[n:])), ys, grad_ys)
+    return grads[:n], stash
 
 
 def _fused_input(plan, tape, float_inputs, params, ys, grad_ys):

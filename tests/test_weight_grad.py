@@ -60,6 +60,16 @@ def _assert_close(got, want, rtol, atol, err_msg=""):
                                err_msg=err_msg)
 
 
+def _check_input_grads(x, input_grads, expected, rtol, atol):
+    """B's gradients for the float inputs of `x` equal the reference's."""
+    floats = [g for g, t in zip(input_grads, keras.tree.flatten(x))
+              if t.dtype.is_floating]
+    assert [g is None for g in floats] == [g is None for g in expected]
+    for got, want in zip(floats, expected):
+        if want is not None:
+            _assert_close(got, want, rtol, atol)
+
+
 def _check(layer, make_input, training=True, rtol=RTOL, atol=ATOL,
            sizes=SIZES):
     """Asserts B and W equal the fused gradients; returns the split."""
@@ -78,12 +88,7 @@ def _check(layer, make_input, training=True, rtol=RTOL, atol=ATOL,
                     for t, g in zip(expected, ref_params)]
         input_grads, stash = split.backward_input(
             x, params, state, output_grads, loss_grads)
-        floats = [g for g, t in zip(input_grads, keras.tree.flatten(x))
-                  if t.dtype.is_floating]
-        assert [g is None for g in floats] == [g is None for g in ref_inputs]
-        for got, want in zip(floats, ref_inputs):
-            if want is not None:
-                _assert_close(got, want, rtol, atol)
+        _check_input_grads(x, input_grads, ref_inputs, rtol, atol)
         stashes.append(stash)
     # W in two calls (2 micro-batches, then the rest) through `totals`.
     totals = split.backward_weight(params, stashes[:2])
@@ -369,12 +374,7 @@ def _check_recorded(layer, make_input, training=True, rtol=RTOL, atol=ATOL,
 
     input_grads, totals = step(micro_batches, params, state)
     for x, got, want in zip(micro_batches, input_grads, ref_inputs):
-        floats = [g for g, t in zip(got, keras.tree.flatten(x))
-                  if t.dtype.is_floating]
-        assert [g is None for g in floats] == [g is None for g in want]
-        for g, w in zip(floats, want):
-            if w is not None:
-                _assert_close(g, w, rtol, atol)
+        _check_input_grads(x, got, want, rtol, atol)
     for got, want, v in zip(totals, expected, stage.trainable_variables):
         assert (got is None) == (want is None), v.path
         if want is not None:
