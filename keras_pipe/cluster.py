@@ -30,11 +30,13 @@ import re
 import socket
 import threading
 import time
+import warnings
 
 import tensorflow as tf
 
 from keras_pipe import bind as bind_lib
 from keras_pipe import diagnosis
+from keras_pipe import validation
 from keras_pipe import internals
 
 __all__ = ["WorkerRestartedError", "WorkerUnavailableError", "cluster_spec",
@@ -188,7 +190,7 @@ def _describe_tasks(tasks):
 
 
 def connect(cluster=None, timeout=30.0, job_name="localhost",
-            bind="127.0.0.1"):
+            bind="127.0.0.1", inter_op_threads=None):
     """Connects this process to a cluster of TF workers and lists their devices.
 
     Every task must answer within `timeout` seconds, else nothing is
@@ -223,6 +225,15 @@ def connect(cluster=None, timeout=30.0, job_name="localhost",
             listens on; workers reach the client there. `"0.0.0.0"` (or
             `"::"`) opts in to every interface (trusted networks only).
             Defaults to `"127.0.0.1"`.
+        inter_op_threads: the inter-op thread pool of the contexts the
+            workers run this client's functions in (and of this client):
+            TF sizes those from the client's setting, not from the worker's
+            `--inter-op-threads`. A worker needs 2 or more, or a transfer
+            to the next stage waits until its device ran out of work (TF's
+            executor queues the `_Send` behind the next call on the only
+            thread). Defaults to `None`: the client's setting if one was
+            made, else `max(4, os.cpu_count())`. Set it before TF runs any
+            op in this process.
 
     Returns:
         `{task name: [device names]}` for every task of the cluster, task
@@ -233,8 +244,12 @@ def connect(cluster=None, timeout=30.0, job_name="localhost",
         WorkerUnavailableError: if a task does not answer within `timeout`
             seconds; the message names each such task and its address.
         RuntimeError: if the client's server cannot be kept on `bind`
-            (the message says how to opt in to every interface).
+            (the message says how to opt in to every interface), or if
+            `inter_op_threads` differs from the setting of a TF runtime
+            already started in this process.
     """
+    if inter_op_threads is not None:
+        validation.check_positive_int("inter_op_threads", inter_op_threads)
     spec = cluster_spec(cluster)
     bind = bind_lib.check_address(bind)
     _check_client_address(spec, job_name, bind)
@@ -252,6 +267,7 @@ def connect(cluster=None, timeout=30.0, job_name="localhost",
             "Start the worker (python -m keras_pipe.worker --task N "
             "--cluster ...), check its address, or raise `timeout`.", down)
     full_spec = _with_local_job(spec, job_name, bind)
+    _set_inter_op_threads(inter_op_threads)
     _pin_client(bind)
     tf.config.experimental_connect_to_cluster(full_spec, job_name=job_name)
     _check_client_listener(full_spec, job_name, bind)
@@ -269,6 +285,35 @@ def connect(cluster=None, timeout=30.0, job_name="localhost",
             f"did not finish within {timeout:g} s.", down)
     return {name: [d for d in listing["names"]
                    if d.startswith(name + "/")] for name in tasks}
+
+
+def _set_inter_op_threads(threads):
+    """Sets the inter-op pool size the workers' contexts inherit."""
+    current = tf.config.threading.get_inter_op_parallelism_threads()
+    if threads is None:
+        if current:
+            return  # the user's own setting
+        threads = max(4, os.cpu_count() or 1)
+    if threads == current:
+        return
+    try:
+        tf.config.threading.set_inter_op_parallelism_threads(threads)
+    except RuntimeError as exc:
+        if current == 0 and threads == max(4, os.cpu_count() or 1):
+            warnings.warn(
+                "keras_pipe.connect() came after TF started in this process, "
+                "so the workers' contexts keep TF's default inter-op pool "
+                "(each worker's core count; one thread on a single-core "
+                "worker, where transfers between stages wait for the "
+                "worker's other work). Call connect() before running any TF "
+                "op, or tf.config.threading.set_inter_op_parallelism_threads"
+                "(4) first.", RuntimeWarning, stacklevel=3)
+            return
+        raise RuntimeError(
+            f"inter_op_threads={threads} cannot be set: TF already started "
+            f"in this process with {current or 'its default'} inter-op "
+            "threads. Call keras_pipe.connect() before running any TF op.") \
+            from exc
 
 
 def _check_client_address(spec, job_name, bind):

@@ -168,7 +168,9 @@ def serve(cluster, task, job="worker", bind="127.0.0.1",
         bind: the only address the server may listen on, an IP address of
             this machine matching the task's cluster address; `"0.0.0.0"`
             listens on every interface. Defaults to `"127.0.0.1"`.
-        inter_op_threads: size of TF's inter-op pool, >= 1. Defaults to
+        inter_op_threads: size of this process's own inter-op pool, >= 1.
+            A client's functions run in a context whose pool the client
+            sizes (`keras_pipe.connect(inter_op_threads=...)`). Defaults to
             `None` (TF's choice).
         intra_op_threads: size of TF's intra-op pool, >= 1. Defaults to
             `None`.
@@ -268,7 +270,10 @@ def _parser():
                         help="the only IP address to listen on, the one of "
                         "this task's --cluster entry (default: 127.0.0.1; "
                         "0.0.0.0 = every interface)")
-    parser.add_argument("--inter-op-threads", type=_count, default=None)
+    parser.add_argument("--inter-op-threads", type=_count, default=None,
+                        help="this process's own inter-op pool; a client's "
+                        "functions run in a context sized by the client's "
+                        "setting (keras_pipe.connect(inter_op_threads=))")
     parser.add_argument("--intra-op-threads", type=_count, default=None)
     parser.add_argument("--cpu-affinity", type=_cpu_list, default=None,
                         help="CPU ids, e.g. 0,1 or 0-3")

@@ -13,6 +13,7 @@ line is a JSON object with the measurements.
 import argparse
 import json
 import os
+import pathlib
 import signal
 import sys
 import tempfile
@@ -211,6 +212,33 @@ def run_listen(args):
                       "value": value}))
 
 
+def compute_threads(pid):
+    """How many threads of process `pid` are TF inter-op pool threads."""
+    names = []
+    for task in pathlib.Path(f"/proc/{pid}/task").iterdir():
+        try:
+            names.append((task / "comm").read_text().strip())
+        except OSError:
+            continue  # a thread that ended meanwhile
+    return sum(name.startswith("tf_Compute") for name in names)
+
+
+def run_threads(args):
+    """Connects with `--inter-op` threads; counts the workers' pool threads."""
+    pids = [int(p) for p in args.worker_pids.split(",")]
+    before = [compute_threads(pid) for pid in pids]
+    keras_pipe.connect(args.cluster, timeout=30.0,
+                       inter_op_threads=args.inter_op)
+    import tensorflow as tf
+    for device in remote_devices(len(pids)):
+        with tf.device(device):
+            float(tf.reduce_sum(tf.ones([3])))
+    print(json.dumps({"before": before,
+                      "after": [compute_threads(pid) for pid in pids],
+                      "client": tf.config.threading
+                      .get_inter_op_parallelism_threads()}))
+
+
 def _outcome(call):
     """`{"error", "message", "tasks"}` of `call()`; error None if it worked."""
     try:
@@ -298,16 +326,19 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("scenario", choices=["remote", "resume", "hang",
                                              "listen", "restart",
-                                             "stage_error", "timeline"])
+                                             "stage_error", "timeline",
+                                             "threads"])
     parser.add_argument("--cluster", required=True,
                         type=lambda s: {"worker": s.split(",")})
     parser.add_argument("--kill-pid", type=int)
     parser.add_argument("--backup")
+    parser.add_argument("--worker-pids")
+    parser.add_argument("--inter-op", type=int)
     args = parser.parse_args()
     {"remote": run_remote, "resume": run_resume, "hang": run_hang,
      "listen": run_listen, "restart": run_restart,
      "stage_error": run_stage_error,
-     "timeline": run_timeline}[args.scenario](args)
+     "timeline": run_timeline, "threads": run_threads}[args.scenario](args)
 
 
 if __name__ == "__main__":

@@ -180,6 +180,32 @@ def test_client_listens_on_loopback_only(workers):
     assert result["after"][0].startswith("127.0.0.1:"), result
 
 
+@pytest.mark.parametrize("bad, error", [(0, ValueError), (2.5, TypeError),
+                                        (True, TypeError)])
+def test_connect_checks_inter_op_threads_first(bad, error):
+    with pytest.raises(error, match="inter_op_threads"):
+        keras_pipe.connect({"worker": ["127.0.0.1:1"]},
+                           inter_op_threads=bad)
+
+
+def test_workers_run_client_functions_with_the_clients_thread_pool(
+        workers):
+    # TF sizes a worker's context for a client's functions from the
+    # client's inter-op setting (the workers here say 4 for their own); with
+    # one thread, a transfer waits behind the worker's next stage call.
+    pids = ",".join(str(workers.procs[t].pid) for t in sorted(workers.procs))
+    grown = {}
+    for threads in (2, 7):
+        result = _scenario("threads", "--cluster", workers.spec,
+                           "--worker-pids", pids, "--inter-op", str(threads))
+        assert result["client"] == threads
+        grown[threads] = [a - b for a, b in zip(result["after"],
+                                                result["before"])]
+    # Each connection adds a context with a pool of the client's size (and
+    # a few threads more whatever that size).
+    assert [b - a for a, b in zip(grown[2], grown[7])] == [5, 5], grown
+
+
 def test_remote_stages_match_single_process(workers):
     result = _scenario("remote", "--cluster", workers.spec)
     assert result["devices_per_task"] == {
