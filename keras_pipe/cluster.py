@@ -36,8 +36,8 @@ import tensorflow as tf
 
 from keras_pipe import bind as bind_lib
 from keras_pipe import diagnosis
-from keras_pipe import validation
 from keras_pipe import internals
+from keras_pipe import validation
 
 __all__ = ["WorkerRestartedError", "WorkerUnavailableError", "cluster_spec",
            "connect", "probe", "run"]
@@ -290,16 +290,17 @@ def connect(cluster=None, timeout=30.0, job_name="localhost",
 def _set_inter_op_threads(threads):
     """Sets the inter-op pool size the workers' contexts inherit."""
     current = tf.config.threading.get_inter_op_parallelism_threads()
+    default = max(4, os.cpu_count() or 1)
     if threads is None:
         if current:
             return  # the user's own setting
-        threads = max(4, os.cpu_count() or 1)
+        threads = default
     if threads == current:
         return
     try:
         tf.config.threading.set_inter_op_parallelism_threads(threads)
     except RuntimeError as exc:
-        if current == 0 and threads == max(4, os.cpu_count() or 1):
+        if current == 0 and threads == default:
             warnings.warn(
                 "keras_pipe.connect() came after TF started in this process, "
                 "so the workers' contexts keep TF's default inter-op pool "

@@ -329,11 +329,10 @@ class Executor:
         step.last[runner.device] = keras.tree.flatten(run.outputs)[:1]
         self._thread_state(step, i, j, runner, new_state)
         step.cells[i][j].run = run
-        step.cells[i][j].sent = run.outputs
-        if j + 1 < self.num_stages:
-            step.cells[i][j].sent = _handed_over(
-                run.outputs, runner.device,
-                self.runner(step, i, j + 1).device, f"stage{j}/mb{i}/send")
+        step.cells[i][j].sent = run.outputs if j + 1 == self.num_stages \
+            else _handed_over(run.outputs, runner.device,
+                              self.runner(step, i, j + 1).device,
+                              f"stage{j}/mb{i}/send")
 
     def _thread_state(self, step, i, j, runner, new_state):
         """Records micro-batch `i`'s state updates on stage `j`."""
@@ -487,11 +486,7 @@ class Executor:
                 control_inputs=step.last.get(runner.device, []),
                 observer=observer)
             step.last[runner.device] = _first(input_grads + list(cell.stash))
-            if j:
-                step.cells[i][j - 1].output_grads = _handed_over(
-                    input_grads, runner.device,
-                    self.runner(step, i, j - 1).device,
-                    f"stage{j}/mb{i}/send_back")
+            self._send_back(step, i, j, input_grads)
             cell.output_grads = None
             return
         input_grads, totals = runner.backward(
@@ -500,13 +495,17 @@ class Executor:
             control_inputs=step.last.get(runner.device, []),
             observer=observer)
         step.last[runner.device] = _first(input_grads + totals)
-        if j:
-            step.cells[i][j - 1].output_grads = _handed_over(
-                input_grads, runner.device,
-                self.runner(step, i, j - 1).device,
-                f"stage{j}/mb{i}/send_back")
+        self._send_back(step, i, j, input_grads)
         sums[:] = totals
         cell.output_grads = None  # released: nothing reads it again
+
+    def _send_back(self, step, i, j, input_grads):
+        """Hands stage `j`'s input gradients to stage `j - 1`, if any."""
+        if j:
+            step.cells[i][j - 1].output_grads = _handed_over(
+                input_grads, self.runner(step, i, j).device,
+                self.runner(step, i, j - 1).device,
+                f"stage{j}/mb{i}/send_back")
 
     def _weight(self, step, group, observer):
         """Issues the weight gradients of `group`'s (i, j), one stage, as one

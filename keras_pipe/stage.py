@@ -64,8 +64,8 @@ class StageRun:
     outputs: object     # nested structure
     losses: list        # scalar losses added by the stage's layers
     remat: bool
-    tape: object = None  # records the forward call when remat is off
-    ops: list = None     # the forward's own ops, when run in place (split)
+    tape: object = None  # records the forward's ops when remat is off
+    ops: list = None     # those ops, when a split backward pass follows
 
 
 class Stage:
@@ -211,11 +211,12 @@ class Stage:
         `observer` (the Timeline's recorder, or None) stamps the call's
         start and end.
 
-        `split=True` (a split backward pass follows, B then W) without
-        remat runs the layer's ops in place rather than as a function call,
-        so that B can take gradients w.r.t. the ops inside the stage from
-        this tape and reuse the forward activations (`backward_input`).
-        The inputs' batch size is left open in those ops, as in the traced
+        Without remat (and not differentiable), the layer's ops run in
+        place under that tape rather than as a function call, so that the
+        backward pass reuses the forward activations. `split=True` (a split
+        backward pass follows, B then W) also keeps those ops, so that B can
+        take gradients w.r.t. the ops inside the stage (`backward_input`),
+        and leaves the inputs' batch size open in them, as in the traced
         call, so that W may concatenate micro-batches.
         """
         tape = ops = None
@@ -231,22 +232,23 @@ class Stage:
                     name, keras.tree.flatten(inputs) + control_inputs)]
             if not differentiable and not remat:
                 tape = tf.GradientTape(watch_accessed_variables=False)
-            # The call op itself waits: one op per micro-batch and stage.
+            # The call (one op, or the stage's ops in place) waits.
             with tape or contextlib.nullcontext(), tf.control_dependencies(
                     control_inputs):
-                if tape is not None and split:
-                    inputs = keras.tree.map_structure(_open_batch, inputs)
-                if tape is not None:
-                    tape.watch(float_leaves(inputs) + list(params))
-                if tape is not None:
-                    graph = tf.compat.v1.get_default_graph()
-                    first = len(graph.get_operations())
-                    outputs, new_state, losses = self.call_inline(
-                        inputs, params, state, training)
-                    ops = graph.get_operations()[first:]
-                else:
+                if tape is None:
                     outputs, new_state, losses = self.call(
                         inputs, params, state, training)
+                else:
+                    if split:
+                        inputs = keras.tree.map_structure(_open_batch,
+                                                          inputs)
+                        graph = tf.compat.v1.get_default_graph()
+                        first = len(graph.get_operations())
+                    tape.watch(float_leaves(inputs) + list(params))
+                    outputs, new_state, losses = self.call_inline(
+                        inputs, params, state, training)
+                    if split:
+                        ops = graph.get_operations()[first:]
             if observer is not None:
                 observer.end(name, keras.tree.flatten(outputs) + losses)
         run = StageRun(inputs, params, state, outputs, losses, remat, tape,
