@@ -268,7 +268,7 @@ class Executor:
         over their micro-batches (`keras_pipe.weight_grad`: one product
         over the concatenated micro-batches where that is exact).
         """
-        actions = self.actions(step)
+        actions = self._with_deferred_weights(step, self.actions(step))
         for a in actions:
             if a.kind == "W":
                 step.cells[a.i][a.j].split = True
@@ -297,6 +297,32 @@ class Executor:
                 pending.setdefault(device, []).append((i, j))
         for group in pending.values():
             self._weight(step, group, observer)
+
+    def _with_deferred_weights(self, step, actions):
+        """Runs of backward calls without remat defer W to the run's end.
+
+        GPipe's backward phase and 1F1B's drain keep every micro-batch of
+        the run in flight anyway; without remat, each `"B"` then computes
+        the input gradients only and one `"W"` call after the run computes
+        the weight gradients of all of them as one product over the
+        concatenated micro-batches (`keras_pipe.weight_grad`), instead of
+        one product per micro-batch added to a running sum. It also holds
+        each mixing op's output gradient until then (no more than its
+        output, already held). With remat, the stash would hold what the
+        recompute frees, so those runs stay fused.
+        """
+        if step.differentiable:
+            return actions
+        split = {(a.i, a.j) for a in actions if a.kind == "W"}
+
+        def eligible(a):
+            return ((a.i, a.j) not in split
+                    and not self._remat(step, a.i, a.j))
+
+        def device_of(a):  # a run stays within one replica
+            return (self.runner(step, a.i, a.j).device, step.replica[a.i])
+
+        return schedule_lib.defer_weight_runs(actions, device_of, eligible)
 
     # ------------------------------------------------------------- forward
 

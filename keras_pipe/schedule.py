@@ -30,7 +30,8 @@ import dataclasses
 from keras_pipe import validation
 
 __all__ = ["Action", "bubble_fraction", "check_placement", "format_schedule",
-           "get_schedule", "gpipe", "idle_fraction", "interleaved_1f1b",
+           "defer_weight_runs", "get_schedule", "gpipe", "idle_fraction",
+           "interleaved_1f1b",
            "list_schedule", "one_f_one_b", "register_schedule",
            "schedule_names", "stage_placement", "ticks_from_orders",
            "zb_h1", "zb_h2", "zbv"]
@@ -115,6 +116,57 @@ def ticks_from_orders(orders, num_stages):
                     break
         ticks.append(tick)
     return ticks
+
+
+def defer_weight_runs(actions, device_of, eligible):
+    """Defers the weight gradients of each run of backward passes to its end.
+
+    A run is two or more `"B"` actions of one stage that a device issues
+    one after another, each `eligible` (its `"B"` computes the weight
+    gradients too): GPipe's backward phase, 1F1B's drain. Their `"W"`
+    actions follow the run's last `"B"`, so that the run's weight
+    gradients become one product over the concatenated micro-batches.
+    No forward pass comes between, so no more micro-batches are in flight.
+
+    ```python
+    >>> ticks = gpipe(3, 1)
+    >>> [str(a) for a in defer_weight_runs(
+    ...     [a for t in ticks for a in t], lambda a: 0, lambda a: True)]
+    ['0F0', '0F1', '0F2', '0B2', '0B1', '0B0', '0W2', '0W1', '0W0']
+    ```
+
+    Args:
+        actions: the actions in issue order.
+        device_of: `device_of(action)`, a key of the device that runs it.
+        eligible: `eligible(action)`, whether that `"B"` may leave its
+            weight gradients for later. The actions of a run also share
+            their stage `j` (the caller's `eligible` may require more).
+
+    Returns:
+        The actions with `"W"` actions inserted.
+    """
+    runs, after = {}, {}  # device -> positions of its current run
+
+    def close(device):
+        run = runs.pop(device, [])
+        if len(run) >= 2:
+            after[run[-1]] = [Action("W", actions[n].i, actions[n].j)
+                              for n in run]
+
+    for n, a in enumerate(actions):
+        device = device_of(a)
+        run = runs.get(device)
+        if a.kind == "B" and eligible(a):
+            if run and actions[run[-1]].j == a.j:
+                run.append(n)
+                continue
+            close(device)
+            runs[device] = [n]
+        else:
+            close(device)
+    for device in list(runs):
+        close(device)
+    return [b for n, a in enumerate(actions) for b in [a] + after.get(n, [])]
 
 
 def stage_placement(num_stages, num_devices, shape="loop"):

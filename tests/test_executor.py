@@ -106,3 +106,39 @@ def test_transfers_leave_through_an_identity_on_the_sender(devices, name,
     assert crossing, "no tensor crossed devices"
     assert all(kind == "Identity" for kind, _, _ in crossing), [
         c for c in crossing if c[0] != "Identity"][:5]
+
+
+@pytest.mark.parametrize("remat", ["never", "always"])
+def test_gpipe_weight_gradients_are_one_product_per_kernel(devices, remat):
+    # Without remat, each stage's run of backward calls leaves its weight
+    # gradients to one call after the run: one MatMul per Dense kernel over
+    # the concatenated micro-batches, no running sum. With remat, each
+    # backward call computes them (the stash would hold the activations
+    # that remat frees).
+    import tensorflow as tf
+    pipe, _ = helpers.pair(lambda: helpers.dense_stages(2), devices[:2], 3,
+                           remat)
+    pipe.compile("sgd", "sparse_categorical_crossentropy")
+    x, y, _ = helpers.data(9)
+    graph = tf.function(pipe.compute_loss_and_gradients).get_concrete_function(
+        tf.constant(x), tf.constant(y)).graph
+    weight_ops = [op for op in graph.get_operations() if "/weight" in op.name]
+    # Function calls (remat) hold their ops in function bodies.
+    calls = [op for op in graph.get_operations()
+             if op.type in ("PartitionedCall", "StatefulPartitionedCall")]
+    if remat == "always":
+        assert not weight_ops
+        assert calls
+        return
+    # W replays each mixing op on its stash under a tape; the replayed
+    # forward product feeds nothing and is pruned at run time.
+    matmuls = [op.name for op in weight_ops if op.type == "MatMul"
+               and op.name.startswith("gradient_tape/")]
+    kernels = [v for v in pipe.trainable_variables if len(v.shape) == 2]
+    assert len(matmuls) == len(kernels) == 3, matmuls
+    concats = [op for op in weight_ops if op.type == "ConcatV2"]
+    assert concats
+    adds = [op.name for op in graph.get_operations()
+            if op.type in ("AddV2", "AddN") and "backward" in op.name
+            and "gradient_tape" not in op.name]
+    assert not adds, adds

@@ -56,6 +56,39 @@ def test_gpipe_dependencies_hold(m, k):
             assert when[(i - 1, j)] < t  # stage j finished micro-batch i - 1
 
 
+def _flat(ticks):
+    return [a for tick in ticks for a in tick]
+
+
+def test_runs_of_backward_passes_defer_their_weight_gradients():
+    # GPipe on 2 devices: each device's backward phase is one run.
+    actions = schedule.defer_weight_runs(
+        _flat(schedule.gpipe(3, 2)), lambda a: a.j, lambda a: True)
+    assert [str(a) for a in actions if a.j == 0] == [
+        "0F0", "0F1", "0F2", "0B2", "0B1", "0B0", "0W2", "0W1", "0W0"]
+    assert [str(a) for a in actions if a.j == 1][-4:] == [
+        "1B0", "1W2", "1W1", "1W0"]
+    # The W actions come right after the run's last B, before what follows.
+    assert actions.index(schedule.Action("W", 2, 1)) == actions.index(
+        schedule.Action("B", 0, 1)) + 1
+    # 1F1B: only the drain is a run; a lone B keeps its weight gradients.
+    actions = schedule.defer_weight_runs(
+        _flat(schedule.one_f_one_b(4, 2)), lambda a: a.j, lambda a: True)
+    assert [str(a) for a in actions if a.j == 0] == [
+        "0F0", "0F1", "0B0", "0F2", "0B1", "0F3", "0B2", "0B3", "0W2", "0W3"]
+    assert not any(a.kind == "W" for a in actions if a.j == 1)
+    # Not eligible (remat, or a W of its own): no run through it.
+    actions = schedule.defer_weight_runs(
+        _flat(schedule.gpipe(3, 1)), lambda a: 0, lambda a: a.i != 1)
+    assert not any(a.kind == "W" for a in actions)
+    # Two stages on one device: a run is one stage's.
+    orders = [[schedule.Action("F", 0, 0), schedule.Action("F", 0, 1),
+               schedule.Action("B", 0, 1), schedule.Action("B", 0, 0)]]
+    flat = [a for a in orders[0]]
+    assert schedule.defer_weight_runs(flat, lambda a: 0,
+                                      lambda a: True) == flat
+
+
 def test_format_schedule_draws_the_bubble():
     assert schedule.format_schedule(schedule.gpipe(3, 2)) == (
         "tick     0  1  2  3  4  5  6  7\n"
