@@ -97,6 +97,7 @@ def _grid(profile, n):
     gap = np.array([profile.input_bytes] + profile.gap + [0], float)
     outputs = np.array([0] + profile.gap + [profile.output_bytes], float)
     saved = np.array(profile.saved, float)
+    mixed = np.array(profile.mixed, float)
     recomputed = np.array(profile.recomputed, float)
     trainable = np.array(profile.trainable, float)
     weights = np.array(profile.weights, float)
@@ -113,7 +114,8 @@ def _grid(profile, n):
         "activations": saved[e] - saved[a],
         "recompute": recomputed[e] - recomputed[a],
         "trainable": trainable[e] - trainable[a],
-        "largest": largest, "largest_variable": largest_var}
+        "largest": largest, "largest_variable": largest_var,
+        "mixing": mixed[e] - mixed[a]}
     return (np.stack([grid[f] for f in memory_lib.FEATURES], -1),
             weights[e] - weights[a], trainable[e] - trainable[a])
 

@@ -18,7 +18,12 @@ anything is built. The model follows what the executor holds
   the largest activation gradients, and the output gradients of the other
   micro-batches in flight, which a next stage running ahead may have sent;
 * stage 0 also holds the mini-batch, the last stage the merged outputs and
-  their loss gradient.
+  their loss gradient;
+* in a run of backward passes without remat (GPipe's backward phase,
+  1F1B's drain; `schedule.defer_weight_runs`), each micro-batch keeps its
+  activations (the mixing ops' inputs) and the mixing ops' output
+  gradients (bounded by the activations again) until the run's one
+  weight-gradient call, which concatenates them op by op.
 
 Validated per stage against TF's allocator peak by `tools/memory_model.py`
 (README, "Fitting a memory budget").
@@ -60,7 +65,8 @@ def stage_actions(schedule, num_micro_batches, num_stages):
     """Per stage, its passes `("F", i)` / `("B", i)` in the order they run.
 
     A split backward pass (`"W"` actions, zero-bubble schedules) holds the
-    micro-batch until its `"W"`, which is listed as its `("B", i)`.
+    micro-batch until its `"W"`, which is listed as `("W", i)` (its `"B"`
+    is not listed).
 
     ```python
     >>> stage_actions("1f1b", 2, 2)[1]
@@ -75,7 +81,7 @@ def stage_actions(schedule, num_micro_batches, num_stages):
             if a.kind == "F":
                 actions[a.j].append(("F", a.i))
             elif (a.kind == "W") == ((a.i, a.j) in split):
-                actions[a.j].append(("B", a.i))
+                actions[a.j].append((a.kind, a.i))
     return actions
 
 
@@ -206,6 +212,7 @@ class Block:
     recompute: int      # alive at once in a recompute, one micro-batch
     largest: int        # the largest single call output, one micro-batch
     largest_variable: int
+    mixing: int         # outputs of the calls with trainable weights
 
 
 class Profile:
@@ -224,9 +231,13 @@ class Profile:
                 _gradient_needs(call.operation)[0]
             for x in call.inputs:
                 needs_input[id(x)] = needs_input.get(id(x), False) or wants
-        self.saved, self.recomputed = [0], [0]
+        self.saved, self.recomputed, self.mixed = [0], [0], [0]
         for call in graph.calls:
             self.saved.append(self.saved[-1] + _saved_bytes(call, rows))
+            self.mixed.append(self.mixed[-1] + (sum(
+                cost_lib.tensor_bytes(x, rows) for x in call.outputs)
+                if getattr(call.operation, "trainable_weights", None)
+                else 0))
             kept = _inner_recompute_bytes(call, rows)
             op = call.operation
             own = isinstance(op, keras.layers.Layer) and _gradient_needs(
@@ -286,7 +297,8 @@ class Profile:
             activations=self.saved[b] - self.saved[a],
             recompute=self.recomputed[b] - self.recomputed[a],
             largest=max(self.out[a:b]),
-            largest_variable=max(self.largest_var[a:b]))
+            largest_variable=max(self.largest_var[a:b]),
+            mixing=self.mixed[b] - self.mixed[a])
 
 
 @dataclasses.dataclass
@@ -311,7 +323,7 @@ class StageMemory:
 
 
 FEATURES = ("inputs", "outputs", "activations", "recompute", "trainable",
-            "largest", "largest_variable")
+            "largest", "largest_variable", "mixing")
 _CATEGORIES = ("boundary", "activations", "gradients", "transient")
 
 
@@ -338,18 +350,46 @@ def moments(actions, mode, num_micro_batches, first=False, last=False):
     if last:
         # Merged outputs and the loss gradient.
         fixed = fixed + _unit("outputs", 2 * m)
-    held, sums, result = {}, zero, []
+    held, sums, result, run = {}, zero, [], []
     boundary_of = zero if first else _unit("inputs")
-    for kind, i in actions:
-        remat = mode == "always" or (mode == "except_last" and i < m - 1)
+
+    def remat_of(i):
+        return mode == "always" or (mode == "except_last" and i < m - 1)
+
+    deferred = _deferred_runs(actions, remat_of)
+    for n, (kind, i) in enumerate(actions):
+        remat = remat_of(i)
         boundary = sum((v[0] for v in held.values()), zero)
         kept = sum((v[1] for v in held.values()), zero)
         if kind == "F":
-            held[i] = (boundary_of, zero if remat else _unit("activations"))
-            making = _unit("largest", 2) if remat else _unit("activations")
+            # In place under a tape, a forward pass keeps what the gradient
+            # ops need, as a recompute does.
+            held[i] = (boundary_of, zero if remat else _unit("recompute"))
+            making = _unit("largest", 2) if remat else (
+                _unit("recompute") + _unit("largest"))
             result.append(np.stack([
                 boundary + boundary_of, kept + making, sums,
                 fixed + _unit("outputs")]))
+            continue
+        waiting = _unit("outputs", len(held) - 1)
+        if n in deferred:
+            # Input gradients only; the stash (the mixing ops' inputs, kept
+            # anyway, and output gradients) stays for the run's W.
+            result.append(np.stack([
+                boundary, kept + _unit("mixing"), sums,
+                fixed + _unit("outputs") + _unit("largest") + waiting]))
+            held[i] = (held[i][0], _unit("recompute") + _unit("mixing"))
+            run.append(i)
+            if n + 1 not in deferred:
+                # W: per mixing op, its inputs and output gradients of the
+                # run concatenated, one product per weight into the sums.
+                result.append(np.stack([
+                    boundary, kept + _unit("mixing"),
+                    _unit("trainable", 2 if sums.any() else 1),
+                    fixed + _unit("largest", 2 * len(run))]))
+                for r in run:
+                    held.pop(r, None)
+                run, sums = [], _unit("trainable")
             continue
         if remat:
             # One traced call: recompute, backward, and the running sums,
@@ -368,7 +408,6 @@ def moments(actions, mode, num_micro_batches, first=False, last=False):
             passing = _unit("outputs") + _unit("largest")
         # The next stage may run ahead: gradients for the outputs of the
         # other micro-batches in flight can have arrived and be waiting.
-        waiting = _unit("outputs", len(held) - 1)
         result.append(np.stack([
             boundary, kept + recompute, grads, fixed + passing + waiting]))
         held.pop(i, None)
@@ -377,6 +416,14 @@ def moments(actions, mode, num_micro_batches, first=False, last=False):
     result.append(np.stack([zero, zero, _unit("trainable"),
                             fixed + _unit("largest_variable", 2)]))
     return np.unique(np.stack(result), axis=0)
+
+
+def _deferred_runs(actions, remat_of):
+    """Positions of the `"B"`s whose weight gradients wait for their run's
+    end (`schedule.defer_weight_runs`): two or more in a row, no remat."""
+    fused = [kind == "B" and not remat_of(i) for kind, i in actions]
+    return {n for n, f in enumerate(fused) if f and (
+        (n and fused[n - 1]) or (n + 1 < len(fused) and fused[n + 1]))}
 
 
 def features(block):

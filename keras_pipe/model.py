@@ -207,7 +207,12 @@ class PipelineModel(keras.Model):
         return self._schedule
 
     def clock_ticks(self, num_micro_batches=None):
-        """The clock ticks this model follows (see `keras_pipe.schedule`)."""
+        """The clock ticks this model follows (see `keras_pipe.schedule`).
+
+        Without remat, the executor also defers the weight gradients of each
+        run of backward passes to one call after it
+        (`keras_pipe.schedule.defer_weight_runs`).
+        """
         return self._executor.ticks(num_micro_batches or
                                     self.num_micro_batches)
 
