@@ -59,7 +59,8 @@ class Cell:
     run: object = None           # the `StageRun` of the forward call
     output_grads: list = None    # gradients for `tree.flatten(run.outputs)`
     loss_grads: list = None      # gradients for `run.losses`
-    split: bool = False          # the schedule has a "W" action for it
+    split: bool = False          # a "W" action follows its "B"
+    deferred: bool = False       # that "W" is the executor's (end of a run)
     stash: object = None         # B's stash for W (split backward)
     sent: object = None          # `run.outputs` as the next stage reads them
 
@@ -322,7 +323,11 @@ class Executor:
         def device_of(a):  # a run stays within one replica
             return (self.runner(step, a.i, a.j).device, step.replica[a.i])
 
-        return schedule_lib.defer_weight_runs(actions, device_of, eligible)
+        actions = schedule_lib.defer_weight_runs(actions, device_of, eligible)
+        for a in actions:
+            if a.kind == "W" and (a.i, a.j) not in split:
+                step.cells[a.i][a.j].deferred = True
+        return actions
 
     # ------------------------------------------------------------- forward
 
@@ -514,6 +519,11 @@ class Executor:
             step.last[runner.device] = _first(input_grads + list(cell.stash))
             self._send_back(step, i, j, input_grads)
             cell.output_grads = None
+            if cell.deferred and not runner.splits(step.training):
+                # A stage that runs fused (an LSTM's While, a custom
+                # gradient) stashes whole weight gradients: they are added
+                # now, not held for every micro-batch of the run.
+                self._weight(step, [(i, j)], observer)
             return
         input_grads, totals = runner.backward(
             cell.run, cell.output_grads, cell.loss_grads, training=True,
@@ -536,6 +546,10 @@ class Executor:
     def _weight(self, step, group, observer):
         """Issues the weight gradients of `group`'s (i, j), one stage, as one
         call that adds them to the stage's running sums."""
+        group = [(ii, j) for ii, j in group
+                 if step.cells[ii][j].stash is not None]
+        if not group:
+            return  # added at their backward calls already
         i, j = group[0]
         runner = self.runner(step, i, j)
         sums = step.sums[step.replica[i]][j]

@@ -337,6 +337,11 @@ class Stage:
                              list(stash))
         return grads, stash
 
+    def splits(self, training):
+        """False once a split backward pass of this stage ran fused."""
+        split = self._split.get(bool(training))
+        return split is None or split.splittable
+
     def backward_weight(self, params, stashes, totals, training,
                         name="weight", control_inputs=(), observer=None):
         """W of a split backward pass: weight gradients of several

@@ -142,3 +142,32 @@ def test_gpipe_weight_gradients_are_one_product_per_kernel(devices, remat):
             if op.type in ("AddV2", "AddN") and "backward" in op.name
             and "gradient_tape" not in op.name]
     assert not adds, adds
+
+
+def test_a_stage_that_runs_fused_adds_its_weight_gradients_at_once(devices):
+    # An LSTM stage cannot split (its While loop): B stashes its whole
+    # weight gradients, so they are added at each backward call rather
+    # than held for the run's W (one copy of the weights per micro-batch).
+    import keras
+    import tensorflow as tf
+
+    def stages():
+        return [keras.Sequential([keras.layers.Reshape((3, 2)),
+                                  keras.layers.LSTM(4)], name="recurrent"),
+                keras.Sequential([keras.layers.Dense(helpers.NUM_CLASSES)],
+                                 name="head")]
+
+    pipe, reference = helpers.pair(stages, devices[:2], 3, "never")
+    compile_both(pipe, reference, optimizer="adam")
+    x, y, _ = helpers.data(8)  # uneven: 3, 3, 2
+    check_one_step(pipe, reference, x, y)
+    graph = tf.function(pipe.compute_loss_and_gradients).get_concrete_function(
+        tf.constant(x), tf.constant(y)).graph
+    calls = {op.name.split("/")[1] for op in graph.get_operations()
+             if op.name.startswith("stage0/") and "/weight/" in op.name}
+    # GPipe runs B2, B1, B0; B2's gradients start the sums (no op), B1's
+    # and B0's are added at once (one W over the run would be "mb2").
+    assert calls == {"mb0", "mb1"}
+    calls = {op.name.split("/")[1] for op in graph.get_operations()
+             if op.name.startswith("stage1/") and "/weight/" in op.name}
+    assert calls == {"mb2"}  # the Dense head: one W after its run
