@@ -308,9 +308,9 @@ class Executor:
         the weight gradients of all of them as one product over the
         concatenated micro-batches (`keras_pipe.weight_grad`), instead of
         one product per micro-batch added to a running sum. It also holds
-        each mixing op's output gradient until then (no more than its
-        output, already held). With remat, the stash would hold what the
-        recompute frees, so those runs stay fused.
+        each mixing op's output gradient until then (peak memory: README,
+        "Schedules"). With remat, the stash would hold what the recompute
+        frees, so those runs stay fused.
         """
         if step.differentiable:
             return actions

@@ -31,10 +31,9 @@ from keras_pipe import validation
 
 __all__ = ["Action", "bubble_fraction", "check_placement", "format_schedule",
            "defer_weight_runs", "get_schedule", "gpipe", "idle_fraction",
-           "interleaved_1f1b",
-           "list_schedule", "one_f_one_b", "register_schedule",
-           "schedule_names", "stage_placement", "ticks_from_orders",
-           "zb_h1", "zb_h2", "zbv"]
+           "interleaved_1f1b", "list_schedule", "one_f_one_b",
+           "register_schedule", "schedule_names", "stage_placement",
+           "ticks_from_orders", "zb_h1", "zb_h2", "zbv"]
 
 KINDS = ("F", "B", "W")
 
