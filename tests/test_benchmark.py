@@ -6,6 +6,7 @@ Nothing here is timed: the measurements themselves run in
 
 import importlib.util
 import json
+import os
 import pathlib
 
 import pytest
@@ -327,3 +328,20 @@ def test_replicas_table_gives_the_ratio_to_one_replica():
     assert "M=2 per replica" in title
     assert headers[-1] == "ratio to R=1"
     assert rows[1] == ["R=2, K=2", "250", "200", "1.25x"]
+
+
+def test_probe_line_reports_the_host_speed():
+    env = {"probe_start": {"matmul_seconds": {"0": 0.0078, "1": 0.0079}},
+           "probe_end": {"error": "probe exited 1"}}
+    assert bm.probe_line(env) == (
+        "Host speed, one-core 512 x 1024 x 1024 matmul (about 7.5-7.9 ms "
+        "when the host is quiet): start: core 0 7.8 ms, core 1 7.9 ms")
+    assert bm.probe_line({}) is None
+
+
+def test_probe_child_times_each_core():
+    # Runs the child (not timed: any positive time passes).
+    result = bm.run_child("probe", {"repeats": 3}, 300)
+    seconds = result["matmul_seconds"]
+    assert sorted(seconds) == sorted(str(c) for c in os.sched_getaffinity(0))
+    assert all(0 < v < 1 for v in seconds.values())

@@ -1151,10 +1151,51 @@ def child_replicas(p):
             for r in models}
 
 
+def child_probe(p):
+    """One-core matmul time on each core: how busy the host is.
+
+    The machine is shared: when the host is busy, every ratio against the
+    one-core process moves. A 512 x 1024 x 1024 float32 matmul, one thread,
+    median of `p["repeats"]` per core (about 7.5-7.9 ms here when quiet).
+    """
+    tf, _ = _tf_env([1, 1])
+    import numpy as np
+    w = tf.random.normal([1024, 1024])
+    x = tf.random.normal([512, 1024])
+    product = tf.function(lambda x: tf.reduce_sum(tf.matmul(x, w)))
+    product(x)
+    result = {}
+    for core in sorted(os.sched_getaffinity(0)):
+        os.sched_setaffinity(0, {core})
+        times = []
+        for _ in range(p["repeats"]):
+            start = time.perf_counter()
+            product(x).numpy()
+            times.append(time.perf_counter() - start)
+        result[str(core)] = float(np.median(times))
+    return {"matmul_seconds": result}
+
+
+def probe_line(env):
+    """The host-speed probes of `environment`'s record, as one line."""
+    parts = []
+    for key, label in (("probe_start", "start"), ("probe_end", "end")):
+        seconds = (env.get(key) or {}).get("matmul_seconds")
+        if seconds:
+            parts.append(f"{label}: " + ", ".join(
+                f"core {c} {v * 1e3:.1f} ms" for c, v in sorted(
+                    seconds.items())))
+    if not parts:
+        return None
+    return ("Host speed, one-core 512 x 1024 x 1024 matmul (about 7.5-7.9 "
+            "ms when the host is quiet): " + "; ".join(parts))
+
+
 CHILDREN = {"baseline": child_baseline, "throughput": child_throughput,
             "replicas": child_replicas,
             "overhead": child_overhead, "memory": child_memory,
-            "build": child_build, "fidelity": child_fidelity}
+            "build": child_build, "fidelity": child_fidelity,
+            "probe": child_probe}
 
 
 def _child_main(name, params):
@@ -1595,13 +1636,18 @@ def main(argv=None):
     outdir = pathlib.Path(args.out)
     outdir.mkdir(parents=True, exist_ok=True)
     env = environment()
+    env["probe_start"] = run_child("probe", {"repeats": 30}, 300)
     start = time.perf_counter()
     results = run_parts(parts, args.quick, outdir, schedules=schedules,
                         micro_batches=micro_batches)
     env["load_average_end"] = os.getloadavg()
+    env["probe_end"] = run_child("probe", {"repeats": 30}, 300)
     tables, goals = summarize(results)
     for title, headers, rows in tables:
         print(f"\n{title}\n{format_table(headers, rows)}")
+    host = probe_line(env)
+    if host:
+        print(f"\n{host}")
     document = {"command": " ".join(["python", "tools/benchmark.py",
                                      *(argv if argv is not None
                                        else sys.argv[1:])]),
@@ -1612,8 +1658,8 @@ def main(argv=None):
                            for t, h, r in tables]}
     (outdir / "benchmark.json").write_text(json.dumps(document, indent=1))
     (outdir / "benchmark.md").write_text(
-        "\n\n".join(f"{t}\n\n{markdown_table(h, r)}" for t, h, r in tables)
-        + "\n")
+        "\n\n".join([f"{t}\n\n{markdown_table(h, r)}" for t, h, r in tables]
+                    + ([host] if host else [])) + "\n")
     plot(results, goals, outdir / "benchmark.png")
     print(f"\nWrote benchmark.json, benchmark.md and benchmark.png to "
           f"{outdir} ({document['seconds']:.0f} s).")
