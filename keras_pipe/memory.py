@@ -22,8 +22,8 @@ anything is built. The model follows what the executor holds
 * in a run of backward passes without remat (GPipe's backward phase,
   1F1B's drain; `schedule.defer_weight_runs`), each micro-batch keeps its
   activations (the mixing ops' inputs) and the mixing ops' output
-  gradients (bounded by the activations again) until the run's one
-  weight-gradient call, which concatenates them op by op.
+  gradients (the outputs of the calls with weights, `Block.mixing`) until
+  the run's one weight-gradient call, which concatenates them op by op.
 
 Validated per stage against TF's allocator peak by `tools/memory_model.py`
 (README, "Fitting a memory budget").
@@ -420,10 +420,14 @@ def moments(actions, mode, num_micro_batches, first=False, last=False):
 
 def _deferred_runs(actions, remat_of):
     """Positions of the `"B"`s whose weight gradients wait for their run's
-    end (`schedule.defer_weight_runs`): two or more in a row, no remat."""
-    fused = [kind == "B" and not remat_of(i) for kind, i in actions]
-    return {n for n, f in enumerate(fused) if f and (
-        (n and fused[n - 1]) or (n + 1 < len(fused) and fused[n + 1]))}
+    end, as the executor decides (`schedule.defer_weight_runs`)."""
+    flat = [schedule_lib.Action(kind, i, 0) for kind, i in actions]
+    added = [a for a in schedule_lib.defer_weight_runs(
+        flat, lambda a: 0, lambda a: not remat_of(a.i)) if a.kind == "W"]
+    waiting = {a.i for a in added} - {i for kind, i in actions
+                                      if kind == "W"}
+    return {n for n, (kind, i) in enumerate(actions)
+            if kind == "B" and i in waiting}
 
 
 def features(block):
