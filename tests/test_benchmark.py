@@ -184,6 +184,12 @@ def test_throughput_goals_take_the_best_schedule():
     # At M=8 the fastest schedule (zbv), not the most frugal (zb_h1).
     assert goals["a-cpu"]["measured"] == pytest.approx(1.25, abs=1e-12)
     assert goals["a-cpu"]["note"] == "zbv, M=8"
+    # With the kernel child's timings, the note says what M=8 costs per row.
+    a = {**_results()["a"], "kernel": {"seconds": {"1": 0.02, "8": 0.026},
+                                       "batch": 512, "width": 1024}}
+    assert bm.throughput_goals(a)["a-cpu"]["note"] == (
+        "zbv, M=8; one layer's F and B products cost 1.30x at M=8 what they "
+        "cost on the whole batch")
 
 
 def test_throughput_goals_without_m8_or_bare_say_so():
@@ -345,3 +351,20 @@ def test_probe_child_times_each_core():
     seconds = result["matmul_seconds"]
     assert sorted(seconds) == sorted(str(c) for c in os.sched_getaffinity(0))
     assert all(0 < v < 1 for v in seconds.values())
+
+
+def test_kernel_rows_relate_each_micro_batch_size_to_the_whole_batch():
+    kernel = {"seconds": {"1": 0.020, "4": 0.021, "8": 0.028},
+              "batch": 512, "width": 1024}
+    assert bm.kernel_rows(kernel) == [[1, 512, "20.0", "1.00x"],
+                                      [4, 128, "21.0", "1.05x"],
+                                      [8, 64, "28.0", "1.40x"]]
+
+
+def test_kernel_child_times_each_micro_batch_size():
+    # Runs the child on a small layer (not timed: any positive time passes).
+    result = bm.run_child("kernel", {"batch": 64, "width": 32,
+                                     "micro_batches": [2, 8, 3],
+                                     "repeats": 2, "threads": [1, 2]}, 300)
+    assert sorted(result["seconds"], key=int) == ["1", "2", "8"]  # 3 ∤ 64
+    assert all(0 < v < 1 for v in result["seconds"].values())

@@ -307,6 +307,12 @@ def throughput_goals(result, rows=None, over_bare=None):
     if fastest:
         goals["a-cpu"]["note"] = f"{fastest['schedule']}, M={m}" + (
             "" if m == 8 else " (no M=8 in this run)")
+        seconds = (result.get("kernel") or {}).get("seconds", {})
+        if str(m) in seconds and "1" in seconds:
+            goals["a-cpu"]["note"] += (
+                f"; one layer's F and B products cost "
+                f"{seconds[str(m)] / seconds['1']:.2f}x at M={m} what they "
+                "cost on the whole batch")
     return goals
 
 
@@ -421,6 +427,13 @@ def throughput_tables(a):
             fmt(two["step_seconds"] * 1e3, 0),
             fmt(ratio(two.get("cpu_seconds_per_step"),
                       base.get("cpu_seconds_per_step")), suffix="x")])
+    if a.get("kernel"):
+        tables.append((
+            "(a) One core, one Dense layer's forward and input-gradient "
+            "products over the batch cut into M micro-batches (what a "
+            "stage's F and B cost per row at that size)",
+            ["M", "rows per micro-batch", "ms per batch", "ratio to M=1"],
+            kernel_rows(a["kernel"])))
     tables.append(("(a) references (CPU: all workers, per step)",
                    ["run", "speedup vs 1 core", "ms/step",
                     "CPU s / 1-core CPU s"], context))
@@ -1176,6 +1189,59 @@ def child_probe(p):
     return {"matmul_seconds": result}
 
 
+def child_kernel(p):
+    """One-core cost of a Dense layer's products at each micro-batch size.
+
+    A micro-batch of `batch / M` rows runs each stage's forward (matmul,
+    bias, ReLU) and input-gradient (`dY W^T`) products on fewer rows; on
+    this CPU oneDNN's sgemm costs more per row below 128 rows. Here: the
+    whole batch through both products of one `width x width` layer, cut
+    into M parts, one thread, median seconds per M (repetitions interleaved
+    over M, so that host noise hits every M alike).
+    """
+    tf, _ = _tf_env(p.get("threads"))
+    batch, width = p["batch"], p["width"]
+    kernel = tf.random.normal([width, width])
+    bias = tf.random.normal([width])
+    x = tf.random.normal([batch, width])
+
+    def products(parts):
+        total = tf.constant(0.0)
+        for part in parts:
+            forward = tf.nn.relu(tf.matmul(part, kernel) + bias)
+            grad = tf.matmul(part, kernel, transpose_b=True)
+            total += tf.reduce_sum(forward) + tf.reduce_sum(grad)
+        return total
+
+    runs = {}
+    for m in sorted({1, *p["micro_batches"]}):
+        if batch % m:
+            continue
+        parts = tf.split(x, m)
+        run = tf.function(products)
+        run(parts)  # traced and warm
+        runs[m] = (run, parts, [])
+    for _ in range(p["repeats"]):
+        for run, parts, times in runs.values():
+            start = time.perf_counter()
+            run(parts).numpy()
+            times.append(time.perf_counter() - start)
+    return {"seconds": {str(m): median(times)
+                        for m, (_, _, times) in runs.items()},
+            "batch": batch, "width": width}
+
+
+def kernel_rows(kernel):
+    """Rows of the kernel table: M, rows per micro-batch, ms, ratio to M=1.
+
+    Pure, for `tests/test_benchmark.py`.
+    """
+    seconds = {int(m): s for m, s in kernel["seconds"].items()}
+    whole = seconds.get(1)
+    return [[m, kernel["batch"] // m, fmt(s * 1e3, 1),
+             fmt(ratio(s, whole), 2, "x")] for m, s in sorted(seconds.items())]
+
+
 def probe_line(env):
     """The host-speed probes of `environment`'s record, as one line."""
     parts = []
@@ -1195,7 +1261,7 @@ CHILDREN = {"baseline": child_baseline, "throughput": child_throughput,
             "replicas": child_replicas,
             "overhead": child_overhead, "memory": child_memory,
             "build": child_build, "fidelity": child_fidelity,
-            "probe": child_probe}
+            "probe": child_probe, "kernel": child_kernel}
 
 
 def _child_main(name, params):
@@ -1318,7 +1384,8 @@ def settings(quick, schedules=SCHEDULES):
               "one_worker_micro_batches": [1] if quick else [1, 4, 16],
               "steps_per_execution": 4,
               "steps_per_execution_micro_batches": [4],
-              "steps": 8 if quick else 12, "rounds": 2 if quick else 4},
+              "steps": 8 if quick else 12, "rounds": 2 if quick else 4,
+              "kernel_repeats": 10 if quick else 20},
         "f": {"layers": 4, "width": 512, "batch": 512, "M": 2,
               "steps": 6 if quick else 10, "rounds": 2 if quick else 4},
         "b": {"models": [model, {"layers": 4, "width": 128, "batch": 64}],
@@ -1366,6 +1433,13 @@ def run_throughput(p, outdir, log):
     log("  1 process pinned to 1 core, again; 1 process on 2 cores ...")
     after = run_child("baseline", dict(one_core), 900, log=log)
     two = run_child("baseline", dict(base), 900, log=log)
+    log("  one layer's products per micro-batch size, 1 core ...")
+    kernel = run_child("kernel", dict(  # M=8 always: the CPU goal's M
+        base, micro_batches=sorted({8, *p["micro_batches"]}),
+        repeats=p["kernel_repeats"],
+        cpus=[core], threads=[1, 2]), 900, log=log)
+    if "error" not in kernel:
+        result["kernel"] = kernel
     steps = before.get("steps", []) + after.get("steps", [])
     result["baseline_1core"] = {"step_seconds": median(steps),
                                 "cpu_seconds_per_step": median([
