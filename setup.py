@@ -75,7 +75,8 @@ setup(
         "numpy>=1.26,<3",
     ],
     extras_require={
-        "tests": ["pytest>=8,<10", "pytest-timeout>=2.3"],
+        "tests": ["pytest>=8,<10", "pytest-timeout>=2.3",
+                  "pytest-xdist>=3.5,<4"],
         # keras-hub's WordPiece tokenizer runs on tensorflow-text, pinned to
         # the TensorFlow release above.
         "examples": ["tensorflow-datasets==4.9.*", "matplotlib>=3.8",
