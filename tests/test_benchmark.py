@@ -355,10 +355,13 @@ def test_probe_child_times_each_core():
 
 def test_kernel_rows_relate_each_micro_batch_size_to_the_whole_batch():
     kernel = {"seconds": {"1": 0.020, "4": 0.021, "8": 0.028},
+              "xla_seconds": {"1": 0.030, "4": 0.0315},
               "batch": 512, "width": 1024}
-    assert bm.kernel_rows(kernel) == [[1, 512, "20.0", "1.00x"],
-                                      [4, 128, "21.0", "1.05x"],
-                                      [8, 64, "28.0", "1.40x"]]
+    assert bm.kernel_rows(kernel) == [[1, 512, "20.0", "1.00x", "30.0",
+                                       "1.50x"],
+                                      [4, 128, "21.0", "1.05x", "31.5",
+                                       "1.50x"],
+                                      [8, 64, "28.0", "1.40x", "-", "-"]]
 
 
 def test_kernel_child_times_each_micro_batch_size():
@@ -366,5 +369,6 @@ def test_kernel_child_times_each_micro_batch_size():
     result = bm.run_child("kernel", {"batch": 64, "width": 32,
                                      "micro_batches": [2, 8, 3],
                                      "repeats": 2, "threads": [1, 2]}, 300)
-    assert sorted(result["seconds"], key=int) == ["1", "2", "8"]  # 3 ∤ 64
-    assert all(0 < v < 1 for v in result["seconds"].values())
+    for key in ("seconds", "xla_seconds"):
+        assert sorted(result[key], key=int) == ["1", "2", "8"]  # 3 ∤ 64
+        assert all(0 < v < 1 for v in result[key].values())

@@ -432,7 +432,8 @@ def throughput_tables(a):
             "(a) One core, one Dense layer's forward and input-gradient "
             "products over the batch cut into M micro-batches (what a "
             "stage's F and B cost per row at that size)",
-            ["M", "rows per micro-batch", "ms per batch", "ratio to M=1"],
+            ["M", "rows per micro-batch", "ms per batch", "ratio to M=1",
+             "same with XLA, ms", "XLA / without"],
             kernel_rows(a["kernel"])))
     tables.append(("(a) references (CPU: all workers, per step)",
                    ["run", "speedup vs 1 core", "ms/step",
@@ -1197,7 +1198,9 @@ def child_kernel(p):
     this CPU oneDNN's sgemm costs more per row below 128 rows. Here: the
     whole batch through both products of one `width x width` layer, cut
     into M parts, one thread, median seconds per M (repetitions interleaved
-    over M, so that host noise hits every M alike).
+    over M, so that host noise hits every M alike); `xla_seconds` the same
+    compiled by XLA (`jit_compile=True`, which a stage on one device could
+    use: issue 12 names it as an avenue).
     """
     tf, _ = _tf_env(p.get("threads"))
     batch, width = p["batch"], p["width"]
@@ -1218,28 +1221,36 @@ def child_kernel(p):
         if batch % m:
             continue
         parts = tf.split(x, m)
-        run = tf.function(products)
-        run(parts)  # traced and warm
-        runs[m] = (run, parts, [])
+        for xla in (False, True):
+            run = tf.function(products, jit_compile=xla)
+            run(parts)  # traced and warm
+            runs[m, xla] = (run, parts, [])
     for _ in range(p["repeats"]):
         for run, parts, times in runs.values():
             start = time.perf_counter()
             run(parts).numpy()
             times.append(time.perf_counter() - start)
-    return {"seconds": {str(m): median(times)
-                        for m, (_, _, times) in runs.items()},
-            "batch": batch, "width": width}
+    result = {"batch": batch, "width": width}
+    for xla, key in ((False, "seconds"), (True, "xla_seconds")):
+        result[key] = {str(m): median(times)
+                       for (m, x), (_, _, times) in runs.items() if x == xla}
+    return result
 
 
 def kernel_rows(kernel):
-    """Rows of the kernel table: M, rows per micro-batch, ms, ratio to M=1.
+    """Rows of the kernel table: M, rows per micro-batch, ms, ratio to M=1,
+    then the XLA-compiled ms and its ratio to the same without XLA.
 
     Pure, for `tests/test_benchmark.py`.
     """
     seconds = {int(m): s for m, s in kernel["seconds"].items()}
+    xla = kernel.get("xla_seconds", {})
     whole = seconds.get(1)
     return [[m, kernel["batch"] // m, fmt(s * 1e3, 1),
-             fmt(ratio(s, whole), 2, "x")] for m, s in sorted(seconds.items())]
+             fmt(ratio(s, whole), 2, "x"),
+             fmt(xla[str(m)] * 1e3 if str(m) in xla else None, 1),
+             fmt(ratio(xla.get(str(m)), s), 2, "x")]
+            for m, s in sorted(seconds.items())]
 
 
 def probe_line(env):
