@@ -144,6 +144,74 @@ def test_gpipe_weight_gradients_are_one_product_per_kernel(devices, remat):
     assert not adds, adds
 
 
+_COUNT_PRODUCTS = """
+import os, sys
+import keras, numpy as np, keras_pipe
+devices = keras_pipe.logical_cpu_devices(2)
+stages = [keras.Sequential([keras.layers.Dense(64, activation="relu")
+                            for _ in range(2)]) for _ in range(2)]
+pipe = keras_pipe.PipelineModel(stages, devices=devices, num_micro_batches=4,
+                                remat="never", schedule=sys.argv[1])
+pipe.build((None, 64))
+pipe.compile("sgd", "mse")
+x = np.random.rand(64, 64).astype("float32")
+pipe.fit(x[:32], x[:32], batch_size=32, verbose=0)  # traced, warm
+print("=====STEPS=====", flush=True)
+pipe.fit(x, x, batch_size=32, verbose=0, shuffle=False)  # two steps
+print("=====END=====", flush=True)
+"""
+
+
+def _products_per_step(schedule_name):
+    """oneDNN's executed matmuls in one training step, by kind and shape.
+
+    From `ONEDNN_VERBOSE=1` in a child process: every product TF ran, after
+    the function runtime pruned what feeds nothing (the graph alone cannot
+    say which products run).
+    """
+    import collections
+    import os
+    import subprocess
+    import sys
+    env = dict(os.environ, ONEDNN_VERBOSE="1", TF_CPP_MIN_LOG_LEVEL="3")
+    proc = subprocess.run([sys.executable, "-c", _COUNT_PRODUCTS,
+                           schedule_name], capture_output=True, text=True,
+                          env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    steps = proc.stdout.split("=====STEPS=====")[1].split("=====END=====")[0]
+    counts = collections.Counter()
+    for line in steps.splitlines():
+        fields = line.split(",")
+        if line.startswith("onednn_verbose") and "exec" in fields[2:4]:
+            counts[fields[5], fields[-2]] += 1
+    assert counts, "no oneDNN product ran: is oneDNN off in this TF build?"
+    return {key: n / 2 for key, n in counts.items()}
+
+
+@pytest.mark.parametrize("name, weight_products", [
+    # GPipe: each stage's 4 backward calls form one run; one product per
+    # kernel over the 32 rows of the batch.
+    ("gpipe", {"64x32:32x64": 4}),
+    # ZB-H2 (see `schedule.zb_h2(4, 2)`): stage 0 runs W0 and W1 alone in
+    # bubbles and W2 W3 as one call; stage 1 its trailing W0-W3 as one.
+    ("zb_h2", {"64x8:8x64": 4, "64x16:16x64": 2, "64x32:32x64": 2}),
+])
+def test_each_product_runs_once_per_step(name, weight_products):
+    # 2 stages of 2 Dense(64) layers, batch 32, M=4 (8 rows each). Forward:
+    # 4 layers x 4 micro-batches; input gradients: 3 layers (the model's
+    # input needs none) x 4; nothing replayed or computed twice.
+    counts = _products_per_step(name)
+    micro = {"inner_product": 0, "gemm_api": 0}
+    weight = {}
+    for (kind, shape), n in counts.items():
+        if shape in ("mb8ic64oc64", "8x64:64x64"):
+            micro[kind] += n
+        else:
+            weight[shape] = weight.get(shape, 0) + n
+    assert sum(micro.values()) == 4 * 4 + 3 * 4, counts
+    assert weight == weight_products, counts
+
+
 def test_a_stage_that_runs_fused_adds_its_weight_gradients_at_once(devices):
     # An LSTM stage cannot split (its While loop): B stashes its whole
     # weight gradients, so they are added at each backward call rather
