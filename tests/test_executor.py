@@ -145,7 +145,7 @@ def test_gpipe_weight_gradients_are_one_product_per_kernel(devices, remat):
 
 
 _COUNT_PRODUCTS = """
-import os, sys
+import sys
 import keras, numpy as np, keras_pipe
 devices = keras_pipe.logical_cpu_devices(2)
 stages = [keras.Sequential([keras.layers.Dense(64, activation="relu")

@@ -1173,7 +1173,6 @@ def child_probe(p):
     median of `p["repeats"]` per core (about 7.5-7.9 ms here when quiet).
     """
     tf, _ = _tf_env([1, 1])
-    import numpy as np
     w = tf.random.normal([1024, 1024])
     x = tf.random.normal([512, 1024])
     product = tf.function(lambda x: tf.reduce_sum(tf.matmul(x, w)))
@@ -1186,7 +1185,7 @@ def child_probe(p):
             start = time.perf_counter()
             product(x).numpy()
             times.append(time.perf_counter() - start)
-        result[str(core)] = float(np.median(times))
+        result[str(core)] = median(times)
     return {"matmul_seconds": result}
 
 
