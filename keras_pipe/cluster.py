@@ -144,6 +144,47 @@ def probe(address, timeout=1.0):
         channel.close()
 
 
+# No server implements it: a live gRPC server answers UNIMPLEMENTED at once.
+_PING = "/keras_pipe.Watch/Ping"
+
+
+class _KeptProbe:
+    """`probe` over one kept channel per address: cheap enough to repeat.
+
+    A new channel per probe costs the client ~7 ms of CPU and the worker
+    ~2 ms (TCP connect, HTTP/2 handshake, grpc's own polling thread); once
+    a second per worker that is 2-3% of a busy client's CPU next to the
+    stages it shares cores with. Here each probe is one call of a method
+    no server implements on a channel kept open: a live server answers
+    UNIMPLEMENTED (~0.5 ms of client CPU, ~0.25 ms of the worker's), a
+    stopped (hung) one lets the deadline pass, a dead one fails to connect.
+    After a failure the channel is dropped, so the next probe connects
+    afresh instead of waiting out grpc's reconnection backoff.
+    """
+
+    def __init__(self):
+        self.channels = {}
+
+    def __call__(self, address, timeout):
+        import grpc  # A TensorFlow dependency.
+
+        channel = self.channels.get(address)
+        if channel is None:
+            channel = self.channels[address] = grpc.insecure_channel(address)
+        try:
+            channel.unary_unary(_PING)(b"", timeout=timeout)
+        except grpc.RpcError as error:
+            if error.code() != grpc.StatusCode.UNIMPLEMENTED:
+                self.channels.pop(address).close()
+                return False
+        return True
+
+    def close(self):
+        for channel in self.channels.values():
+            channel.close()
+        self.channels.clear()
+
+
 def _unreachable(tasks, timeout):
     """The subset of `tasks` that does not answer before `timeout` seconds."""
     deadline = time.monotonic() + timeout
@@ -424,16 +465,20 @@ class _Watch:
 
     def _run(self):
         failures = dict.fromkeys(self.tasks, 0)
-        while not self.stop.wait(self.interval):
-            for name, address in self.tasks.items():
-                ok = probe(address, self.interval)
-                failures[name] = 0 if ok else failures[name] + 1
-                if failures[name] >= self.misses:
-                    self.lost[name] = address
-            if self.lost:
-                self.lost_at = time.monotonic()
-                self.manager.start_cancel()
-                return
+        alive = _KeptProbe()
+        try:
+            while not self.stop.wait(self.interval):
+                for name, address in self.tasks.items():
+                    ok = alive(address, self.interval)
+                    failures[name] = 0 if ok else failures[name] + 1
+                    if failures[name] >= self.misses:
+                        self.lost[name] = address
+                if self.lost:
+                    self.lost_at = time.monotonic()
+                    self.manager.start_cancel()
+                    return
+        finally:
+            alive.close()
 
 
 def run(devices, action, function, *args, interval=1.0, misses=2,

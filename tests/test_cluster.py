@@ -153,6 +153,30 @@ def test_connect_names_down_and_hung_workers_in_bounded_time():
     assert context.get_server_def() is None
 
 
+def test_watchdog_probe_keeps_its_channel_and_sees_a_stop(workers):
+    """One channel per task while it answers; a stopped one misses in time."""
+    alive = cluster_lib._KeptProbe()
+    address = workers.addresses[1]
+    down = f"127.0.0.1:{_free_port()}"
+    victim = workers.procs[1]
+    try:
+        assert alive(address, 5.0)
+        channel = alive.channels[address]
+        assert alive(address, 5.0) and alive.channels[address] is channel
+        assert not alive(down, 1.0) and down not in alive.channels
+        os.kill(victim.pid, signal.SIGSTOP)  # open connection, no answer
+        start = time.monotonic()
+        assert not alive(address, 1.0)
+        assert 1.0 <= time.monotonic() - start < 3.0
+        assert address not in alive.channels  # dropped: next one is new
+        os.kill(victim.pid, signal.SIGCONT)
+        assert alive(address, 5.0)
+    finally:
+        os.kill(victim.pid, signal.SIGCONT)
+        alive.close()
+    assert alive.channels == {}
+
+
 def test_run_is_a_plain_call_for_local_devices(devices):
     import threading
     thread = cluster_lib.run(devices, "fit", threading.current_thread)
