@@ -149,6 +149,16 @@ def test_throughput_rows_are_ratios_to_the_baseline():
     assert rows[1]["speedup_vs_one_worker"] == pytest.approx(2.0, abs=1e-12)
     # CPU seconds of both workers per step over the 1-core process's.
     assert rows[0]["cpu_ratio"] == pytest.approx(1.5, abs=1e-12)
+    # No client CPU reported: no bound; with it, 2 cores' worth of the
+    # 1-core CPU over the workers' and the client's CPU.
+    assert rows[4]["cpu_bound"] is None
+    a = _results()["a"]
+    a["pipeline"][3]["client_cpu_seconds_per_step"] = 0.05  # zbv, M=4
+    rows = bm.throughput_rows(a)
+    assert rows[4]["cpu_bound"] == pytest.approx(0.4 / 0.35, abs=1e-12)
+    assert bm.throughput_goals(a)["a"]["note"] == (
+        "zbv, M=4; the CPU its workers and client spent allows 1.14x on 2 "
+        "cores")
     # Step over (M+1)/M x the busier worker's CPU seconds (0.15).
     assert [r["schedule_ratio"] for r in rows[:3]] == pytest.approx(
         [0.2 / 0.3, 0.125 / (1.25 * 0.15), 0.16 / (17 / 16 * 0.15)],
@@ -261,7 +271,7 @@ def test_summarize_reports_every_goal():
         ["ideal 2M/(M+1)", "", "1.00", "1.60", "1.78", "1.88", ""]]
     a_rows = tables[1][2]
     assert a_rows[1][:6] == ["gpipe", 2, 4, "1.60", "1.60x", "-"]
-    assert a_rows[1][-4:] == ["50%/60%", "10%/20%", "1.50x", "0.67x"]
+    assert a_rows[1][-5:] == ["50%/60%", "10%/20%", "1.50x", "-", "0.67x"]
     bare_rows = tables[2][2]
     assert bare_rows[1] == [4, "100", "125", "1.250x", "1.250x", "2.00x",
                             "1.50x", "110", "1.100x"]
@@ -372,3 +382,43 @@ def test_kernel_child_times_each_micro_batch_size():
     for key in ("seconds", "xla_seconds"):
         assert sorted(result[key], key=int) == ["1", "2", "8"]  # 3 ∤ 64
         assert all(0 < v < 1 for v in result[key].values())
+
+
+def test_baseline_1core_prefers_the_rounds_interleaved_with_the_runs():
+    before = {"steps": [0.20, 0.22], "cpu_seconds_per_step": 0.2}
+    after = {"steps": [0.30], "cpu_seconds_per_step": 0.3}
+    inter = {"step_seconds": 0.25, "cpu_seconds_per_step": 0.24,
+             "best_step_seconds": 0.2, "steps": [0.2, 0.25, 0.3]}
+    base = bm.baseline_1core(inter, before, after)
+    assert base["step_seconds"] == 0.25 and base["source"] == "interleaved"
+    assert base["before"] is before and base["after"] is after
+    pooled = bm.baseline_1core(None, before, after)
+    assert pooled["step_seconds"] == 0.22 and pooled["best_step_seconds"] \
+        == 0.20
+    assert pooled["cpu_seconds_per_step"] == 0.25
+    assert pooled["source"] == "before and after"
+    # The references table shows the drift of the rounds run alone.
+    a = dict(_results()["a"], baseline_1core=dict(
+        base, before={"step_seconds": 0.2, "cpu_seconds_per_step": 0.2}))
+    context = dict((t[0], t[2]) for t in bm.throughput_tables(a))[
+        "(a) references (CPU: all workers, per step)"]
+    assert context[0][0] == "1 process, 1 core (baseline; rounds interleaved)"
+    assert context[1] == ["the same, before the pipeline runs", "1.25x",
+                          "200", "0.83x"]
+    assert not any("after" in row[0] for row in context)
+
+
+def test_baseline_server_runs_one_round_per_request():
+    # The child the throughput part interleaves (not timed).
+    server = bm._PinnedBaseline({"layers": 2, "width": 32, "batch": 16,
+                                 "steps": 4, "threads": [1, 2],
+                                 "cpus": sorted(os.sched_getaffinity(0))[:1]})
+    try:
+        rounds = [server.round(), server.round()]
+    finally:
+        server.close()
+    assert server.proc.returncode == 0
+    for r in rounds:
+        assert len(r["steps"]) == 3  # the first step of each fit excluded
+        assert all(0 < s < 5 for s in r["steps"])
+        assert r["cpu_seconds_per_step"] > 0

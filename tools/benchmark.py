@@ -12,7 +12,9 @@ context only: the machine may be shared and noisy):
       (`python -m keras_pipe.worker`), each pinned to its own core: K=2
       stages for gpipe, 1f1b, zb_h1 and zb_h2, K=4 stages (2 per worker)
       for interleaved_1f1b and zbv, against the same plain Keras model in
-      1 process pinned to 1 core, the ideal 2M/(M+1), and a bare TF graph
+      1 process pinned to 1 core (its rounds interleaved with the
+      pipeline's, so that host load varying over minutes weighs on both
+      sides of each ratio), the ideal 2M/(M+1), and a bare TF graph
       of the same GPipe step on the same workers (one `tf.function`, data
       already on the workers, no `fit`): keras_pipe's overhead per step;
   (b) the overhead of a PipelineModel with K=1, M=1 against the same plain
@@ -64,6 +66,8 @@ MEMORY_SCHEDULES = TWO_STAGE_SCHEDULES
 # torch 2.13 pipelining's best speedup on the same job (ScheduleZBVZeroBubble,
 # M=4), measured in issue 12; the goal is 1.2x that.
 TORCH_BEST_SPEEDUP = 1.33
+# Part (a)'s one-core process when its rounds interleave with the pipeline's.
+BASELINE_LABEL = "1 process, 1 core"
 
 # Goals of issues 6 and 12 (reported, never asserted).
 GOALS = {
@@ -233,6 +237,11 @@ def throughput_rows(result):
             "worker_wait": entry.get("worker_cpu_wait"),
             "cpu_ratio": ratio(_sum(entry.get("worker_cpu_seconds_per_step")),
                                base_cpu),
+            # The speedup two cores allow at the CPU that the workers and
+            # the client (which shares their cores) spent per step.
+            "cpu_bound": ratio(2 * base_cpu if base_cpu else None, _sum(
+                (entry.get("worker_cpu_seconds_per_step") or [None])
+                + [entry.get("client_cpu_seconds_per_step")])),
             # What the schedule allows with the CPU the workers spent:
             # (M+K-1)/M times the busier worker's CPU seconds per step.
             # Over 1: the schedule (dependencies, transfers) costs time;
@@ -292,6 +301,10 @@ def throughput_goals(result, rows=None, over_bare=None):
     if best:
         goals["a"]["note"] = goals["a-torch"]["note"] = (
             f"{best['schedule']}, M={best['M']}")
+        if best.get("cpu_bound"):
+            goals["a"]["note"] += (
+                f"; the CPU its workers and client spent allows "
+                f"{best['cpu_bound']:.2f}x on 2 cores")
     ratios = [r for r in over_bare if r["ratio"] is not None]
     worst = max(ratios, key=lambda r: r["ratio"], default=None)
     goals["a-overhead"] = check_goal("a-overhead", worst and worst["ratio"])
@@ -384,13 +397,14 @@ def throughput_tables(a):
          "same, fastest steps", "vs 1 worker K=1", "speedup/ideal",
          "ms/step", "worker CPU use", "worker CPU wait",
          "worker CPU s / 1-core CPU s",
+         "speedup 2 cores allow at the CPU of workers + client",
          "step / ((M+1)/M x busier worker's CPU s)"],
         [[r["schedule"], r["K"], r["M"], fmt(r["ideal"]),
           fmt(r["speedup"], suffix="x"), fmt(r["speedup_best"], suffix="x"),
           fmt(r["speedup_vs_one_worker"], suffix="x"),
           fmt(r["efficiency"]), fmt(r["ms_per_step"], 0),
           _percentages(r["worker_cpu"]), _percentages(r["worker_wait"]),
-          fmt(r["cpu_ratio"], suffix="x"),
+          fmt(r["cpu_ratio"], suffix="x"), fmt(r["cpu_bound"], suffix="x"),
           fmt(r["schedule_ratio"], suffix="x")]
          for r in rows]))
     if over_bare:
@@ -410,8 +424,20 @@ def throughput_tables(a):
               fmt(r["bare_cpu_ratio"], suffix="x"), fmt(r["spe_ms"], 0),
               fmt(r["spe_ratio"], 3, "x")] for r in over_bare]))
     base = a["baseline_1core"]
-    context = [["1 process, 1 core (baseline)", "1.00x",
+    context = [[f"1 process, 1 core (baseline; rounds "
+                f"{base.get('source', 'before and after')})", "1.00x",
                 fmt(base["step_seconds"] * 1e3, 0), "1.00x"]]
+    if base.get("source") == "interleaved":  # how far the host drifted
+        for when in ("before", "after"):
+            alone = base.get(when) or {}
+            if alone.get("step_seconds"):
+                context.append([
+                    f"the same, {when} the pipeline runs",
+                    fmt(ratio(base["step_seconds"], alone["step_seconds"]),
+                        suffix="x"), fmt(alone["step_seconds"] * 1e3, 0),
+                    fmt(ratio(alone.get("cpu_seconds_per_step"),
+                              base.get("cpu_seconds_per_step")),
+                        suffix="x")])
     for e in a.get("one_worker_runs", []):
         context.append([
             f"1 worker process, K=1, M={e['num_micro_batches']}",
@@ -677,8 +703,12 @@ def _throughput_data(np, steps, batch, width):
     return x, y
 
 
-def child_baseline(p):
-    """Plain Keras model in this process (pinned by the parent): step time."""
+def _baseline_round(p):
+    """The plain Keras model of part (a), warm: returns one round's runner.
+
+    Each call of the runner is one `fit` epoch of `p["steps"]` steps and
+    returns `(step seconds, CPU seconds per step)`.
+    """
     tf, keras = _tf_env(p.get("threads"))
     import numpy as np
     keras.utils.set_random_seed(0)
@@ -687,14 +717,94 @@ def child_baseline(p):
     model.compile(keras.optimizers.Adam(1e-4), "mse", jit_compile=False)
     _fit_steps(keras, model, x[:3 * p["batch"]], y[:3 * p["batch"]],
                p["batch"])
-    steps, cpu = [], []
-    for _ in range(p["rounds"]):
+
+    def run():
         start = time.process_time()
-        steps += _fit_steps(keras, model, x, y, p["batch"])
-        cpu.append((time.process_time() - start) / p["steps"])
+        steps = _fit_steps(keras, model, x, y, p["batch"])
+        return steps, (time.process_time() - start) / p["steps"]
+    return run
+
+
+def _baseline_result(steps, cpu):
     return {"step_seconds": median(steps), "best_step_seconds": min(steps),
             "cpu_seconds_per_step": median(cpu), "steps": steps,
             "affinity": sorted(os.sched_getaffinity(0))}
+
+
+def child_baseline(p):
+    """Plain Keras model in this process (pinned by the parent): step time."""
+    run = _baseline_round(p)
+    steps, cpu = [], []
+    for _ in range(p["rounds"]):
+        times, seconds = run()
+        steps += times
+        cpu.append(seconds)
+    return _baseline_result(steps, cpu)
+
+
+def child_baseline_server(p):
+    """`child_baseline` one round per line read from stdin, until EOF.
+
+    The throughput child drives it (`_PinnedBaseline`) so that the 1-core
+    rounds interleave with the pipeline's: host load that comes and goes
+    over minutes then weighs on both sides of every ratio alike. Prints
+    `READY` once warm, then `ROUND {json}` per round.
+    """
+    run = _baseline_round(p)
+    print("READY", flush=True)
+    steps, cpu = [], []
+    for _ in sys.stdin:
+        times, seconds = run()
+        steps += times
+        cpu.append(seconds)
+        print("ROUND " + json.dumps({"steps": times,
+                                     "cpu_seconds_per_step": seconds}),
+              flush=True)
+    return _baseline_result(steps, cpu) if steps else {}
+
+
+class _PinnedBaseline:
+    """A `baseline_server` child pinned to `p["cpus"]`: `round()` per call."""
+
+    def __init__(self, p, timeout=600):
+        import tempfile
+        env = _env()
+        for name in ("LD_PRELOAD", "KERAS_PIPE_BIND_HOST"):  # no server
+            env.pop(name, None)
+        self.stderr = tempfile.TemporaryFile("w+")
+        self.proc = subprocess.Popen(
+            [sys.executable, __file__, "--child", "baseline_server",
+             "--params", json.dumps(p)], env=env, cwd=ROOT, text=True,
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=self.stderr)
+        self._read("READY")
+
+    def _read(self, prefix):
+        for line in self.proc.stdout:
+            if line.startswith(prefix):
+                return line[len(prefix):].strip()
+        self.proc.wait(timeout=60)
+        self.stderr.seek(0)
+        raise RuntimeError(
+            f"baseline_server exited {self.proc.returncode}: "
+            f"{self.stderr.read().strip().splitlines()[-1:]}")
+
+    def round(self):
+        """One round: `{"steps": [seconds], "cpu_seconds_per_step": s}`."""
+        self.proc.stdin.write("round\n")
+        self.proc.stdin.flush()
+        return json.loads(self._read("ROUND "))
+
+    def close(self):
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc.stdout.close()
+        self.stderr.close()
 
 
 class _BarePipeline:
@@ -800,6 +910,38 @@ class _BarePipeline:
         return times
 
 
+def _interleave(runs, rounds, pids, errors):
+    """Each run of `runs` once per round, in turn: noise hits them alike.
+
+    Adds to each run its step times and, per process of `pids`, its CPU
+    use and wait (fractions of the wall time) and CPU seconds per step. A
+    run that raises is reported in `errors` and dropped.
+    """
+    def fractions(before, after, wall):
+        return [None if a is None or b is None else (b - a) / wall
+                for a, b in zip(before, after)]
+
+    for _ in range(rounds):
+        for label, r in list(runs.items()):
+            cpu0 = [_cpu_seconds(pid) for pid in pids]
+            wait0 = [_run_delay_seconds(pid) for pid in pids]
+            start = time.perf_counter()
+            try:
+                steps, count = r["run"]()
+            except Exception as exc:  # noqa: BLE001 - reported, others go on
+                errors.append({"run": label, "error": f"{type(exc).__name__}"
+                               f": {exc}"})
+                del runs[label]
+                continue
+            wall = time.perf_counter() - start
+            cpu1 = [_cpu_seconds(pid) for pid in pids]
+            r["steps"] += steps
+            r["cpu"].append(fractions(cpu0, cpu1, wall))
+            r["cpu_per_step"].append(fractions(cpu0, cpu1, count))
+            r["wait"].append(fractions(
+                wait0, [_run_delay_seconds(pid) for pid in pids], wall))
+
+
 def child_throughput(p):
     """Client of 2 workers: every schedule for each M, the bare graph, K=1.
 
@@ -816,6 +958,19 @@ def child_throughput(p):
     x, y = _throughput_data(np, p["steps"], p["batch"], p["width"])
     warm = (x[:3 * p["batch"]], y[:3 * p["batch"]])
     runs, errors, bare = {}, [], None
+    baseline_cpu = []
+    if p.get("baseline"):  # one of the runs of each round
+        baseline = _PinnedBaseline(p["baseline"])
+
+        def run_baseline():
+            r = baseline.round()
+            baseline_cpu.append(r["cpu_seconds_per_step"])
+            return r["steps"], p["baseline"]["steps"]
+        runs[BASELINE_LABEL] = {
+            "config": {"kind": "baseline", "schedule": None,
+                       "num_stages": 1, "num_micro_batches": 1},
+            "run": run_baseline, "steps": [], "cpu": [], "wait": [],
+            "cpu_per_step": []}
     for config in throughput_configs(p):
         label = config_label(config)
         k, m = config["num_stages"], config["num_micro_batches"]
@@ -860,30 +1015,11 @@ def child_throughput(p):
                        "cpu": [], "wait": [], "cpu_per_step": [],
                        "first_fit_seconds": time.perf_counter() - start}
     pids = p["worker_pids"] + [os.getpid()]  # the workers, then the client
-
-    def fractions(before, after, wall):
-        return [None if a is None or b is None else (b - a) / wall
-                for a, b in zip(before, after)]
-
-    for _ in range(p["rounds"]):  # Interleaved: noise hits every run alike.
-        for label, r in list(runs.items()):
-            cpu0 = [_cpu_seconds(pid) for pid in pids]
-            wait0 = [_run_delay_seconds(pid) for pid in pids]
-            start = time.perf_counter()
-            try:
-                steps, count = r["run"]()
-            except Exception as exc:  # noqa: BLE001 - reported, others go on
-                errors.append({"run": label, "error": f"{type(exc).__name__}"
-                               f": {exc}"})
-                del runs[label]
-                continue
-            wall = time.perf_counter() - start
-            cpu1 = [_cpu_seconds(pid) for pid in pids]
-            r["steps"] += steps
-            r["cpu"].append(fractions(cpu0, cpu1, wall))
-            r["cpu_per_step"].append(fractions(cpu0, cpu1, count))
-            r["wait"].append(fractions(
-                wait0, [_run_delay_seconds(pid) for pid in pids], wall))
+    try:
+        _interleave(runs, p["rounds"], pids, errors)
+    finally:
+        if p.get("baseline"):
+            baseline.close()
     result = {"pipeline": [], "one_worker_runs": [], "bare": [],
               "steps_per_execution": [], "errors": errors, "devices": remote,
               "bare_optimizer": "keras.optimizers.Adam, colocated by "
@@ -893,6 +1029,13 @@ def child_throughput(p):
         result["bare_optimizer_devices"] = bare.slot_devices()
     kinds = {"pipeline": "pipeline", "one_worker": "one_worker_runs",
              "bare": "bare", "steps_per_execution": "steps_per_execution"}
+    baseline_run = runs.pop(BASELINE_LABEL, None)
+    if baseline_run and baseline_run["steps"]:
+        result["baseline_interleaved"] = {
+            "step_seconds": median(baseline_run["steps"]),
+            "best_step_seconds": min(baseline_run["steps"]),
+            "cpu_seconds_per_step": median(baseline_cpu),
+            "steps": baseline_run["steps"]}
     for label, r in runs.items():
         if not r["steps"]:
             continue
@@ -1269,6 +1412,7 @@ def probe_line(env):
 
 
 CHILDREN = {"baseline": child_baseline, "throughput": child_throughput,
+            "baseline_server": child_baseline_server,
             "replicas": child_replicas,
             "overhead": child_overhead, "memory": child_memory,
             "build": child_build, "fidelity": child_fidelity,
@@ -1424,6 +1568,24 @@ def settings(quick, schedules=SCHEDULES):
     }
 
 
+def baseline_1core(interleaved, before, after):
+    """Part (a)'s reference: the 1-core rounds interleaved with the runs.
+
+    Without them (a failed server), the rounds run before and after the
+    pipeline runs, pooled. Those stay in the result either way: how far
+    they are from the interleaved rounds is how much the host drifted.
+    """
+    if interleaved:
+        return dict(interleaved, source="interleaved", before=before,
+                    after=after)
+    steps = before.get("steps", []) + after.get("steps", [])
+    return {"step_seconds": median(steps),
+            "cpu_seconds_per_step": median([r.get("cpu_seconds_per_step")
+                                            for r in (before, after)]),
+            "best_step_seconds": min(steps, default=None),
+            "source": "before and after", "before": before, "after": after}
+
+
 def run_throughput(p, outdir, log):
     """Part (a): 1-core baseline, 2 pinned workers + client, baseline again."""
     from keras_pipe.worker import bind_shim_path  # imports TF, here only
@@ -1433,12 +1595,13 @@ def run_throughput(p, outdir, log):
     one_core = dict(base, cpus=[core], threads=[1, 2])
     log("  1 process pinned to 1 core ...")
     before = run_child("baseline", dict(one_core), 900, log=log)
-    log("  2 worker processes, 1 core each; client drives fit ...")
+    log("  2 worker processes, 1 core each; client drives fit; its rounds "
+        "interleave with the 1-core process's ...")
     with Workers(2, outdir) as workers:
         result = run_child(
             "throughput", dict(p, cluster=workers.addresses,
-                               worker_pids=workers.pids), 3600, shim=shim,
-            log=log)
+                               worker_pids=workers.pids, baseline=one_core),
+            3600, shim=shim, log=log)
     if "error" in result:
         return result
     log("  1 process pinned to 1 core, again; 1 process on 2 cores ...")
@@ -1450,13 +1613,8 @@ def run_throughput(p, outdir, log):
         repeats=p["kernel_repeats"],
         cpus=[core], threads=[1, 2]), 900, log=log)
     result["kernel"] = kernel  # or its error, logged by run_child
-    steps = before.get("steps", []) + after.get("steps", [])
-    result["baseline_1core"] = {"step_seconds": median(steps),
-                                "cpu_seconds_per_step": median([
-                                    r.get("cpu_seconds_per_step")
-                                    for r in (before, after)]),
-                                "best_step_seconds": min(steps, default=None),
-                                "before": before, "after": after}
+    result["baseline_1core"] = baseline_1core(
+        result.get("baseline_interleaved"), before, after)
     if "error" not in two:
         result["baseline_2cores"] = two
     result["model"] = (f"{p['layers']} x Dense({p['width']}), batch "
