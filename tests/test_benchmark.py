@@ -422,3 +422,10 @@ def test_baseline_server_runs_one_round_per_request():
         assert len(r["steps"]) == 3  # the first step of each fit excluded
         assert all(0 < s < 5 for s in r["steps"])
         assert r["cpu_seconds_per_step"] > 0
+
+
+def test_baseline_server_that_fails_says_why():
+    # No "steps": the child fails before READY; its last stderr line is kept.
+    with pytest.raises(RuntimeError, match=r"baseline_server exited 1: "
+                                           r"\[\"KeyError: 'steps'\"\]"):
+        bm._PinnedBaseline({"layers": 2, "width": 8})

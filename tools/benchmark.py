@@ -766,7 +766,7 @@ def child_baseline_server(p):
 class _PinnedBaseline:
     """A `baseline_server` child pinned to `p["cpus"]`: `round()` per call."""
 
-    def __init__(self, p, timeout=600):
+    def __init__(self, p):
         import tempfile
         env = _env()
         for name in ("LD_PRELOAD", "KERAS_PIPE_BIND_HOST"):  # no server
@@ -958,10 +958,13 @@ def child_throughput(p):
     x, y = _throughput_data(np, p["steps"], p["batch"], p["width"])
     warm = (x[:3 * p["batch"]], y[:3 * p["batch"]])
     runs, errors, bare = {}, [], None
-    baseline_cpu = []
+    baseline, baseline_cpu = None, []
     if p.get("baseline"):  # one of the runs of each round
-        baseline = _PinnedBaseline(p["baseline"])
-
+        try:
+            baseline = _PinnedBaseline(p["baseline"])
+        except (OSError, RuntimeError) as exc:  # the parent's rounds remain
+            errors.append({"run": BASELINE_LABEL, "error": str(exc)})
+    if baseline is not None:
         def run_baseline():
             r = baseline.round()
             baseline_cpu.append(r["cpu_seconds_per_step"])
@@ -1018,7 +1021,7 @@ def child_throughput(p):
     try:
         _interleave(runs, p["rounds"], pids, errors)
     finally:
-        if p.get("baseline"):
+        if baseline is not None:
             baseline.close()
     result = {"pipeline": [], "one_worker_runs": [], "bare": [],
               "steps_per_execution": [], "errors": errors, "devices": remote,
