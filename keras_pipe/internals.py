@@ -13,6 +13,7 @@ with only the device placement changed, and says so where it stands.
 
 import contextlib
 import re
+import weakref
 
 import keras
 import tensorflow as tf
@@ -161,12 +162,26 @@ def colocate_optimizer(optimizer, device_of):
         with tf.device(device_of(reference_variable)):
             return add_slot(reference_variable, *args, **kwargs)
 
-    def colocated_update_step(gradient, variable, *args, **kwargs):
+    local_scalars = weakref.WeakKeyDictionary()  # graph -> {device: ...}
+
+    def colocated_update_step(gradient, variable, learning_rate, *args,
+                              **kwargs):
         device = device_of(variable)
         # Named after the device so that placement tests can read it back.
         scope = "update_on_" + re.sub(r"[^A-Za-z0-9_.\-]", "_", device)
         with tf.device(device), tf.name_scope(scope):
-            return update_step(gradient, variable, *args, **kwargs)
+            if not tf.inside_function():  # eager: nothing to share
+                return update_step(gradient, variable, learning_rate, *args,
+                                   **kwargs)
+            per_device = local_scalars.setdefault(
+                tf.compat.v1.get_default_graph(), {})
+            if device not in per_device:
+                per_device[device] = _local_copies(
+                    learning_rate, optimizer._iterations)
+            learning_rate, iterations = per_device[device]
+            with _swapped(optimizer, "_iterations", iterations):
+                return update_step(gradient, variable, learning_rate, *args,
+                                   **kwargs)
 
     all_reduce = optimizer._all_reduce_sum_gradients
 
@@ -185,6 +200,31 @@ def colocate_optimizer(optimizer, device_of):
                                                                grads)
     optimizer._keras_pipe_colocated = True
     return optimizer
+
+
+def _local_copies(learning_rate, iterations):
+    """The optimizer's step scalars, read once onto the current device.
+
+    Keras' `update_step` reads the learning rate and `iterations` (both on
+    the client's device) once per variable: each read was its own transfer
+    to the variable's worker, 2 x 16 gRPC calls per step for 8 Dense
+    layers on 2 workers. Copies made once per device per traced step cut
+    that to 2 per worker. Read before the step's `iterations.assign_add`,
+    as Keras' own reads are (automatic control dependencies keep program
+    order on the variable).
+    """
+    return tf.identity(learning_rate), tf.identity(iterations)
+
+
+@contextlib.contextmanager
+def _swapped(obj, name, value):
+    """`obj.name = value` while the block runs, bypassing Keras tracking."""
+    saved = obj.__dict__[name]
+    object.__setattr__(obj, name, value)
+    try:
+        yield
+    finally:
+        object.__setattr__(obj, name, saved)
 
 
 def _colocate_loss_scaling(optimizer):

@@ -408,6 +408,7 @@ def test_baseline_1core_prefers_the_rounds_interleaved_with_the_runs():
     assert not any("after" in row[0] for row in context)
 
 
+@pytest.mark.slow  # a TF child: the full suite runs it
 def test_baseline_server_runs_one_round_per_request():
     # The child the throughput part interleaves (not timed).
     server = bm._PinnedBaseline({"layers": 2, "width": 32, "batch": 16,
@@ -424,6 +425,7 @@ def test_baseline_server_runs_one_round_per_request():
         assert r["cpu_seconds_per_step"] > 0
 
 
+@pytest.mark.slow  # a TF child: the full suite runs it
 def test_baseline_server_that_fails_says_why():
     # No "steps": the child fails before READY; its last stderr line is kept.
     with pytest.raises(RuntimeError, match=r"baseline_server exited 1: "

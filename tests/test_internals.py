@@ -103,6 +103,46 @@ def test_colocate_optimizer_patches_the_object_not_the_class(loss_scale):
     assert {name.split(":")[0] for name in devices_seen} == {"w"}
 
 
+def test_colocated_update_reads_step_scalars_once_per_device(devices):
+    """Keras reads the learning rate and `iterations` in every variable's
+    update: on workers each read was a transfer. Now one copy per device."""
+    from keras_pipe import placement  # noqa: PLC0415
+
+    values = [np.full((3,), k + 1.0, "float32") for k in range(4)]
+    grads = [tf.constant(np.full((3,), 0.5 * k - 1.0, "float32"))
+             for k in range(4)]
+    results = {}
+    for name in ("plain", "colocated"):
+        variables = []
+        for k, value in enumerate(values):  # two per device
+            with tf.device(devices[k // 2]):
+                variables.append(keras.Variable(value, name=f"v{k}"))
+        schedule = keras.optimizers.schedules.ExponentialDecay(0.1, 1, 0.5)
+        optimizer = keras.optimizers.Adam(schedule)
+        if name == "colocated":
+            internals.colocate_optimizer(optimizer, placement.device_of)
+        optimizer.build(variables)
+        step = tf.function(lambda: optimizer.apply_gradients(
+            zip(grads, variables)))
+        graph = step.get_concrete_function().graph
+        inner = {id(outer): placeholder
+                 for outer, placeholder in graph.captures}
+        iterations = inner[id(optimizer._iterations.value.handle)]
+        reads = [op for op in graph.get_operations()
+                 if op.type == "ReadVariableOp" and op.inputs[0] is iterations
+                 and "update_on_" in op.name]
+        results[name] = (len(reads), step, variables)
+    # The plain optimizer reads under no device scope (no "update_on_").
+    assert results["colocated"][0] == 2  # one per device, not 4 variables
+    for name in results:  # 2 steps: the second sees iterations = 1
+        results[name][1]()
+        results[name][1]()
+    for plain, colocated in zip(results["plain"][2],
+                                results["colocated"][2]):
+        np.testing.assert_array_equal(colocated.numpy(), plain.numpy())
+    assert colocated.value.device.endswith(devices[1].lstrip("/"))
+
+
 def test_set_initial_epoch_is_what_fit_reads():
     model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
     model.compile("sgd", "mse")
