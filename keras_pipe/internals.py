@@ -175,10 +175,11 @@ def colocate_optimizer(optimizer, device_of):
                                    **kwargs)
             per_device = local_scalars.setdefault(
                 tf.compat.v1.get_default_graph(), {})
-            if device not in per_device:
-                per_device[device] = _local_copies(
-                    learning_rate, optimizer._iterations)
-            learning_rate, iterations = per_device[device]
+            given = per_device.get(device)
+            if given is None or given[0] is not learning_rate:
+                given = per_device[device] = (learning_rate, *_local_copies(
+                    learning_rate, optimizer._iterations))
+            _, learning_rate, iterations = given
             with _swapped(optimizer, "_iterations", iterations):
                 return update_step(gradient, variable, learning_rate, *args,
                                    **kwargs)
