@@ -4,6 +4,11 @@ Tolerances as in test_transparency: rtol 1e-5, atol 1e-6 (float32; only
 the order of sums changes).
 """
 
+import collections
+import os
+import subprocess
+import sys
+
 import pytest
 
 from keras_pipe import schedule
@@ -169,10 +174,6 @@ def _products_per_step(schedule_name):
     the function runtime pruned what feeds nothing (the graph alone cannot
     say which products run).
     """
-    import collections
-    import os
-    import subprocess
-    import sys
     env = dict(os.environ, ONEDNN_VERBOSE="1", TF_CPP_MIN_LOG_LEVEL="3")
     proc = subprocess.run([sys.executable, "-c", _COUNT_PRODUCTS,
                            schedule_name], capture_output=True, text=True,

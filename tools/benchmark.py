@@ -725,12 +725,6 @@ def _baseline_round(p):
     return run
 
 
-def _baseline_result(steps, cpu):
-    return {"step_seconds": median(steps), "best_step_seconds": min(steps),
-            "cpu_seconds_per_step": median(cpu), "steps": steps,
-            "affinity": sorted(os.sched_getaffinity(0))}
-
-
 def child_baseline(p):
     """Plain Keras model in this process (pinned by the parent): step time."""
     run = _baseline_round(p)
@@ -739,7 +733,9 @@ def child_baseline(p):
         times, seconds = run()
         steps += times
         cpu.append(seconds)
-    return _baseline_result(steps, cpu)
+    return {"step_seconds": median(steps), "best_step_seconds": min(steps),
+            "cpu_seconds_per_step": median(cpu), "steps": steps,
+            "affinity": sorted(os.sched_getaffinity(0))}
 
 
 def child_baseline_server(p):
@@ -752,15 +748,12 @@ def child_baseline_server(p):
     """
     run = _baseline_round(p)
     print("READY", flush=True)
-    steps, cpu = [], []
     for _ in sys.stdin:
         times, seconds = run()
-        steps += times
-        cpu.append(seconds)
         print("ROUND " + json.dumps({"steps": times,
                                      "cpu_seconds_per_step": seconds}),
               flush=True)
-    return _baseline_result(steps, cpu) if steps else {}
+    return {}  # every round went out with its ROUND line
 
 
 class _PinnedBaseline:
@@ -969,11 +962,8 @@ def child_throughput(p):
             r = baseline.round()
             baseline_cpu.append(r["cpu_seconds_per_step"])
             return r["steps"], p["baseline"]["steps"]
-        runs[BASELINE_LABEL] = {
-            "config": {"kind": "baseline", "schedule": None,
-                       "num_stages": 1, "num_micro_batches": 1},
-            "run": run_baseline, "steps": [], "cpu": [], "wait": [],
-            "cpu_per_step": []}
+        runs[BASELINE_LABEL] = {"run": run_baseline, "steps": [], "cpu": [],
+                                "wait": [], "cpu_per_step": []}
     for config in throughput_configs(p):
         label = config_label(config)
         k, m = config["num_stages"], config["num_micro_batches"]
