@@ -13,6 +13,7 @@ with only the device placement changed, and says so where it stands.
 
 import contextlib
 import re
+import warnings
 import weakref
 
 import keras
@@ -139,21 +140,27 @@ def replaced_losses(compile_loss, make):
         compile_loss._flat_losses = originals
 
 
-def colocate_optimizer(optimizer, device_of):
+def colocate_optimizer(optimizer, device_of, xla_updates=False):
     """Patches `optimizer`'s per-variable hooks onto each variable's device.
 
     Patched on the object, not its class: `add_variable_from_reference`
     and `update_step` (slots and update math under
     `tf.device(device_of(variable))`), `_all_reduce_sum_gradients` (skipped
     without a `tf.distribute` strategy), `_clip_gradients` (Keras' math,
-    each gradient on its device) and, for a `LossScaleOptimizer`,
-    `check_finite` and `_stateful_handle_finite_grads`. Idempotent.
+    each gradient on its device), `_distributed_tf_update_step` (with
+    `xla_updates`, each device's updates as one XLA function; see
+    `_compiled_updates`) and, for a `LossScaleOptimizer`, `check_finite` and
+    `_stateful_handle_finite_grads`. Idempotent; a later call sets
+    `xla_updates` anew.
     """
-    if getattr(optimizer, "_keras_pipe_colocated", False):
-        return optimizer
     inner = getattr(optimizer, "inner_optimizer", None)  # LossScaleOptimizer
+    if getattr(optimizer, "_keras_pipe_colocated", False):
+        optimizer._keras_pipe_xla_updates = bool(xla_updates)
+        if inner is not None:
+            colocate_optimizer(inner, device_of, xla_updates)
+        return optimizer
     if inner is not None:
-        colocate_optimizer(inner, device_of)
+        colocate_optimizer(inner, device_of, xla_updates)
         _colocate_loss_scaling(optimizer)
     add_slot = optimizer.add_variable_from_reference
     update_step = optimizer.update_step
@@ -164,25 +171,40 @@ def colocate_optimizer(optimizer, device_of):
 
     local_scalars = weakref.WeakKeyDictionary()  # graph -> {device: ...}
 
+    def step_scalars(device, learning_rate):
+        per_device = local_scalars.setdefault(
+            tf.compat.v1.get_default_graph(), {})
+        given = per_device.get(device)
+        if given is None or given[0] is not learning_rate:
+            given = per_device[device] = (learning_rate, *_local_copies(
+                learning_rate, optimizer._iterations))
+        return given[1:]
+
     def colocated_update_step(gradient, variable, learning_rate, *args,
                               **kwargs):
         device = device_of(variable)
-        # Named after the device so that placement tests can read it back.
-        scope = "update_on_" + re.sub(r"[^A-Za-z0-9_.\-]", "_", device)
-        with tf.device(device), tf.name_scope(scope):
+        with tf.device(device), tf.name_scope(_update_scope(device)):
             if not tf.inside_function():  # eager: nothing to share
                 return update_step(gradient, variable, learning_rate, *args,
                                    **kwargs)
-            per_device = local_scalars.setdefault(
-                tf.compat.v1.get_default_graph(), {})
-            given = per_device.get(device)
-            if given is None or given[0] is not learning_rate:
-                given = per_device[device] = (learning_rate, *_local_copies(
-                    learning_rate, optimizer._iterations))
-            _, learning_rate, iterations = given
+            learning_rate, iterations = step_scalars(device, learning_rate)
             with _swapped(optimizer, "_iterations", iterations):
                 return update_step(gradient, variable, learning_rate, *args,
                                    **kwargs)
+
+    distributed_update = optimizer._distributed_tf_update_step
+
+    def updates_per_device(distribution, grads_and_vars, learning_rate):
+        if (not optimizer._keras_pipe_xla_updates or tf.distribute.has_strategy()
+                or not tf.inside_function()):
+            return distributed_update(distribution, grads_and_vars,
+                                      learning_rate)
+        for device, pairs in _by_device(grads_and_vars, device_of):
+            with tf.device(device), tf.name_scope(_update_scope(device)):
+                learning_rate_copy, iterations = step_scalars(
+                    device, learning_rate)
+                _compiled_updates(optimizer, update_step, pairs,
+                                  learning_rate_copy, iterations, device)
 
     all_reduce = optimizer._all_reduce_sum_gradients
 
@@ -196,11 +218,58 @@ def colocate_optimizer(optimizer, device_of):
 
     optimizer.add_variable_from_reference = add_variable_from_reference
     optimizer.update_step = colocated_update_step
+    optimizer._distributed_tf_update_step = updates_per_device
     optimizer._all_reduce_sum_gradients = local_sum_gradients
     optimizer._clip_gradients = lambda grads: _clip_on_devices(optimizer,
                                                                grads)
+    optimizer._keras_pipe_xla_updates = bool(xla_updates)
     optimizer._keras_pipe_colocated = True
     return optimizer
+
+
+def _update_scope(device):
+    """Name scope of a device's update ops, which placement tests read."""
+    return "update_on_" + re.sub(r"[^A-Za-z0-9_.\-]", "_", device)
+
+
+def _by_device(grads_and_vars, device_of):
+    """`[(device, [(gradient, variable), ...])]`, devices in first-seen order."""
+    groups = {}
+    for gradient, variable in grads_and_vars:
+        groups.setdefault(device_of(variable), []).append((gradient, variable))
+    return list(groups.items())
+
+
+def _compiled_updates(optimizer, update_step, pairs, learning_rate,
+                      iterations, device):
+    """Keras' `update_step` for every pair on `device`, as one XLA function.
+
+    Un-compiled, Adam's update of 4 1024 x 1024 kernels is about ten
+    memory-bound element-wise passes per variable (28.7 ms on one core of
+    this machine); fused by XLA 12.2 ms. A function that would read a
+    resource on another device (an optimizer variable outside the slots,
+    such as Nadam's `u_product`, lives on the client) cannot be compiled for
+    `device` (XLA compiles for one device): those updates run un-compiled,
+    with a warning naming the variable.
+    """
+    def update():
+        with _swapped(optimizer, "_iterations", iterations):
+            for gradient, variable in pairs:
+                update_step(gradient, variable, learning_rate)
+
+    function = tf.function(update, jit_compile=True, autograph=False)
+    concrete = function.get_concrete_function()
+    strays = [t for t in concrete.captured_inputs
+              if t.dtype == tf.resource and t.device != device]
+    if strays:
+        warnings.warn(
+            f"XLA cannot compile the optimizer update on {device}: it reads "
+            f"{len(strays)} resource(s) on other devices (first: "
+            f"{strays[0].device!r}); those updates run un-compiled. "
+            "compile(jit_compile=False) avoids this warning.", stacklevel=2)
+        update()
+        return
+    concrete()
 
 
 def _local_copies(learning_rate, iterations):

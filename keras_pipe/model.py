@@ -330,29 +330,55 @@ class PipelineModel(keras.Model):
 
     def compile(self, *args, jit_compile="auto", run_eagerly=False,
                 **kwargs):
-        """`keras.Model.compile`, with XLA off and a colocated optimizer.
+        """`keras.Model.compile`, with a colocated optimizer.
+
+        XLA cannot compile a step whose variables live on several devices
+        (trap 4), so the step itself always runs un-compiled.
+        `jit_compile=True` compiles what runs on one device and gains from
+        it: each device's optimizer update (Keras' `update_step` for all of
+        its variables) becomes one XLA function, which fuses the update's
+        element-wise passes (Adam on 4 1024 x 1024 kernels: 12.2 ms against
+        28.7 ms on one core). The stages' forward and backward stay
+        un-compiled: their products are oneDNN's either way, and keras_pipe
+        splits a stage's backward op by op. `model.jit_compile` stays False
+        (Keras would compile the whole step); `model.xla_updates` says
+        whether the updates are compiled.
+
+        Args:
+            jit_compile: `True`, `False` or `"auto"` (resolved to False, as
+                Keras does on a machine without accelerators). Defaults to
+                `"auto"`.
+            run_eagerly: must be False. Defaults to `False`.
 
         Raises:
-            ValueError: if `jit_compile=True` (XLA cannot compile a function
-                whose variables live on several devices) or
-                `run_eagerly=True` (the per-device backward pass needs
-                graph mode).
+            ValueError: if `jit_compile` is not a bool or `"auto"`, or
+                `run_eagerly=True` (the per-device backward pass needs graph
+                mode).
         """
-        if jit_compile is True:
+        if jit_compile not in (True, False, "auto"):
             raise ValueError(
-                "jit_compile=True is not supported by PipelineModel: XLA "
-                "compiles one function for one device, and a pipeline's "
-                "variables live on several devices. Use jit_compile=False "
-                "or 'auto' (which PipelineModel resolves to False).")
+                f"jit_compile={jit_compile!r} is not one of True, False or "
+                "'auto'. Pass True to compile each device's optimizer "
+                "update with XLA.")
         if run_eagerly:
             raise ValueError(
                 "run_eagerly=True is not supported by PipelineModel: its "
                 "per-device backward pass uses tf.gradients, which needs "
                 "graph mode. Use run_eagerly=False.")
         super().compile(*args, jit_compile=False, run_eagerly=False, **kwargs)
+        self._xla_updates = jit_compile is True
+        config = getattr(self, "_compile_config", None)
+        if config is not None:  # saved with the model: compiled back alike
+            config.config["jit_compile"] = jit_compile
         if self.optimizer is not None:
-            placement.colocate_optimizer(self.optimizer)
+            placement.colocate_optimizer(self.optimizer,
+                                         xla_updates=self._xla_updates)
             self._build_optimizer()
+
+    @property
+    def xla_updates(self):
+        """Whether each device's optimizer update runs as one XLA function."""
+        return getattr(self, "_xla_updates", False)
 
     # --------------------------------------------------------------- execute
     # `keras_pipe.executor` runs the schedule; this is the Keras side.

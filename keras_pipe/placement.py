@@ -176,7 +176,7 @@ def place_variables(layer, device):
     return moved
 
 
-def colocate_optimizer(optimizer):
+def colocate_optimizer(optimizer, xla_updates=False):
     """Makes `optimizer` create slots and do update math on each variable's device.
 
     Keras' TF optimizer colocates a slot with its variable only through the
@@ -188,9 +188,14 @@ def colocate_optimizer(optimizer):
     every gradient there and back each step. This patches the hooks of this
     optimizer object (not its class) so that each runs on the device of its
     variable or gradient (see `keras_pipe.internals.colocate_optimizer`).
-    Idempotent.
+    Idempotent; a later call sets `xla_updates` anew.
+
+    Args:
+        optimizer: a Keras optimizer (a `LossScaleOptimizer` included).
+        xla_updates: whether each device's updates run as one XLA function
+            (`PipelineModel.compile(jit_compile=True)`). Defaults to `False`.
 
     Returns:
         `optimizer`.
     """
-    return internals.colocate_optimizer(optimizer, device_of)
+    return internals.colocate_optimizer(optimizer, device_of, xla_updates)

@@ -180,6 +180,33 @@ def test_overhead_rows_compare_gpipe_with_the_bare_graph():
     assert rows[1]["bare_cpu_ratio"] == pytest.approx(1.5, abs=1e-12)
 
 
+def test_xla_rows_pair_each_run_without_xla_with_the_same_run_with():
+    a = _results()["a"]
+    a["no_xla_updates"] = [_entry(4, 0.15, cpu=(0.15, 0.15)),
+                           _entry(2, 0.3, "zb_h2")]  # no zb_h2 M=2 with XLA
+    rows = bm.xla_rows(a)
+    assert [(r["schedule"], r["M"]) for r in rows] == [("gpipe", 4),
+                                                        ("zb_h2", 2)]
+    assert rows[0]["xla_ms"] == pytest.approx(125.0, abs=1e-9)
+    assert rows[0]["no_xla_ms"] == pytest.approx(150.0, abs=1e-9)
+    assert rows[0]["ratio"] == pytest.approx(1.2, abs=1e-12)
+    assert rows[0]["xla_speedup"] == pytest.approx(1.6, abs=1e-12)
+    assert rows[0]["no_xla_speedup"] == pytest.approx(0.2 / 0.15, abs=1e-12)
+    assert rows[0]["no_xla_cpu_ratio"] == pytest.approx(1.5, abs=1e-12)
+    assert rows[1]["xla_ms"] is None and rows[1]["ratio"] is None
+    tables = {t: body for t, _, body in bm.throughput_tables(
+        dict(a, xla_updates=True, baseline_1core_xla={
+            "step_seconds": 0.25, "cpu_seconds_per_step": 0.25}))}
+    titles = list(tables)
+    assert "compile(jit_compile=True): each worker's Adam update" in titles[0]
+    xla = next(t for t in titles if "against the same run compiled with "
+               "jit_compile=False" in t)
+    assert tables[xla][0][:5] == ["gpipe", 4, "125", "150", "1.200x"]
+    references = tables["(a) references (CPU: all workers, per step)"]
+    assert ["1 process, 1 core, plain Keras with jit_compile=True (after the "
+            "pipeline runs)", "0.80x", "250", "1.25x"] in references
+
+
 def test_throughput_goals_take_the_best_schedule():
     goals = bm.throughput_goals(_results()["a"])
     assert {k: g["met"] for k, g in goals.items()} == {
@@ -223,8 +250,10 @@ def test_throughput_configs_cover_every_schedule():
         "interleaved_1f1b K=4 M=2", "zbv K=4 M=2", "bare K=2 M=2",
         "gpipe K=2 M=4", "1f1b K=2 M=4", "zb_h1 K=2 M=4", "zb_h2 K=2 M=4",
         "interleaved_1f1b K=4 M=4", "zbv K=4 M=4", "bare K=2 M=4",
-        "gpipe K=2 M=4 steps_per_execution=4"]
-    only = bm.throughput_configs(dict(p, schedules=["zbv"]))
+        "gpipe K=2 M=4 steps_per_execution=4",
+        "gpipe K=2 M=4 jit_compile=False", "zb_h2 K=2 M=4 jit_compile=False"]
+    only = bm.throughput_configs(dict(p, schedules=["zbv"],
+                                      xla_updates=False))
     assert [c["kind"] for c in only] == [
         "one_worker", "pipeline", "bare", "pipeline", "bare",
         "steps_per_execution"]

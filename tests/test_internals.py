@@ -157,6 +157,87 @@ def test_colocated_update_reads_step_scalars_once_per_device(
     assert colocated.value.device.endswith(devices[1].lstrip("/"))
 
 
+def _xla_calls(function):
+    """Devices of the calls of XLA-compiled functions in a `tf.function`,
+    cond branches included."""
+    graph_def = function.get_concrete_function().graph.as_graph_def()
+    nodes = [*graph_def.node,
+             *(n for f in graph_def.library.function for n in f.node_def)]
+    return sorted(n.device for n in nodes if n.op.endswith("PartitionedCall")
+                  and n.attr["_XlaMustCompile"].b)
+
+
+def _step(optimizer, grads, variables):
+    return tf.function(lambda: optimizer.apply_gradients(
+        zip(grads, variables)))
+
+
+@pytest.mark.parametrize("make_optimizer", [
+    _adam_with_schedule,
+    lambda: keras.optimizers.Adam(0.1, gradient_accumulation_steps=2),
+    lambda: keras.optimizers.AdamW(0.1, weight_decay=0.1, clipnorm=1.0),
+    lambda: keras.optimizers.SGD(0.1, momentum=0.9, nesterov=True),
+], ids=["adam_schedule", "adam_accumulation", "adamw_clipnorm",
+        "sgd_momentum"])
+def test_xla_updates_compile_one_function_per_device(devices, make_optimizer):
+    """With `xla_updates`, each device's updates are one XLA function on that
+    device; the result is Keras' own update up to XLA's fused rounding."""
+    from keras_pipe import placement  # noqa: PLC0415
+
+    values = [np.linspace(-1.0, 1.0, 6, dtype="float32") * (k + 1)
+              for k in range(4)]
+    grads = [tf.constant(np.cos(np.arange(6, dtype="float32") + k))
+             for k in range(4)]
+    results = {}
+    for xla in (False, True):
+        variables = []
+        for k, value in enumerate(values):  # two per device
+            with tf.device(devices[k // 2]):
+                variables.append(keras.Variable(value, name=f"v{k}"))
+        optimizer = make_optimizer()
+        internals.colocate_optimizer(optimizer, placement.device_of,
+                                     xla_updates=xla)
+        optimizer.build(variables)
+        step = _step(optimizer, grads, variables)
+        calls = _xla_calls(step)
+        for _ in range(4):
+            step()
+        results[xla] = (calls, [v.numpy() for v in variables])
+    assert results[False][0] == []
+    assert [c.rsplit(":", 1)[-1] for c in results[True][0]] == ["0", "1"]
+    for plain, compiled in zip(results[False][1], results[True][1]):
+        np.testing.assert_allclose(compiled, plain, rtol=1e-6, atol=1e-7)
+    assert not np.allclose(results[True][1][-1], values[-1])  # updated
+
+
+def test_xla_updates_fall_back_with_a_warning_for_a_foreign_variable(
+        devices):
+    """Nadam reads its `u_product` (on the default device) in every update:
+    the update of a variable on another device cannot be one XLA function
+    there, so it runs un-compiled, said with a warning."""
+    from keras_pipe import placement  # noqa: PLC0415
+
+    with tf.device(devices[1]):
+        variable = keras.Variable(np.ones(3, "float32"), name="far")
+    with tf.device(devices[0]):
+        optimizer = keras.optimizers.Nadam(0.1)
+    internals.colocate_optimizer(optimizer, placement.device_of,
+                                 xla_updates=True)
+    optimizer.build([variable])
+    step = _step(optimizer, [tf.constant([1.0, -1.0, 0.5])], [variable])
+    with pytest.warns(UserWarning, match=r"XLA cannot compile the optimizer "
+                      r"update on .*CPU:1: it reads 1 resource\(s\) on other "
+                      r"devices.*jit_compile=False"):
+        assert _xla_calls(step) == []
+    step()
+    reference = keras.Variable(np.ones(3, "float32"))
+    plain = keras.optimizers.Nadam(0.1)
+    plain.build([reference])
+    plain.apply_gradients([(tf.constant([1.0, -1.0, 0.5]), reference)])
+    np.testing.assert_allclose(variable.numpy(), reference.numpy(),
+                               rtol=1e-6)
+
+
 def test_set_initial_epoch_is_what_fit_reads():
     model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
     model.compile("sgd", "mse")

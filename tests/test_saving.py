@@ -101,6 +101,21 @@ def test_keras_round_trip_then_one_step_equals_one_more_step(devices, tmp_path):
     assert_same(all_state(loaded), all_state(model))
 
 
+def test_round_trip_keeps_xla_updates(devices, tmp_path):
+    model = pipeline(devices)
+    model.compile(keras.optimizers.Adam(0.01), "mse", jit_compile=True)
+    x, y = data()
+    model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    path = str(tmp_path / "m.keras")
+    model.save(path)
+    loaded = keras.saving.load_model(path)
+    assert loaded.xla_updates and loaded.optimizer._keras_pipe_xla_updates
+    xb, yb = data(8, seed=1)
+    model.fit(xb, yb, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    loaded.fit(xb, yb, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    assert_same(all_state(loaded), all_state(model))
+
+
 def test_round_trip_of_stages_built_by_fit(devices, tmp_path):
     # Plain layers as stages, no Input anywhere: fit builds the pipeline.
     model = keras_pipe.PipelineModel(

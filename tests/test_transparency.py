@@ -211,3 +211,26 @@ def test_mixed_precision_equals_unpipelined(devices):
             reference.optimizer.dynamic_scale.numpy())
     finally:
         keras.mixed_precision.set_global_policy("float32")
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "zb_h2"])
+def test_xla_updates_equal_unpipelined(devices, schedule):
+    # compile(jit_compile=True): each device's Adam update is one XLA
+    # function; the reference is plain Keras, un-compiled, on one device.
+    # XLA fuses the update's element-wise math, which may round the last
+    # bit differently: the tolerances above hold over three steps.
+    pipe, reference = helpers.pair(lambda: helpers.dense_stages(3), devices,
+                                   4, "never", schedule=schedule)
+    compile_both(pipe, reference, optimizer=keras.optimizers.Adam(0.01))
+    pipe.compile(optimizer=keras.optimizers.Adam(0.01),
+                 loss=pipe.loss, jit_compile=True)
+    assert pipe.xla_updates and pipe.jit_compile is False
+    x, y, sample_weight = helpers.data(10)
+    for _ in range(3):
+        logs = pipe.train_on_batch(x, y, sample_weight, return_dict=True)
+        ref_logs = reference.train_on_batch(x, y, sample_weight,
+                                            return_dict=True)
+        close(logs["loss"], ref_logs["loss"])
+    for w, ref_w in zip(pipe.get_weights(), reference.get_weights()):
+        close(w, ref_w)
+    assert int(pipe.optimizer.iterations.numpy()) == 3

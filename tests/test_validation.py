@@ -119,15 +119,21 @@ def test_unbuilt_stage_that_does_not_fit_fails_at_build(devices):
         model.build((None, 6))
 
 
-def test_jit_compile_is_refused_and_auto_is_off(devices):
+def test_jit_compile_compiles_updates_only_and_auto_is_off(devices):
     model = keras_pipe.PipelineModel(unbuilt_stages(), devices=devices[:2])
-    with pytest.raises(ValueError, match="jit_compile=True is not supported"
-                       ".*variables live on several devices"):
-        model.compile("sgd", "mse", jit_compile=True)
+    with pytest.raises(ValueError, match=r"jit_compile='yes' is not one of "
+                       r"True, False or 'auto'"):
+        model.compile("sgd", "mse", jit_compile="yes")
     model.compile("sgd", "mse", jit_compile="auto")
-    assert model.jit_compile is False
+    assert model.jit_compile is False and model.xla_updates is False
     model.fit(np.ones((4, 3)), np.ones((4, 4)), verbose=0)
     assert model.jit_compile is False
+    # True: each device's optimizer update is XLA's; the step itself stays
+    # un-compiled (its variables live on several devices).
+    model.compile("sgd", "mse", jit_compile=True)
+    assert model.jit_compile is False and model.xla_updates is True
+    assert model.get_compile_config()["jit_compile"] is True
+    model.fit(np.ones((4, 3)), np.ones((4, 4)), verbose=0)
 
 
 def test_run_eagerly_is_refused(devices):

@@ -181,8 +181,10 @@ def throughput_configs(p):
     """The runs of part (a) in one round, from its settings, as dicts.
 
     `kind` is `"one_worker"` (K=1 on worker 0), `"pipeline"` (a schedule on
-    both workers), `"bare"` (the bare TF graph of the GPipe step) or
-    `"steps_per_execution"` (GPipe compiled with `steps_per_execution`).
+    both workers), `"bare"` (the bare TF graph of the GPipe step),
+    `"steps_per_execution"` (GPipe compiled with `steps_per_execution`) or
+    `"no_xla_updates"` (a schedule compiled with `jit_compile=False`, when
+    the others compile each worker's optimizer update with XLA).
     """
     configs = [{"kind": "one_worker", "schedule": "gpipe", "num_stages": 1,
                 "num_micro_batches": m}
@@ -198,6 +200,12 @@ def throughput_configs(p):
         configs.append({"kind": "steps_per_execution", "schedule": "gpipe",
                         "num_stages": 2, "num_micro_batches": m,
                         "steps_per_execution": p["steps_per_execution"]})
+    if p.get("xla_updates"):
+        for m in p.get("no_xla_micro_batches", []):
+            for name in p.get("no_xla_schedules", []):
+                configs.append({"kind": "no_xla_updates", "schedule": name,
+                                "num_stages": 2, "num_micro_batches": m,
+                                "xla_updates": False})
     return configs
 
 
@@ -207,6 +215,8 @@ def config_label(config):
     label = f"{name} K={config['num_stages']} M={config['num_micro_batches']}"
     if config.get("steps_per_execution"):
         label += f" steps_per_execution={config['steps_per_execution']}"
+    if config.get("xla_updates") is False:
+        label += " jit_compile=False"
     return label
 
 
@@ -281,6 +291,36 @@ def overhead_rows(result):
             "bare_cpu_ratio": ratio(
                 _sum(entry.get("worker_cpu_seconds_per_step")),
                 result["baseline_1core"].get("cpu_seconds_per_step"))})
+    return rows
+
+
+def xla_rows(result):
+    """Rows of the XLA-updates table: per run compiled with
+    `jit_compile=False`, the same schedule and M with each worker's update
+    one XLA function (the run's other rows)."""
+    base = result["baseline_1core"]
+    with_xla = {(e.get("schedule", "gpipe"), e["num_micro_batches"]): e
+                for e in result["pipeline"] if e.get("num_stages", 2) == 2}
+    rows = []
+    for entry in sorted(result.get("no_xla_updates", []),
+                        key=_schedule_order):
+        key = (entry["schedule"], entry["num_micro_batches"])
+        xla = with_xla.get(key, {})
+        rows.append({
+            "schedule": key[0], "M": key[1],
+            "xla_ms": _ms(xla.get("step_seconds")),
+            "no_xla_ms": _ms(entry["step_seconds"]),
+            "ratio": ratio(entry["step_seconds"], xla.get("step_seconds")),
+            "xla_speedup": ratio(base["step_seconds"],
+                                 xla.get("step_seconds")),
+            "no_xla_speedup": ratio(base["step_seconds"],
+                                    entry["step_seconds"]),
+            "xla_cpu_ratio": ratio(
+                _sum(xla.get("worker_cpu_seconds_per_step")),
+                base.get("cpu_seconds_per_step")),
+            "no_xla_cpu_ratio": ratio(
+                _sum(entry.get("worker_cpu_seconds_per_step")),
+                base.get("cpu_seconds_per_step"))})
     return rows
 
 
@@ -386,7 +426,9 @@ def throughput_tables(a):
     headers, table = speedup_table(a, rows, over_bare)
     tables.append((
         f"(a) Speedup over 1 process on 1 core per schedule, 2 single-core "
-        f"worker processes, {a['model']}, remat={a['remat']!r} (medians of "
+        f"worker processes, {a['model']}, remat={a['remat']!r}"
+        + (", compile(jit_compile=True): each worker's Adam update one XLA "
+           "function" if a.get("xla_updates") else "") + " (medians of "
         "interleaved rounds; K=4: 2 stages per worker, interleaved_1f1b on "
         "workers [0, 1, 0, 1], zbv on [0, 1, 1, 0])", headers, table))
     tables.append((
@@ -423,6 +465,22 @@ def throughput_tables(a):
               fmt(r["bare_speedup"], suffix="x"),
               fmt(r["bare_cpu_ratio"], suffix="x"), fmt(r["spe_ms"], 0),
               fmt(r["spe_ratio"], 3, "x")] for r in over_bare]))
+    xla = xla_rows(a)
+    if xla:
+        tables.append((
+            "(a) Each worker's Adam update as one XLA function "
+            "(compile(jit_compile=True), the runs above) against the same "
+            "run compiled with jit_compile=False, rounds interleaved",
+            ["schedule", "M", "jit_compile=True ms/step",
+             "jit_compile=False ms/step", "False / True",
+             "speedup vs 1 core, True", "same, False",
+             "worker CPU s / 1-core CPU s, True", "same, False"],
+            [[r["schedule"], r["M"], fmt(r["xla_ms"], 0),
+              fmt(r["no_xla_ms"], 0), fmt(r["ratio"], 3, "x"),
+              fmt(r["xla_speedup"], suffix="x"),
+              fmt(r["no_xla_speedup"], suffix="x"),
+              fmt(r["xla_cpu_ratio"], suffix="x"),
+              fmt(r["no_xla_cpu_ratio"], suffix="x")] for r in xla]))
     base = a["baseline_1core"]
     context = [[f"1 process, 1 core (baseline; rounds "
                 f"{base.get('source', 'before and after')})", "1.00x",
@@ -440,7 +498,8 @@ def throughput_tables(a):
                         suffix="x")])
     for e in a.get("one_worker_runs", []):
         context.append([
-            f"1 worker process, K=1, M={e['num_micro_batches']}",
+            f"1 worker process, K=1, M={e['num_micro_batches']}"
+            + (" (XLA update)" if a.get("xla_updates") else ""),
             fmt(ratio(base["step_seconds"], e["step_seconds"]), suffix="x"),
             fmt(e["step_seconds"] * 1e3, 0),
             fmt(ratio(_sum(e.get("worker_cpu_seconds_per_step")),
@@ -452,6 +511,15 @@ def throughput_tables(a):
             fmt(ratio(base["step_seconds"], two["step_seconds"]), suffix="x"),
             fmt(two["step_seconds"] * 1e3, 0),
             fmt(ratio(two.get("cpu_seconds_per_step"),
+                      base.get("cpu_seconds_per_step")), suffix="x")])
+    if "baseline_1core_xla" in a:  # XLA over the whole one-core step
+        one = a["baseline_1core_xla"]
+        context.append([
+            "1 process, 1 core, plain Keras with jit_compile=True (after "
+            "the pipeline runs)",
+            fmt(ratio(base["step_seconds"], one["step_seconds"]), suffix="x"),
+            fmt(one["step_seconds"] * 1e3, 0),
+            fmt(ratio(one.get("cpu_seconds_per_step"),
                       base.get("cpu_seconds_per_step")), suffix="x")])
     if (a.get("kernel") or {}).get("seconds"):
         tables.append((
@@ -714,7 +782,8 @@ def _baseline_round(p):
     keras.utils.set_random_seed(0)
     x, y = _throughput_data(np, p["steps"], p["batch"], p["width"])
     model = _mlp(keras, p["layers"], p["width"], "plain")
-    model.compile(keras.optimizers.Adam(1e-4), "mse", jit_compile=False)
+    model.compile(keras.optimizers.Adam(1e-4), "mse",
+                  jit_compile=p.get("jit_compile", False))
     _fit_steps(keras, model, x[:3 * p["batch"]], y[:3 * p["batch"]],
                p["batch"])
 
@@ -809,10 +878,12 @@ class _BarePipeline:
     the last stage, backward per stage under its device with its own
     `tf.GradientTape` (one tape over the step would put every gradient op
     on one device), gradients summed over micro-batches on each variable's
-    device, and `keras.optimizers.Adam` colocated by keras_pipe.
+    device, and `keras.optimizers.Adam` colocated by keras_pipe (each
+    worker's update one XLA function with `xla_updates`, as keras_pipe's
+    runs then do).
     """
 
-    def __init__(self, tf, keras, devices, p, x, y):
+    def __init__(self, tf, keras, devices, p, x, y, xla_updates=False):
         import numpy as np
 
         from keras_pipe import placement
@@ -830,7 +901,7 @@ class _BarePipeline:
         self.variables = [v for stage in self.stages for layer in stage
                           for v in layer]
         self.optimizer = placement.colocate_optimizer(
-            keras.optimizers.Adam(1e-4))
+            keras.optimizers.Adam(1e-4), xla_updates=xla_updates)
         self.optimizer.build(self.variables)
         batch = p["batch"]
         with tf.device(devices[0]):
@@ -971,7 +1042,8 @@ def child_throughput(p):
         try:
             if config["kind"] == "bare":
                 if bare is None:
-                    bare = _BarePipeline(tf, keras, remote, p, x, y)
+                    bare = _BarePipeline(tf, keras, remote, p, x, y,
+                                         p.get("xla_updates", False))
                 bare.steps(m, 3)  # trace and warm up
                 run = (lambda m=m: (bare.steps(m, p["steps"]), p["steps"]))
             else:
@@ -988,7 +1060,9 @@ def child_throughput(p):
                 model.build((None, p["width"]))
                 spe = config.get("steps_per_execution", 1)
                 model.compile(keras.optimizers.Adam(1e-4), "mse",
-                              steps_per_execution=spe)
+                              steps_per_execution=spe,
+                              jit_compile=config.get(
+                                  "xla_updates", p.get("xla_updates", False)))
                 _fit_steps(keras, model, *(
                     warm if spe == 1 else (x[:2 * spe * p["batch"]],
                                            y[:2 * spe * p["batch"]])),
@@ -1013,15 +1087,19 @@ def child_throughput(p):
     finally:
         if baseline is not None:
             baseline.close()
+    xla = p.get("xla_updates", False)
     result = {"pipeline": [], "one_worker_runs": [], "bare": [],
-              "steps_per_execution": [], "errors": errors, "devices": remote,
+              "steps_per_execution": [], "no_xla_updates": [],
+              "errors": errors, "devices": remote, "xla_updates": xla,
               "bare_optimizer": "keras.optimizers.Adam, colocated by "
-              "keras_pipe.placement.colocate_optimizer",
+              "keras_pipe.placement.colocate_optimizer" + (
+                  ", each worker's update one XLA function" if xla else ""),
               "steps_per_execution_setting": p["steps_per_execution"]}
     if bare is not None:
         result["bare_optimizer_devices"] = bare.slot_devices()
     kinds = {"pipeline": "pipeline", "one_worker": "one_worker_runs",
-             "bare": "bare", "steps_per_execution": "steps_per_execution"}
+             "bare": "bare", "steps_per_execution": "steps_per_execution",
+             "no_xla_updates": "no_xla_updates"}
     baseline_run = runs.pop(BASELINE_LABEL, None)
     if baseline_run and baseline_run["steps"]:
         result["baseline_interleaved"] = {
@@ -1532,6 +1610,10 @@ def settings(quick, schedules=SCHEDULES):
               "one_worker_micro_batches": [1] if quick else [1, 4, 16],
               "steps_per_execution": 4,
               "steps_per_execution_micro_batches": [4],
+              # Each worker's Adam update one XLA function (compile's
+              # jit_compile=True); the same without, at these M, in the run.
+              "xla_updates": True, "no_xla_micro_batches": [4],
+              "no_xla_schedules": ["gpipe", "zb_h2"],
               "steps": 8 if quick else 12, "rounds": 2 if quick else 4,
               "kernel_repeats": 10 if quick else 20},
         "f": {"layers": 4, "width": 512, "batch": 512, "M": 2,
@@ -1600,6 +1682,9 @@ def run_throughput(p, outdir, log):
     log("  1 process pinned to 1 core, again; 1 process on 2 cores ...")
     after = run_child("baseline", dict(one_core), 900, log=log)
     two = run_child("baseline", dict(base), 900, log=log)
+    log("  1 process pinned to 1 core, plain Keras with jit_compile=True ...")
+    xla = run_child("baseline", dict(one_core, jit_compile=True), 900,
+                    log=log)
     log("  one layer's products per micro-batch size, 1 core ...")
     kernel = run_child("kernel", dict(  # M=8 always: the CPU goal's M
         base, micro_batches=sorted({8, *p["micro_batches"]}),
@@ -1610,6 +1695,8 @@ def run_throughput(p, outdir, log):
         result.get("baseline_interleaved"), before, after)
     if "error" not in two:
         result["baseline_2cores"] = two
+    if "error" not in xla:
+        result["baseline_1core_xla"] = xla
     result["model"] = (f"{p['layers']} x Dense({p['width']}), batch "
                        f"{p['batch']}")
     result["remat"] = p["remat"]
