@@ -137,11 +137,12 @@ def _results():
 def test_throughput_rows_are_ratios_to_the_baseline():
     rows = bm.throughput_rows(_results()["a"])
     # Schedules in the order of SCHEDULES, then M.
+    # Then the runs compiled with steps_per_execution.
     assert [(r["schedule"], r["K"], r["M"]) for r in rows] == [
         ("gpipe", 2, 1), ("gpipe", 2, 4), ("gpipe", 2, 16), ("zb_h1", 2, 8),
-        ("zbv", 4, 4), ("zbv", 4, 8)]
+        ("zbv", 4, 4), ("zbv", 4, 8), ("gpipe steps_per_execution=4", 2, 4)]
     assert [r["speedup"] for r in rows] == pytest.approx(
-        [1.0, 1.6, 1.25, 1.25, 2.0, 1.6], abs=1e-12)
+        [1.0, 1.6, 1.25, 1.25, 2.0, 1.6, 0.2 / 0.11], abs=1e-12)
     # The ideal is GPipe's on the 2 workers, whatever K.
     assert [r["efficiency"] for r in rows[:3]] == pytest.approx(
         [1.0, 1.0, 1.25 * 17 / 32], abs=1e-12)
@@ -196,15 +197,20 @@ def test_xla_rows_pair_each_run_without_xla_with_the_same_run_with():
     assert rows[1]["xla_ms"] is None and rows[1]["ratio"] is None
     tables = {t: body for t, _, body in bm.throughput_tables(
         dict(a, xla_updates=True, baseline_1core_xla={
-            "step_seconds": 0.25, "cpu_seconds_per_step": 0.25}))}
+            "step_seconds": 0.25, "cpu_seconds_per_step": 0.25},
+            baseline_1core_spe={"step_seconds": 0.2,
+                                "cpu_seconds_per_step": 0.19}))}
     titles = list(tables)
     assert "compile(jit_compile=True): each worker's Adam update" in titles[0]
     xla = next(t for t in titles if "against the same run compiled with "
                "jit_compile=False" in t)
     assert tables[xla][0][:5] == ["gpipe", 4, "125", "150", "1.200x"]
     references = tables["(a) references (CPU: all workers, per step)"]
-    assert ["1 process, 1 core, plain Keras with jit_compile=True (after the "
-            "pipeline runs)", "0.80x", "250", "1.25x"] in references
+    assert references[-2:] == [
+        ["1 process, 1 core, plain Keras with steps_per_execution=4 (after "
+         "the pipeline runs)", "1.00x", "200", "0.95x"],
+        ["1 process, 1 core, plain Keras with jit_compile=True (after the "
+         "pipeline runs)", "0.80x", "250", "1.25x"]]
 
 
 def test_throughput_goals_take_the_best_schedule():
@@ -237,7 +243,8 @@ def test_throughput_goals_without_m8_or_bare_say_so():
     assert goals["a-cpu"]["note"] == "gpipe, M=16 (no M=8 in this run)"
     assert goals["a-overhead"]["measured"] is None
     assert goals["a-overhead"]["met"] is None
-    assert bm.throughput_goals({**a, "pipeline": []})["a"]["met"] is None
+    assert bm.throughput_goals({**a, "pipeline": [], "steps_per_execution": []
+                               })["a"]["met"] is None
 
 
 def test_throughput_configs_cover_every_schedule():
@@ -251,8 +258,10 @@ def test_throughput_configs_cover_every_schedule():
         "gpipe K=2 M=4", "1f1b K=2 M=4", "zb_h1 K=2 M=4", "zb_h2 K=2 M=4",
         "interleaved_1f1b K=4 M=4", "zbv K=4 M=4", "bare K=2 M=4",
         "gpipe K=2 M=4 steps_per_execution=4",
+        "zb_h2 K=2 M=4 steps_per_execution=4",
         "gpipe K=2 M=4 jit_compile=False", "zb_h2 K=2 M=4 jit_compile=False"]
     only = bm.throughput_configs(dict(p, schedules=["zbv"],
+                                      steps_per_execution_schedules=["gpipe"],
                                       xla_updates=False))
     assert [c["kind"] for c in only] == [
         "one_worker", "pipeline", "bare", "pipeline", "bare",
@@ -296,6 +305,8 @@ def test_summarize_reports_every_goal():
         ["keras_pipe gpipe", 2, "1.00x", "1.60x", "-", "1.25x", "1.60x"],
         ["keras_pipe zb_h1", 2, "-", "-", "1.25x", "-", "1.25x"],
         ["keras_pipe zbv", 4, "-", "2.00x", "1.60x", "-", "2.00x"],
+        ["keras_pipe gpipe steps_per_execution=4", 2, "-", "1.82x", "-",
+         "-", "1.82x"],
         ["bare TF graph, GPipe", 2, "1.05x", "2.00x", "-", "-", "2.00x"],
         ["ideal 2M/(M+1)", "", "1.00", "1.60", "1.78", "1.88", ""]]
     a_rows = tables[1][2]

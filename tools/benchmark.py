@@ -182,7 +182,8 @@ def throughput_configs(p):
 
     `kind` is `"one_worker"` (K=1 on worker 0), `"pipeline"` (a schedule on
     both workers), `"bare"` (the bare TF graph of the GPipe step),
-    `"steps_per_execution"` (GPipe compiled with `steps_per_execution`) or
+    `"steps_per_execution"` (a schedule compiled with `steps_per_execution`)
+    or
     `"no_xla_updates"` (a schedule compiled with `jit_compile=False`, when
     the others compile each worker's optimizer update with XLA).
     """
@@ -197,9 +198,11 @@ def throughput_configs(p):
         configs.append({"kind": "bare", "schedule": "gpipe", "num_stages": 2,
                         "num_micro_batches": m})
     for m in p["steps_per_execution_micro_batches"]:
-        configs.append({"kind": "steps_per_execution", "schedule": "gpipe",
-                        "num_stages": 2, "num_micro_batches": m,
-                        "steps_per_execution": p["steps_per_execution"]})
+        for name in p.get("steps_per_execution_schedules", ["gpipe"]):
+            configs.append({"kind": "steps_per_execution", "schedule": name,
+                            "num_stages": 4 if name in FOUR_STAGE_SCHEDULES
+                            else 2, "num_micro_batches": m,
+                            "steps_per_execution": p["steps_per_execution"]})
     if p.get("xla_updates"):
         for m in p.get("no_xla_micro_batches", []):
             for name in p.get("no_xla_schedules", []):
@@ -223,21 +226,28 @@ def config_label(config):
 def throughput_rows(result):
     """Rows of table (a) from the JSON of the throughput part.
 
-    One row per (schedule, M), in the order of SCHEDULES then M.
+    One row per (schedule, M), in the order of SCHEDULES then M; then the
+    runs compiled with `steps_per_execution`, named so
+    (`"zb_h2 steps_per_execution=4"`).
     """
     base = result["baseline_1core"]["step_seconds"]
     base_best = result["baseline_1core"].get("best_step_seconds")
     base_cpu = result["baseline_1core"].get("cpu_seconds_per_step")
     worker1 = result.get("one_worker", {}).get("step_seconds")
     rows = []
-    for entry in sorted(result["pipeline"], key=_schedule_order):
+    setting = result.get("steps_per_execution_setting", 4)
+    runs = [(e, e.get("schedule", "gpipe")) for e in
+            sorted(result["pipeline"], key=_schedule_order)] + [
+        (e, f"{e.get('schedule', 'gpipe')} steps_per_execution="
+            f"{e.get('steps_per_execution') or setting}") for e in
+        sorted(result.get("steps_per_execution", []), key=_schedule_order)]
+    for entry, name in runs:
         m, step = entry["num_micro_batches"], entry["step_seconds"]
         speedup = ratio(base, step)
         # Two devices whatever the number of stages: GPipe's bound on 2.
         ideal = ideal_speedup(m, 2)
         rows.append({
-            "schedule": entry.get("schedule", "gpipe"),
-            "K": entry.get("num_stages", 2),
+            "schedule": name, "K": entry.get("num_stages", 2),
             "M": m, "ideal": ideal, "speedup": speedup,
             "speedup_best": ratio(base_best, entry.get("best_step_seconds")),
             "speedup_vs_one_worker": ratio(worker1, step),
@@ -274,7 +284,8 @@ def overhead_rows(result):
              and e.get("num_stages", 2) == 2}
     pipe = {m: e["step_seconds"] for m, e in gpipe.items()}
     spe = {e["num_micro_batches"]: e.get("step_seconds")
-           for e in result.get("steps_per_execution", [])}
+           for e in result.get("steps_per_execution", [])
+           if e.get("schedule", "gpipe") == "gpipe"}
     rows = []
     for entry in sorted(result.get("bare", []),
                         key=lambda e: e["num_micro_batches"]):
@@ -512,15 +523,19 @@ def throughput_tables(a):
             fmt(two["step_seconds"] * 1e3, 0),
             fmt(ratio(two.get("cpu_seconds_per_step"),
                       base.get("cpu_seconds_per_step")), suffix="x")])
-    if "baseline_1core_xla" in a:  # XLA over the whole one-core step
-        one = a["baseline_1core_xla"]
-        context.append([
-            "1 process, 1 core, plain Keras with jit_compile=True (after "
-            "the pipeline runs)",
-            fmt(ratio(base["step_seconds"], one["step_seconds"]), suffix="x"),
-            fmt(one["step_seconds"] * 1e3, 0),
-            fmt(ratio(one.get("cpu_seconds_per_step"),
-                      base.get("cpu_seconds_per_step")), suffix="x")])
+    spe = a.get("steps_per_execution_setting", 4)
+    for key, how in (  # the 1-core process compiled otherwise, after the runs
+            ("baseline_1core_spe", f"steps_per_execution={spe}"),
+            ("baseline_1core_xla", "jit_compile=True")):
+        if key in a:
+            one = a[key]
+            context.append([
+                f"1 process, 1 core, plain Keras with {how} (after the "
+                "pipeline runs)",
+                fmt(ratio(base["step_seconds"], one["step_seconds"]),
+                    suffix="x"), fmt(one["step_seconds"] * 1e3, 0),
+                fmt(ratio(one.get("cpu_seconds_per_step"),
+                          base.get("cpu_seconds_per_step")), suffix="x")])
     if (a.get("kernel") or {}).get("seconds"):
         tables.append((
             "(a) One core, one Dense layer's forward and input-gradient "
@@ -775,22 +790,26 @@ def _baseline_round(p):
     """The plain Keras model of part (a), warm: returns one round's runner.
 
     Each call of the runner is one `fit` epoch of `p["steps"]` steps and
-    returns `(step seconds, CPU seconds per step)`.
+    returns `(step seconds, CPU seconds per step)`; with
+    `p["steps_per_execution"]`, each execution's seconds over its steps.
     """
     tf, keras = _tf_env(p.get("threads"))
     import numpy as np
     keras.utils.set_random_seed(0)
     x, y = _throughput_data(np, p["steps"], p["batch"], p["width"])
     model = _mlp(keras, p["layers"], p["width"], "plain")
+    spe = p.get("steps_per_execution", 1)
     model.compile(keras.optimizers.Adam(1e-4), "mse",
-                  jit_compile=p.get("jit_compile", False))
-    _fit_steps(keras, model, x[:3 * p["batch"]], y[:3 * p["batch"]],
-               p["batch"])
+                  jit_compile=p.get("jit_compile", False),
+                  steps_per_execution=spe)
+    warm = max(3, 2 * spe) * p["batch"]
+    _fit_steps(keras, model, x[:warm], y[:warm], p["batch"])
 
     def run():
         start = time.process_time()
         steps = _fit_steps(keras, model, x, y, p["batch"])
-        return steps, (time.process_time() - start) / p["steps"]
+        return ([t / spe for t in steps],
+                (time.process_time() - start) / p["steps"])
     return run
 
 
@@ -1120,6 +1139,7 @@ def child_throughput(p):
         config = r["config"]
         entry = {"run": label, "schedule": config["schedule"],
                  "num_stages": config["num_stages"],
+                 "steps_per_execution": config.get("steps_per_execution", 1),
                  "num_micro_batches": config["num_micro_batches"],
                  "step_seconds": median(r["steps"]),
                  "best_step_seconds": min(r["steps"]),
@@ -1609,7 +1629,9 @@ def settings(quick, schedules=SCHEDULES):
               "schedules": list(schedules), "remat": "never",
               "one_worker_micro_batches": [1] if quick else [1, 4, 16],
               "steps_per_execution": 4,
-              "steps_per_execution_micro_batches": [4],
+              "steps_per_execution_micro_batches": [4] if quick else [2, 4],
+              "steps_per_execution_schedules": ["gpipe", "zb_h2"] if quick
+              else ["gpipe", "zb_h2", "zbv"],
               # Each worker's Adam update one XLA function (compile's
               # jit_compile=True); the same without, at these M, in the run.
               "xla_updates": True, "no_xla_micro_batches": [4],
@@ -1682,9 +1704,12 @@ def run_throughput(p, outdir, log):
     log("  1 process pinned to 1 core, again; 1 process on 2 cores ...")
     after = run_child("baseline", dict(one_core), 900, log=log)
     two = run_child("baseline", dict(base), 900, log=log)
-    log("  1 process pinned to 1 core, plain Keras with jit_compile=True ...")
+    log("  1 process pinned to 1 core, plain Keras with jit_compile=True, "
+        f"then with steps_per_execution={p['steps_per_execution']} ...")
     xla = run_child("baseline", dict(one_core, jit_compile=True), 900,
                     log=log)
+    spe = run_child("baseline", dict(
+        one_core, steps_per_execution=p["steps_per_execution"]), 900, log=log)
     log("  one layer's products per micro-batch size, 1 core ...")
     kernel = run_child("kernel", dict(  # M=8 always: the CPU goal's M
         base, micro_batches=sorted({8, *p["micro_batches"]}),
@@ -1697,6 +1722,8 @@ def run_throughput(p, outdir, log):
         result["baseline_2cores"] = two
     if "error" not in xla:
         result["baseline_1core_xla"] = xla
+    if "error" not in spe:
+        result["baseline_1core_spe"] = spe
     result["model"] = (f"{p['layers']} x Dense({p['width']}), batch "
                        f"{p['batch']}")
     result["remat"] = p["remat"]
