@@ -195,8 +195,8 @@ def colocate_optimizer(optimizer, device_of, xla_updates=False):
     distributed_update = optimizer._distributed_tf_update_step
 
     def updates_per_device(distribution, grads_and_vars, learning_rate):
-        if (not optimizer._keras_pipe_xla_updates or tf.distribute.has_strategy()
-                or not tf.inside_function()):
+        if (not optimizer._keras_pipe_xla_updates
+                or tf.distribute.has_strategy() or not tf.inside_function()):
             return distributed_update(distribution, grads_and_vars,
                                       learning_rate)
         for device, pairs in _by_device(grads_and_vars, device_of):
@@ -250,7 +250,7 @@ def _compiled_updates(optimizer, update_step, pairs, learning_rate,
     resource on another device (an optimizer variable outside the slots,
     such as Nadam's `u_product`, lives on the client) cannot be compiled for
     `device` (XLA compiles for one device): those updates run un-compiled,
-    with a warning naming the variable.
+    with a warning naming the variable and its device.
     """
     def update():
         with _swapped(optimizer, "_iterations", iterations):
@@ -262,10 +262,13 @@ def _compiled_updates(optimizer, update_step, pairs, learning_rate,
     strays = [t for t in concrete.captured_inputs
               if t.dtype == tf.resource and t.device != device]
     if strays:
+        owner = type(optimizer).__name__
+        names = {id(v.value.handle): f"{owner} variable {v.path!r}"
+                 for v in optimizer.variables}
         warnings.warn(
             f"XLA cannot compile the optimizer update on {device}: it reads "
-            f"{len(strays)} resource(s) on other devices (first: "
-            f"{strays[0].device!r}); those updates run un-compiled. "
+            f"{', '.join(names.get(id(t), 'a resource') for t in strays)} "
+            f"on {strays[0].device}; those updates run un-compiled. "
             "compile(jit_compile=False) avoids this warning.", stacklevel=2)
         update()
         return
