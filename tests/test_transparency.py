@@ -183,9 +183,11 @@ def test_gradient_clipping_equals_unpipelined(devices, clip):
     check_one_step(pipe, reference, x, y, sample_weight)
 
 
-def test_mixed_precision_equals_unpipelined(devices):
+@pytest.mark.parametrize("jit_compile", [False, True])
+def test_mixed_precision_equals_unpipelined(devices, jit_compile):
     # float16 compute: Keras wraps the optimizer in a LossScaleOptimizer,
-    # whose check and unscaling the pipeline places per gradient. Tolerance
+    # whose check and unscaling the pipeline places per gradient; with
+    # jit_compile=True its inner optimizer's updates are XLA's. Tolerance
     # atol=1e-4 (float16 rounding differs with the micro-batch split).
     keras.mixed_precision.set_global_policy("mixed_float16")
     try:
@@ -196,6 +198,9 @@ def test_mixed_precision_equals_unpipelined(devices):
 
         pipe, reference = helpers.pair(stages, devices, 2, "always")
         compile_both(pipe, reference, optimizer="sgd")
+        if jit_compile:
+            pipe.compile(optimizer="sgd", loss=pipe.loss, jit_compile=True)
+            assert pipe.optimizer.inner_optimizer._keras_pipe_xla_updates
         assert type(pipe.optimizer).__name__ == "LossScaleOptimizer"
         x, y, sample_weight = helpers.data(10)
         for _ in range(3):

@@ -183,9 +183,8 @@ def throughput_configs(p):
     `kind` is `"one_worker"` (K=1 on worker 0), `"pipeline"` (a schedule on
     both workers), `"bare"` (the bare TF graph of the GPipe step),
     `"steps_per_execution"` (a schedule compiled with `steps_per_execution`)
-    or
-    `"no_xla_updates"` (a schedule compiled with `jit_compile=False`, when
-    the others compile each worker's optimizer update with XLA).
+    or `"no_xla_updates"` (a schedule compiled with `jit_compile=False`,
+    when the others compile each worker's optimizer update with XLA).
     """
     configs = [{"kind": "one_worker", "schedule": "gpipe", "num_stages": 1,
                 "num_micro_batches": m}
