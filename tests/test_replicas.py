@@ -24,9 +24,10 @@ def _data(n=70):
     return x, y, w
 
 
-def _compile(model):
+def _compile(model, **kwargs):
     model.compile(keras.optimizers.Adam(0.01),
-                  keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+                  keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  **kwargs)
 
 
 def _replicated(devices, num_micro_batches=2, schedule="gpipe"):
@@ -45,14 +46,18 @@ def test_replica_of_shards_contiguously():
     assert [replicas.replica_of(i, 1, 2) for i in range(1)] == [0]
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-def test_two_replicas_equal_single_device_training(devices, schedule):
+@pytest.mark.parametrize("schedule,jit_compile", [
+    ("gpipe", False), ("1f1b", False), ("gpipe", True)])
+def test_two_replicas_equal_single_device_training(devices, schedule,
+                                                   jit_compile):
+    # jit_compile=True: replica 0's devices hold the variables, and each
+    # one's update is an XLA function there.
     model = _replicated(devices, schedule=schedule)
     assert model.num_replicas == 2
     reference = keras.Sequential([keras.Input((8,)), *_stages()])
     for a, b in zip(reference.weights, model.weights):
         a.assign(b.numpy())
-    _compile(model)
+    _compile(model, jit_compile=jit_compile)
     _compile(reference)
     x, y, w = _data()
     # 70 rows, batch 32: shards of 16 + 16, then a last batch of 6 rows.
