@@ -81,7 +81,8 @@ def test_colocate_optimizer_patches_the_object_not_the_class(loss_scale):
 
     assert internals.colocate_optimizer(optimizer, device_of) is optimizer
     hooks = ["add_variable_from_reference", "update_step",
-             "_all_reduce_sum_gradients", "_clip_gradients"]
+             "_distributed_tf_update_step", "_all_reduce_sum_gradients",
+             "_clip_gradients"]
     if loss_scale:
         hooks += ["check_finite", "_stateful_handle_finite_grads"]
     for hook in hooks:
