@@ -514,25 +514,18 @@ def throughput_tables(a):
             fmt(e["step_seconds"] * 1e3, 0),
             fmt(ratio(_sum(e.get("worker_cpu_seconds_per_step")),
                       base.get("cpu_seconds_per_step")), suffix="x")])
-    if "baseline_2cores" in a:
-        two = a["baseline_2cores"]
-        context.append([
-            "1 process, 2 cores (plain Keras)",
-            fmt(ratio(base["step_seconds"], two["step_seconds"]), suffix="x"),
-            fmt(two["step_seconds"] * 1e3, 0),
-            fmt(ratio(two.get("cpu_seconds_per_step"),
-                      base.get("cpu_seconds_per_step")), suffix="x")])
     spe = a.get("steps_per_execution_setting", 4)
-    for key, how in (  # the 1-core process compiled otherwise, after the runs
-            ("baseline_1core_spe", f"steps_per_execution={spe}"),
-            ("baseline_1core_xla", "jit_compile=True")):
+    for key, label in (  # plain Keras otherwise run, after the pipeline runs
+            ("baseline_2cores", "1 process, 2 cores (plain Keras)"),
+            ("baseline_1core_spe", "1 process, 1 core, plain Keras with "
+             f"steps_per_execution={spe} (after the pipeline runs)"),
+            ("baseline_1core_xla", "1 process, 1 core, plain Keras with "
+             "jit_compile=True (after the pipeline runs)")):
         if key in a:
             one = a[key]
             context.append([
-                f"1 process, 1 core, plain Keras with {how} (after the "
-                "pipeline runs)",
-                fmt(ratio(base["step_seconds"], one["step_seconds"]),
-                    suffix="x"), fmt(one["step_seconds"] * 1e3, 0),
+                label, fmt(ratio(base["step_seconds"], one["step_seconds"]),
+                           suffix="x"), fmt(one["step_seconds"] * 1e3, 0),
                 fmt(ratio(one.get("cpu_seconds_per_step"),
                           base.get("cpu_seconds_per_step")), suffix="x")])
     if (a.get("kernel") or {}).get("seconds"):
@@ -1717,12 +1710,10 @@ def run_throughput(p, outdir, log):
     result["kernel"] = kernel  # or its error, logged by run_child
     result["baseline_1core"] = baseline_1core(
         result.get("baseline_interleaved"), before, after)
-    if "error" not in two:
-        result["baseline_2cores"] = two
-    if "error" not in xla:
-        result["baseline_1core_xla"] = xla
-    if "error" not in spe:
-        result["baseline_1core_spe"] = spe
+    for key, other in (("baseline_2cores", two), ("baseline_1core_xla", xla),
+                       ("baseline_1core_spe", spe)):
+        if "error" not in other:  # else logged by run_child
+            result[key] = other
     result["model"] = (f"{p['layers']} x Dense({p['width']}), batch "
                        f"{p['batch']}")
     result["remat"] = p["remat"]
