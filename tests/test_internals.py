@@ -104,6 +104,20 @@ def test_colocate_optimizer_patches_the_object_not_the_class(loss_scale):
     assert {name.split(":")[0] for name in devices_seen} == {"w"}
 
 
+def _two_per_device(values, devices):
+    """Keras variables of `values`, two on each of the first devices."""
+    variables = []
+    for k, value in enumerate(values):
+        with tf.device(devices[k // 2]):
+            variables.append(keras.Variable(value, name=f"v{k}"))
+    return variables
+
+
+def _step(optimizer, grads, variables):
+    return tf.function(lambda: optimizer.apply_gradients(
+        zip(grads, variables)))
+
+
 def _adam_with_schedule():
     return keras.optimizers.Adam(
         keras.optimizers.schedules.ExponentialDecay(0.1, 1, 0.5))
@@ -126,16 +140,12 @@ def test_colocated_update_reads_step_scalars_once_per_device(
              for k in range(4)]
     results = {}
     for name in ("plain", "colocated"):
-        variables = []
-        for k, value in enumerate(values):  # two per device
-            with tf.device(devices[k // 2]):
-                variables.append(keras.Variable(value, name=f"v{k}"))
+        variables = _two_per_device(values, devices)
         optimizer = make_optimizer()
         if name == "colocated":
             internals.colocate_optimizer(optimizer, placement.device_of)
         optimizer.build(variables)
-        step = tf.function(lambda: optimizer.apply_gradients(
-            zip(grads, variables)))
+        step = _step(optimizer, grads, variables)
         graph = step.get_concrete_function().graph
         inner = {id(outer): placeholder
                  for outer, placeholder in graph.captures}
@@ -168,11 +178,6 @@ def _xla_calls(function):
                   and n.attr["_XlaMustCompile"].b)
 
 
-def _step(optimizer, grads, variables):
-    return tf.function(lambda: optimizer.apply_gradients(
-        zip(grads, variables)))
-
-
 @pytest.mark.parametrize("make_optimizer", [
     _adam_with_schedule,
     lambda: keras.optimizers.Adam(0.1, gradient_accumulation_steps=2),
@@ -191,10 +196,7 @@ def test_xla_updates_compile_one_function_per_device(devices, make_optimizer):
              for k in range(4)]
     results = {}
     for xla in (False, True):
-        variables = []
-        for k, value in enumerate(values):  # two per device
-            with tf.device(devices[k // 2]):
-                variables.append(keras.Variable(value, name=f"v{k}"))
+        variables = _two_per_device(values, devices)
         optimizer = make_optimizer()
         internals.colocate_optimizer(optimizer, placement.device_of,
                                      xla_updates=xla)
