@@ -235,6 +235,80 @@ def test_throughput_goals_take_the_best_schedule():
         "cost on the whole batch")
 
 
+def _transfers():
+    """`child_throughput`'s transfer costs at M=4 and 8 (512 rows)."""
+    return {str(m): {"M": m, "rows": 512 // m, "width": 1024, "hops": 20,
+                     "repeats": 30, "cross_seconds": cross,
+                     "local_seconds": local, "cross_cpu_seconds": cpu,
+                     "local_cpu_seconds": 0.0002}
+            for m, cross, local, cpu in ((4, 0.0008, 0.0003, 0.0010),
+                                         (8, 0.0006, 0.0002, 0.0007))}
+
+
+def test_transfer_rows_take_the_hop_on_one_worker_away():
+    a = {"transfers": _transfers(),
+         "baseline_1core": {"cpu_seconds_per_step": 0.2}}
+    rows = bm.transfer_rows(a)
+    assert [(r["M"], r["rows"]) for r in rows] == [(4, 128), (8, 64)]
+    four, eight = rows
+    assert four["megabytes"] == pytest.approx(0.5, abs=1e-12)
+    assert four["latency_ms"] == pytest.approx(0.5, abs=1e-9)
+    assert four["cpu_ms"] == pytest.approx(0.8, abs=1e-9)
+    # K=2 moves 2M micro-batches per step: 16 hops of 0.5 ms CPU at M=8.
+    assert eight["step_cpu_ms"] == pytest.approx(8.0, abs=1e-9)
+    assert eight["share"] == pytest.approx(0.04, abs=1e-12)
+    # Without the one-core CPU, no share; without a CPU reading, no CPU.
+    a["transfers"]["8"]["cross_cpu_seconds"] = None
+    del a["baseline_1core"]
+    assert bm.transfer_rows(a)[1]["cpu_ms"] is None
+    assert bm.transfer_rows(a)[0]["share"] is None
+    assert bm.transfer_rows({}) == []
+
+
+def test_cross_hops_count_the_boundaries_between_the_workers():
+    assert [bm.cross_hops(name, k) for name, k in (
+        ("gpipe", 1), ("zb_h2", 2), ("zbv", 4),
+        ("interleaved_1f1b", 4))] == [0, 1, 2, 3]
+
+
+def test_cpu_goal_note_says_what_products_and_transfers_add():
+    a = {**_results()["a"], "layers": 8, "transfers": _transfers(),
+         "kernel": {"seconds": {"1": 0.02, "8": 0.026}, "batch": 512,
+                    "width": 1024}}
+    # zbv (the fastest at M=8) crosses the workers twice each way: 4M hops.
+    parts = bm.cpu_at_m(a, "zbv", 4, 8)
+    assert parts["transfer_count"] == 32
+    assert parts["transfers"] == pytest.approx(32 * 0.0005 / 0.2, abs=1e-12)
+    # 8 forward and 7 input-gradient products: 7.5 layers' F+B, 6 ms more.
+    assert parts["products"] == pytest.approx(7.5 * 0.006 / 0.2, abs=1e-12)
+    assert parts["product_ratio"] == pytest.approx(1.3, abs=1e-12)
+    assert bm.throughput_goals(a)["a-cpu"]["note"] == (
+        "zbv, M=8; one layer's F and B products cost 1.30x at M=8 what they "
+        "cost on the whole batch, which adds 0.225 of the one-core "
+        "process's CPU over the model's forward and input-gradient "
+        "products; its 32 transfers of activations and gradients between "
+        "the workers add 0.080")
+    # Without the layer count or the transfers, those parts stay unsaid.
+    assert bm.cpu_at_m({**a, "layers": None, "transfers": {}}, "zb_h2", 2,
+                       8) == {"product_ratio": pytest.approx(1.3),
+                              "products": None, "transfer_count": 16,
+                              "transfers": None}
+
+
+def test_transfer_costs_time_both_chains_on_two_devices(devices):
+    # Two logical CPUs of this process stand for the workers (not timed:
+    # any positive time passes; the CPU is this process's, read twice).
+    import tensorflow as tf
+    costs = bm._transfer_costs(tf, devices[:2], [os.getpid()] * 2, 64,
+                               [2, 8], 16, hops=4, repeats=3)
+    assert sorted(costs, key=int) == ["2", "8"]
+    assert (costs["8"]["M"], costs["8"]["rows"]) == (8, 8)
+    for entry in costs.values():
+        for key in ("cross_seconds", "local_seconds"):
+            assert 0 < entry[key] < 1
+        assert entry["cross_cpu_seconds"] >= 0
+
+
 def test_throughput_goals_without_m8_or_bare_say_so():
     a = _results()["a"]
     a["pipeline"] = [e for e in a["pipeline"] if e["num_micro_batches"] != 8]

@@ -370,13 +370,52 @@ def throughput_goals(result, rows=None, over_bare=None):
     if fastest:
         goals["a-cpu"]["note"] = f"{fastest['schedule']}, M={m}" + (
             "" if m == 8 else " (no M=8 in this run)")
-        seconds = (result.get("kernel") or {}).get("seconds", {})
-        if str(m) in seconds and "1" in seconds:
+        parts = cpu_at_m(result, fastest["schedule"], fastest["K"], m)
+        if parts["product_ratio"] is not None:
             goals["a-cpu"]["note"] += (
                 f"; one layer's F and B products cost "
-                f"{seconds[str(m)] / seconds['1']:.2f}x at M={m} what they "
-                "cost on the whole batch")
+                f"{parts['product_ratio']:.2f}x at M={m} what they cost on "
+                "the whole batch")
+        if parts["products"] is not None:
+            goals["a-cpu"]["note"] += (
+                f", which adds {parts['products']:.3f} of the one-core "
+                "process's CPU over the model's forward and input-gradient "
+                "products")
+        if parts["transfers"] is not None:
+            goals["a-cpu"]["note"] += (
+                f"; its {parts['transfer_count']} transfers of activations "
+                "and gradients between the workers add "
+                f"{parts['transfers']:.3f}")
     return goals
+
+
+def _base_cpu(a):
+    return (a.get("baseline_1core") or {}).get("cpu_seconds_per_step")
+
+
+def cpu_at_m(a, schedule, num_stages, m):
+    """What micro-batching at M costs on top of the one-core CPU, measured.
+
+    `products`: the model's products that micro-batches cut (every layer's
+    forward, every layer's input gradient but the first's: `2L - 1` halves
+    of the kernel table's one-layer F+B) at M over the whole batch, as a
+    share of the one-core process's CPU per step; `product_ratio` the
+    table's ratio. `transfers`: the schedule's transfers between the
+    workers per step (`transfer_count`), as the same share. `None` where a
+    measurement is missing. Pure, for `tests/test_benchmark.py`.
+    """
+    base = _base_cpu(a)
+    seconds = (a.get("kernel") or {}).get("seconds", {})
+    extra = (None if str(m) not in seconds or "1" not in seconds
+             or not a.get("layers") else
+             (2 * a["layers"] - 1) / 2 * (seconds[str(m)] - seconds["1"]))
+    moved = {r["M"]: r for r in transfer_rows(a)}.get(m)
+    count = 2 * m * cross_hops(schedule, num_stages)
+    return {"product_ratio": ratio(seconds.get(str(m)), seconds.get("1")),
+            "products": ratio(extra, base),
+            "transfer_count": count,
+            "transfers": None if moved is None or moved["cpu_ms"] is None
+            else ratio(count * moved["cpu_ms"] / 1e3, base)}
 
 
 def _schedule_bound(entry, m, k=2):
@@ -536,6 +575,23 @@ def throughput_tables(a):
             ["M", "rows per micro-batch", "ms per batch", "ratio to M=1",
              "same with XLA, ms", "XLA / without"],
             kernel_rows(a["kernel"])))
+    moved = transfer_rows(a)
+    if moved:
+        t = next(iter(a["transfers"].values()))
+        tables.append((
+            f"(a) One hop of a micro-batch between the two workers against "
+            f"one on a worker ({t['hops']} element-wise ops in a chain, "
+            f"median of {t['repeats']} interleaved chains; CPU of both "
+            "workers); K=2 moves 2M of them per step, zbv 4M",
+            ["M", "rows", "MB", "ms per hop between workers",
+             "ms per hop on a worker", "transfer ms",
+             "transfer CPU ms", "K=2: CPU ms per step",
+             "same / 1-core CPU per step"],
+            [[r["M"], r["rows"], fmt(r["megabytes"], 2),
+              fmt(r["cross_ms"], 2), fmt(r["local_ms"], 2),
+              fmt(r["latency_ms"], 2), fmt(r["cpu_ms"], 2),
+              fmt(r["step_cpu_ms"], 1), fmt(r["share"], 3)]
+             for r in moved]))
     tables.append(("(a) references (CPU: all workers, per step)",
                    ["run", "speedup vs 1 core", "ms/step",
                     "CPU s / 1-core CPU s"], context))
@@ -1017,6 +1073,54 @@ def _interleave(runs, rounds, pids, errors):
                 wait0, [_run_delay_seconds(pid) for pid in pids], wall))
 
 
+def _transfer_costs(tf, remote, pids, batch, micro_batches, width, hops,
+                    repeats):
+    """What one hop of a micro-batch between the two workers costs.
+
+    Per M, at `batch / M` rows: a chain of `hops` element-wise ops on
+    `rows x width` floats, alternating between the workers (each op reads
+    the previous one's output: one transfer per hop) against the same chain
+    on one worker. Chains interleaved over `repeats`, so that host noise
+    hits both alike. Per hop: the median seconds of each, and the CPU
+    seconds the two workers (`pids[:2]`) spent, summed over all repeats of
+    each chain.
+    """
+    costs = {}
+    for m in micro_batches:
+        rows, chains = batch // m, {}
+        for kind, cross in (("cross", True), ("local", False)):
+            def chain(rows=rows, cross=cross):
+                with tf.device(remote[0]):
+                    h = tf.random.normal([rows, width])
+                last = 0
+                for hop in range(hops):
+                    last = (hop + 1) % 2 if cross else 0
+                    with tf.device(remote[last]):
+                        h = h * 1.0001
+                with tf.device(remote[last]):  # only a scalar leaves
+                    return tf.reduce_sum(h)
+            run = tf.function(chain)
+            run().numpy()  # traced and warm
+            chains[kind] = (run, [], [])
+        for _ in range(repeats):
+            for run, times, cpu in chains.values():
+                cpu0 = [_cpu_seconds(pid) for pid in pids[:2]]
+                start = time.perf_counter()
+                run().numpy()
+                times.append(time.perf_counter() - start)
+                cpu1 = [_cpu_seconds(pid) for pid in pids[:2]]
+                cpu.append(_sum([None if a is None or b is None else b - a
+                                 for a, b in zip(cpu0, cpu1)]))
+        entry = {"M": m, "rows": rows, "width": width, "hops": hops,
+                 "repeats": repeats}
+        for kind, (_, times, cpu) in chains.items():
+            entry[f"{kind}_seconds"] = median(times) / hops
+            entry[f"{kind}_cpu_seconds"] = (
+                None if None in cpu else sum(cpu) / (repeats * hops))
+        costs[str(m)] = entry
+    return costs
+
+
 def child_throughput(p):
     """Client of 2 workers: every schedule for each M, the bare graph, K=1.
 
@@ -1098,6 +1202,14 @@ def child_throughput(p):
     finally:
         if baseline is not None:
             baseline.close()
+    transfers = {}
+    try:
+        transfers = _transfer_costs(
+            tf, remote, pids, p["batch"], sorted({8, *p["micro_batches"]}),
+            p["width"], p["transfer_hops"], p["transfer_repeats"])
+    except Exception as exc:  # noqa: BLE001 - reported, the runs stand
+        errors.append({"run": "transfers", "error": f"{type(exc).__name__}"
+                       f": {exc}"})
     xla = p.get("xla_updates", False)
     result = {"pipeline": [], "one_worker_runs": [], "bare": [],
               "steps_per_execution": [], "no_xla_updates": [],
@@ -1105,7 +1217,8 @@ def child_throughput(p):
               "bare_optimizer": "keras.optimizers.Adam, colocated by "
               "keras_pipe.placement.colocate_optimizer" + (
                   ", each worker's update one XLA function" if xla else ""),
-              "steps_per_execution_setting": p["steps_per_execution"]}
+              "steps_per_execution_setting": p["steps_per_execution"],
+              "transfers": transfers}
     if bare is not None:
         result["bare_optimizer_devices"] = bare.slot_devices()
     kinds = {"pipeline": "pipeline", "one_worker": "one_worker_runs",
@@ -1479,6 +1592,42 @@ def kernel_rows(kernel):
             for m, s in sorted(seconds.items())]
 
 
+def cross_hops(schedule, num_stages):
+    """Stage boundaries between the two workers one micro-batch crosses in
+    one direction: 1 for K=2, 2 for zbv's V, 3 for interleaved_1f1b."""
+    order = FOUR_STAGE_SCHEDULES.get(schedule, (0, 1))[:num_stages]
+    return sum(a != b for a, b in zip(order, order[1:]))
+
+
+def transfer_rows(a):
+    """Rows of the transfer table, one per M: a hop between the workers
+    against a hop on one worker (ms), what the transfer adds (ms, and CPU
+    ms of both workers), and the CPU of K=2's 2M hops per step, also as a
+    share of the one-core process's CPU per step.
+
+    Pure, for `tests/test_benchmark.py`.
+    """
+    def less(x, y):
+        return None if x is None or y is None else x - y
+
+    base_cpu = _base_cpu(a)
+    rows = []
+    for t in sorted((a.get("transfers") or {}).values(),
+                    key=lambda t: t["M"]):
+        cpu = less(t["cross_cpu_seconds"], t["local_cpu_seconds"])
+        step_cpu = None if cpu is None else 2 * t["M"] * cpu
+        rows.append({
+            "M": t["M"], "rows": t["rows"],
+            "megabytes": t["rows"] * t["width"] * 4 / 2**20,
+            "cross_ms": t["cross_seconds"] * 1e3,
+            "local_ms": t["local_seconds"] * 1e3,
+            "latency_ms": less(t["cross_seconds"], t["local_seconds"]) * 1e3,
+            "cpu_ms": None if cpu is None else cpu * 1e3,
+            "step_cpu_ms": None if step_cpu is None else step_cpu * 1e3,
+            "share": ratio(step_cpu, base_cpu)})
+    return rows
+
+
 def probe_line(env):
     """The host-speed probes of `environment`'s record, as one line."""
     parts = []
@@ -1629,7 +1778,10 @@ def settings(quick, schedules=SCHEDULES):
               "xla_updates": True, "no_xla_micro_batches": [4],
               "no_xla_schedules": ["gpipe", "zb_h2"],
               "steps": 8 if quick else 12, "rounds": 2 if quick else 4,
-              "kernel_repeats": 10 if quick else 20},
+              "kernel_repeats": 10 if quick else 20,
+              # One hop of a micro-batch between the workers (its M=8 CPU
+              # is part of the CPU goal's explanation).
+              "transfer_hops": 20, "transfer_repeats": 10 if quick else 30},
         "f": {"layers": 4, "width": 512, "batch": 512, "M": 2,
               "steps": 6 if quick else 10, "rounds": 2 if quick else 4},
         "b": {"models": [model, {"layers": 4, "width": 128, "batch": 64}],
@@ -1716,6 +1868,7 @@ def run_throughput(p, outdir, log):
             result[key] = other
     result["model"] = (f"{p['layers']} x Dense({p['width']}), batch "
                        f"{p['batch']}")
+    result["layers"] = p["layers"]
     result["remat"] = p["remat"]
     return result
 
