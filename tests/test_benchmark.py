@@ -272,27 +272,29 @@ def test_cross_hops_count_the_boundaries_between_the_workers():
 
 
 def test_cpu_goal_note_says_what_products_and_transfers_add():
-    a = {**_results()["a"], "layers": 8, "transfers": _transfers(),
-         "kernel": {"seconds": {"1": 0.02, "8": 0.026}, "batch": 512,
-                    "width": 1024}}
+    a = {**_results()["a"], "transfers": _transfers(),
+         "kernel": {"seconds": {"1": 0.02, "8": 0.026},
+                    "chain_seconds": {"1": 0.14, "8": 0.21}, "batch": 512,
+                    "width": 1024, "layers": 8}}
     # zbv (the fastest at M=8) crosses the workers twice each way: 4M hops.
     parts = bm.cpu_at_m(a, "zbv", 4, 8)
     assert parts["transfer_count"] == 32
     assert parts["transfers"] == pytest.approx(32 * 0.0005 / 0.2, abs=1e-12)
-    # 8 forward and 7 input-gradient products: 7.5 layers' F+B, 6 ms more.
-    assert parts["products"] == pytest.approx(7.5 * 0.006 / 0.2, abs=1e-12)
+    # The chain's 70 ms more at M=8 over the one-core CPU of 200 ms.
+    assert parts["products"] == pytest.approx(0.07 / 0.2, abs=1e-12)
     assert parts["product_ratio"] == pytest.approx(1.3, abs=1e-12)
+    assert parts["chain_ratio"] == pytest.approx(1.5, abs=1e-12)
     assert bm.throughput_goals(a)["a-cpu"]["note"] == (
         "zbv, M=8; one layer's F and B products cost 1.30x at M=8 what they "
-        "cost on the whole batch, which adds 0.225 of the one-core "
-        "process's CPU over the model's forward and input-gradient "
-        "products; its 32 transfers of activations and gradients between "
-        "the workers add 0.080")
-    # Without the layer count or the transfers, those parts stay unsaid.
-    assert bm.cpu_at_m({**a, "layers": None, "transfers": {}}, "zb_h2", 2,
-                       8) == {"product_ratio": pytest.approx(1.3),
-                              "products": None, "transfer_count": 16,
-                              "transfers": None}
+        "cost on the whole batch, the model's run micro-batch by "
+        "micro-batch through its layers 1.50x, which adds 0.350 of the "
+        "one-core process's CPU; its 32 transfers of activations and "
+        "gradients between the workers add 0.080")
+    # Without the chain or the transfers, those parts stay unsaid.
+    del a["kernel"]["chain_seconds"]
+    assert bm.cpu_at_m({**a, "transfers": {}}, "zb_h2", 2, 8) == {
+        "product_ratio": pytest.approx(1.3), "chain_ratio": None,
+        "products": None, "transfer_count": 16, "transfers": None}
 
 
 def test_transfer_costs_time_both_chains_on_two_devices(devices):
@@ -482,18 +484,25 @@ def test_kernel_rows_relate_each_micro_batch_size_to_the_whole_batch():
               "xla_seconds": {"1": 0.030, "4": 0.0315},
               "batch": 512, "width": 1024}
     assert bm.kernel_rows(kernel) == [[1, 512, "20.0", "1.00x", "30.0",
-                                       "1.50x"],
+                                       "1.50x", "-", "-"],
                                       [4, 128, "21.0", "1.05x", "31.5",
-                                       "1.50x"],
-                                      [8, 64, "28.0", "1.40x", "-", "-"]]
+                                       "1.50x", "-", "-"],
+                                      [8, 64, "28.0", "1.40x", "-", "-",
+                                       "-", "-"]]
+    # The model's chain of layers, relative to its own whole batch.
+    kernel["chain_seconds"] = {"1": 0.14, "8": 0.21}
+    assert [row[6:] for row in bm.kernel_rows(kernel)] == [
+        ["140.0", "1.00x"], ["-", "-"], ["210.0", "1.50x"]]
 
 
 def test_kernel_child_times_each_micro_batch_size():
     # Runs the child on a small layer (not timed: any positive time passes).
     result = bm.run_child("kernel", {"batch": 64, "width": 32,
                                      "micro_batches": [2, 8, 3],
-                                     "repeats": 2, "threads": [1, 2]}, 300)
-    for key in ("seconds", "xla_seconds"):
+                                     "layers": 3, "repeats": 2,
+                                     "threads": [1, 2]}, 300)
+    assert result["layers"] == 3
+    for key in ("seconds", "xla_seconds", "chain_seconds"):
         assert sorted(result[key], key=int) == ["1", "2", "8"]  # 3 ∤ 64
         assert all(0 < v < 1 for v in result[key].values())
 

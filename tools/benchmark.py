@@ -378,9 +378,9 @@ def throughput_goals(result, rows=None, over_bare=None):
                 "the whole batch")
         if parts["products"] is not None:
             goals["a-cpu"]["note"] += (
-                f", which adds {parts['products']:.3f} of the one-core "
-                "process's CPU over the model's forward and input-gradient "
-                "products")
+                f", the model's run micro-batch by micro-batch through its "
+                f"layers {parts['chain_ratio']:.2f}x, which adds "
+                f"{parts['products']:.3f} of the one-core process's CPU")
         if parts["transfers"] is not None:
             goals["a-cpu"]["note"] += (
                 f"; its {parts['transfer_count']} transfers of activations "
@@ -396,23 +396,25 @@ def _base_cpu(a):
 def cpu_at_m(a, schedule, num_stages, m):
     """What micro-batching at M costs on top of the one-core CPU, measured.
 
-    `products`: the model's products that micro-batches cut (every layer's
-    forward, every layer's input gradient but the first's: `2L - 1` halves
-    of the kernel table's one-layer F+B) at M over the whole batch, as a
-    share of the one-core process's CPU per step; `product_ratio` the
-    table's ratio. `transfers`: the schedule's transfers between the
-    workers per step (`transfer_count`), as the same share. `None` where a
-    measurement is missing. Pure, for `tests/test_benchmark.py`.
+    `products`: what the model's forward and input-gradient products cost
+    more at M than on the whole batch when run micro-batch by micro-batch
+    through its layers (the kernel child's chain), as a share of the
+    one-core process's CPU per step; `product_ratio` one layer's ratio
+    alone, `chain_ratio` the chain's. `transfers`: the schedule's transfers
+    between the workers per step (`transfer_count`), as the same share.
+    `None` where a measurement is missing. Pure, for
+    `tests/test_benchmark.py`.
     """
     base = _base_cpu(a)
-    seconds = (a.get("kernel") or {}).get("seconds", {})
-    extra = (None if str(m) not in seconds or "1" not in seconds
-             or not a.get("layers") else
-             (2 * a["layers"] - 1) / 2 * (seconds[str(m)] - seconds["1"]))
+    kernel = a.get("kernel") or {}
+    seconds, chain = kernel.get("seconds", {}), kernel.get(
+        "chain_seconds", {})
     moved = {r["M"]: r for r in transfer_rows(a)}.get(m)
     count = 2 * m * cross_hops(schedule, num_stages)
     return {"product_ratio": ratio(seconds.get(str(m)), seconds.get("1")),
-            "products": ratio(extra, base),
+            "chain_ratio": ratio(chain.get(str(m)), chain.get("1")),
+            "products": None if str(m) not in chain or "1" not in chain
+            else ratio(chain[str(m)] - chain["1"], base),
             "transfer_count": count,
             "transfers": None if moved is None or moved["cpu_ms"] is None
             else ratio(count * moved["cpu_ms"] / 1e3, base)}
@@ -571,9 +573,13 @@ def throughput_tables(a):
         tables.append((
             "(a) One core, one Dense layer's forward and input-gradient "
             "products over the batch cut into M micro-batches (what a "
-            "stage's F and B cost per row at that size)",
+            "stage's F and B cost per row at that size), and the same "
+            "products of the model's layers run micro-batch by "
+            "micro-batch, as stages run them",
             ["M", "rows per micro-batch", "ms per batch", "ratio to M=1",
-             "same with XLA, ms", "XLA / without"],
+             "same with XLA, ms", "XLA / without",
+             f"{a['kernel'].get('layers')} layers in a chain, ms",
+             "ratio to M=1"],
             kernel_rows(a["kernel"])))
     moved = transfer_rows(a)
     if moved:
@@ -1529,66 +1535,98 @@ def child_probe(p):
 
 
 def child_kernel(p):
-    """One-core cost of a Dense layer's products at each micro-batch size.
+    """One-core cost of the model's products at each micro-batch size.
 
     A micro-batch of `batch / M` rows runs each stage's forward (matmul,
     bias, ReLU) and input-gradient (`dY W^T`) products on fewer rows; on
-    this CPU oneDNN's sgemm costs more per row below 128 rows. Here: the
-    whole batch through both products of one `width x width` layer, cut
-    into M parts, one thread, median seconds per M (repetitions interleaved
-    over M, so that host noise hits every M alike); `xla_seconds` the same
-    compiled by XLA (`jit_compile=True`, which a stage on one device could
-    use: issue 12 names it as an avenue).
+    this CPU oneDNN's sgemm costs more per row below 128 rows. Here, one
+    thread, median seconds per M (repetitions interleaved over M, so that
+    host noise hits every M alike):
+
+    * `seconds`: the whole batch through both products of one
+      `width x width` layer, cut into M parts;
+    * `xla_seconds`: the same compiled by XLA (`jit_compile=True`, which a
+      stage on one device could use: issue 12 names it as an avenue);
+    * `chain_seconds` (with `layers`): the products of the model's
+      `layers` layers as a stage runs them, micro-batch by micro-batch:
+      each part's forward through every layer, then its input gradients
+      back through every layer but the first (whose input is data). Each
+      part streams every layer's weights through the caches again, which
+      one layer alone does not show.
     """
     tf, _ = _tf_env(p.get("threads"))
     batch, width = p["batch"], p["width"]
-    kernel = tf.random.normal([width, width])
-    bias = tf.random.normal([width])
+    depth = p.get("layers") or 1
+    kernels = [tf.random.normal([width, width]) * width ** -0.5
+               for _ in range(depth)]
+    biases = [tf.random.normal([width]) for _ in range(depth)]
     x = tf.random.normal([batch, width])
 
     def products(parts):
         total = tf.constant(0.0)
         for part in parts:
-            forward = tf.nn.relu(tf.matmul(part, kernel) + bias)
-            grad = tf.matmul(part, kernel, transpose_b=True)
+            forward = tf.nn.relu(tf.matmul(part, kernels[0]) + biases[0])
+            grad = tf.matmul(part, kernels[0], transpose_b=True)
             total += tf.reduce_sum(forward) + tf.reduce_sum(grad)
         return total
 
+    def chain(parts):
+        total = tf.constant(0.0)
+        for part in parts:
+            h, masks = part, []
+            for kernel, bias in zip(kernels, biases):
+                h = tf.nn.relu(tf.matmul(h, kernel) + bias)
+                masks.append(h > 0)
+            grad = h
+            for n in reversed(range(depth)):
+                grad = tf.where(masks[n], grad, 0.0)
+                if n:
+                    grad = tf.matmul(grad, kernels[n], transpose_b=True)
+            total += tf.reduce_sum(grad)
+        return total
+
+    kinds = {"seconds": (products, False), "xla_seconds": (products, True)}
+    if p.get("layers"):
+        kinds["chain_seconds"] = (chain, False)
     runs = {}
     for m in sorted({1, *p["micro_batches"]}):
         if batch % m:
             continue
         parts = tf.split(x, m)
-        for xla in (False, True):
-            run = tf.function(products, jit_compile=xla)
+        for key, (function, xla) in kinds.items():
+            run = tf.function(function, jit_compile=xla)
             run(parts)  # traced and warm
-            runs[m, xla] = (run, parts, [])
+            runs[m, key] = (run, parts, [])
     for _ in range(p["repeats"]):
         for run, parts, times in runs.values():
             start = time.perf_counter()
             run(parts).numpy()
             times.append(time.perf_counter() - start)
-    result = {"batch": batch, "width": width}
-    for xla, key in ((False, "seconds"), (True, "xla_seconds")):
+    result = {"batch": batch, "width": width, "layers": p.get("layers")}
+    for key in kinds:
         result[key] = {str(m): median(times)
-                       for (m, compiled), (_, _, times) in runs.items()
-                       if compiled == xla}
+                       for (m, kind), (_, _, times) in runs.items()
+                       if kind == key}
     return result
 
 
 def kernel_rows(kernel):
     """Rows of the kernel table: M, rows per micro-batch, ms, ratio to M=1,
-    then the XLA-compiled ms and its ratio to the same without XLA.
+    the XLA-compiled ms and its ratio to the same without XLA, then the
+    model's chain of layers (ms, ratio to M=1; `-` without it).
 
     Pure, for `tests/test_benchmark.py`.
     """
     seconds = {int(m): s for m, s in kernel["seconds"].items()}
     xla = kernel.get("xla_seconds", {})
+    chain = kernel.get("chain_seconds", {})
     whole = seconds.get(1)
     return [[m, kernel["batch"] // m, fmt(s * 1e3, 1),
              fmt(ratio(s, whole), 2, "x"),
              fmt(xla[str(m)] * 1e3 if str(m) in xla else None, 1),
-             fmt(ratio(xla.get(str(m)), s), 2, "x")]
+             fmt(ratio(xla.get(str(m)), s), 2, "x"),
+             fmt(chain[str(m)] * 1e3 if str(m) in chain else None, 1),
+             fmt(ratio(chain.get(str(m)), chain.get("1")), 2, "x")]
             for m, s in sorted(seconds.items())]
 
 
@@ -1854,7 +1892,7 @@ def run_throughput(p, outdir, log):
                     log=log)
     spe = run_child("baseline", dict(
         one_core, steps_per_execution=p["steps_per_execution"]), 900, log=log)
-    log("  one layer's products per micro-batch size, 1 core ...")
+    log("  the model's products per micro-batch size, 1 core ...")
     kernel = run_child("kernel", dict(  # M=8 always: the CPU goal's M
         base, micro_batches=sorted({8, *p["micro_batches"]}),
         repeats=p["kernel_repeats"],
@@ -1868,7 +1906,6 @@ def run_throughput(p, outdir, log):
             result[key] = other
     result["model"] = (f"{p['layers']} x Dense({p['width']}), batch "
                        f"{p['batch']}")
-    result["layers"] = p["layers"]
     result["remat"] = p["remat"]
     return result
 
