@@ -404,10 +404,13 @@ def test_plot_writes_a_small_png(tmp_path):
     results = _results()
     _, goals = bm.summarize(results)
     path = tmp_path / "benchmark.png"
-    bm.plot(results, goals, path)
+    assert bm.plot(results, goals, path) == ["a", "c", "d", "e"]
     data = path.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n"
     assert len(data) < 200_000
+    # A run of part (a) alone draws that panel only.
+    only_a = {"a": results["a"], "c": {"error": "not run"}}
+    assert bm.plot(only_a, goals, path) == ["a"]
 
 
 def test_bad_part_is_refused(capsys):

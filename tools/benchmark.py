@@ -1991,14 +1991,24 @@ def _m_axis(ax, ms):
 
 
 def plot(results, goals, path):
-    """Writes a 2 x 2 figure: speedup, memory, build time, fidelity."""
+    """Writes a figure of the parts that ran: speedup (a), memory (c), build
+    time (d), fidelity (e), one panel each; returns those parts."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(2, 2, figsize=(10, 7), dpi=80)
-    ax = axes[0][0]
+    drawn = [part for part in "acde" if results.get(part)
+             and "error" not in results[part]]
+    shape = {0: (1, 1), 1: (1, 1), 2: (1, 2)}.get(len(drawn), (2, 2))
+    alone = len(drawn) == 1  # room for the legend beside the panel
+    fig, axes = plt.subplots(*shape, figsize=(
+        8 if alone else 5 * shape[1], 4.5 if alone else 3.5 * shape[0]),
+        dpi=80, squeeze=False)
+    panels = dict(zip(drawn, axes.flat))
+    for ax in list(axes.flat)[len(drawn):]:
+        ax.set_visible(False)
     a = results.get("a")
-    if a and "error" not in a:
+    if "a" in drawn:
+        ax = panels["a"]
         rows = throughput_rows(a)
         bare = overhead_rows(a)
         ms = sorted({r["M"] for r in rows + bare})
@@ -2017,12 +2027,13 @@ def plot(results, goals, path):
         ax.axhline(GOALS["a"][2], color="tab:green", lw=0.8, ls=":",
                    label="goal")
         _m_axis(ax, ms)
-        ax.legend(fontsize=8)
-    ax.set_title("(a) speedup on 2 single-core workers", fontsize=10)
-    ax.set_xlabel("micro-batches M")
-    ax = axes[0][1]
+        ax.legend(fontsize=8, **({"loc": "upper left", "bbox_to_anchor": (
+            1.02, 1.0)} if alone else {}))
+        ax.set_title("(a) speedup on 2 single-core workers", fontsize=10)
+        ax.set_xlabel("micro-batches M")
     c = results.get("c")
-    if c and "error" not in c:
+    if "c" in drawn:
+        ax = panels["c"]
         def peaks(model, mode, schedule):
             return sorted((e["M"], e["peak_bytes"] / 2**20)
                           for e in c["runs"]
@@ -2049,11 +2060,11 @@ def plot(results, goals, path):
         _m_axis(ax, sorted({e["M"] for e in c["runs"]}))
         ax.set_ylabel("peak MiB")
         ax.legend(fontsize=6)
-    ax.set_title("(c) peak memory of a training step, K=4", fontsize=10)
-    ax.set_xlabel("micro-batches M")
-    ax = axes[1][0]
+        ax.set_title("(c) peak memory of a training step, K=4", fontsize=10)
+        ax.set_xlabel("micro-batches M")
     d = results.get("d")
-    if d and "error" not in d:
+    if "d" in drawn:
+        ax = panels["d"]
         for k in sorted({e["K"] for e in d["runs"]}):
             pts = sorted((e["M"], e["build_seconds"]) for e in d["runs"]
                          if e["K"] == k)
@@ -2061,11 +2072,11 @@ def plot(results, goals, path):
         _m_axis(ax, sorted({e["M"] for e in d["runs"]}))
         ax.set_ylabel("seconds")
         ax.legend(fontsize=8)
-    ax.set_title("(d) time to build the training step", fontsize=10)
-    ax.set_xlabel("micro-batches M")
-    ax = axes[1][1]
+        ax.set_title("(d) time to build the training step", fontsize=10)
+        ax.set_xlabel("micro-batches M")
     e = results.get("e")
-    if e and "error" not in e:
+    if "e" in drawn:
+        ax = panels["e"]
         rows = fidelity_rows(e)
         labels = [f"{r['run']}\nK={r['K']} M={r['M']}" for r in rows]
         ax.bar(range(len(rows)), [r["ratio"] for r in rows])
@@ -2075,7 +2086,7 @@ def plot(results, goals, path):
         ax.set_ylim(0.8, 1.2)
         ax.set_ylabel("measured / (M+K-1) stage times")
         ax.legend(fontsize=8)
-    ax.set_title("(e) schedule fidelity", fontsize=10)
+        ax.set_title("(e) schedule fidelity", fontsize=10)
     b = results.get("b")
     note = ""
     if b and "error" not in b:
@@ -2085,6 +2096,7 @@ def plot(results, goals, path):
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
+    return drawn
 
 
 def environment():
