@@ -19,6 +19,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_pipe import schedule as schedule_lib
+from keras_pipe.building import device_indices
 
 __all__ = ["Timeline", "Recorder", "bubble_of", "render_png",
            "to_chrome_trace"]
@@ -141,11 +142,19 @@ def _busy(intervals):
     return total
 
 
-def bubble_of(events, num_stages):
-    """Measured idle fraction: 1 - mean over stages of busy time / span."""
+def bubble_of(events, num_stages, stage_devices=None):
+    """Measured idle fraction: 1 - mean over devices of busy time / span.
+
+    `stage_devices` (per stage, the index of its device) joins the stages
+    that share a device: a device running one of its stages is not idle
+    while its other stage waits. Defaults to one device per stage.
+    """
+    stage_devices = (list(range(num_stages)) if stage_devices is None
+                     else list(stage_devices))
     span = max(e["end"] for e in events) - min(e["start"] for e in events)
     busy = [_busy([(e["start"], e["end"]) for e in events
-                   if e["stage"] == j]) for j in range(num_stages)]
+                   if stage_devices[e["stage"]] == d])
+            for d in sorted(set(stage_devices))]
     return 1.0 - float(np.mean(busy)) / span
 
 
@@ -165,8 +174,12 @@ def to_chrome_trace(events, devices):
     return {"traceEvents": trace, "displayTimeUnit": "ms"}
 
 
-def render_png(events, num_stages, path, title=""):
-    """A Gantt chart: stages as rows, micro-batches as coloured boxes."""
+def render_png(events, num_stages, path, title="", stage_devices=None):
+    """A Gantt chart: stages as rows, micro-batches as coloured boxes.
+
+    With `stage_devices` (per stage, the index of its device), each row
+    also names its device.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
@@ -183,7 +196,9 @@ def render_png(events, num_stages, path, title=""):
                        edgecolor="black", linewidth=0.3,
                        hatch=hatch[e["kind"]])
     ax.set_yticks(range(num_stages))
-    ax.set_yticklabels([f"stage {j}" for j in range(num_stages)])
+    ax.set_yticklabels([f"stage {j}" + (
+        "" if stage_devices is None else f" (device {stage_devices[j]})")
+        for j in range(num_stages)])
     ax.invert_yaxis()
     ax.set_xlabel("ms (plain: forward, dots: recompute, hatched: backward,"
                   " crossed: weight gradients; colour: micro-batch)")
@@ -277,15 +292,18 @@ class Timeline(keras.callbacks.Callback):
         events = events_of(self._buffer.numpy())
         k = self.model.num_stages
         m = 1 + max(e["micro_batch"] for e in events)
+        on = device_indices(self.model.devices)
         result = dict(step=step, events=events, num_micro_batches=m,
                       num_stages=k,
-                      measured_bubble=bubble_of(events, k),
+                      measured_bubble=bubble_of(events, k, on),
                       theoretical_bubble=schedule_lib.bubble_fraction(m, k))
         self.results.append(result)
         base = os.path.join(self.logdir, f"step{step}")
         with open(base + ".trace.json", "w", encoding="utf-8") as f:
             json.dump(to_chrome_trace(events, self.model.devices), f)
-        render_png(events, k, base + ".png", title=(
+        shared = len(set(on)) < k  # several stages per device
+        render_png(events, k, base + ".png", stage_devices=(
+            on if shared else None), title=(
             f"step {step}: K={k} stages, M={m} micro-batches, "
             f"remat={self.model.remat!r}; bubble measured "
             f"{result['measured_bubble']:.0%}, GPipe "

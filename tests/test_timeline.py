@@ -2,6 +2,8 @@
 
 import json
 import os
+import subprocess
+import sys
 
 import keras
 import numpy as np
@@ -95,6 +97,27 @@ def test_timeline_records_split_weight_gradients(devices, tmp_path):
             "end"] - 0.005
 
 
+def test_timeline_bubble_joins_the_stages_of_a_device(devices, tmp_path):
+    # zbv's V: stages 0 and 3 on one device, 1 and 2 on the other. A device
+    # busy with one of its stages is not idle while the other waits.
+    k, m = 4, 2
+    model = keras_pipe.PipelineModel(
+        [SlowDense(0.01) for _ in range(k)],
+        devices=[devices[0], devices[1], devices[1], devices[0]],
+        num_micro_batches=m, schedule="zbv")
+    model.compile("sgd", "mse")
+    recorder = timeline.Timeline(str(tmp_path), steps=(1,), verbose=False)
+    x = np.ones((16, 3), "float32")
+    model.fit(x, x, batch_size=8, epochs=1, callbacks=[recorder], verbose=0)
+    (result,) = recorder.results
+    events = result["events"]
+    assert {e["stage"] for e in events} == set(range(k))
+    assert result["measured_bubble"] == pytest.approx(
+        timeline.bubble_of(events, k, [0, 1, 1, 0]))
+    assert result["measured_bubble"] < timeline.bubble_of(events, k)
+    assert os.path.getsize(tmp_path / "step1.png") > 1000
+
+
 def test_timeline_rejects_bad_steps():
     with pytest.raises(ValueError, match=r"steps must be non-empty step "
                        r"indices >= 0. Received: steps=\(-1,\)"):
@@ -105,6 +128,17 @@ def test_bubble_of_counts_idle_time():
     events = [dict(stage=0, start=0.0, end=1.0), dict(stage=1, start=1.0,
                                                       end=2.0)]
     assert timeline.bubble_of(events, 2) == pytest.approx(0.5)
+    # Two stages on one device: that device was never idle.
+    assert timeline.bubble_of(events, 2, [0, 0]) == pytest.approx(0.0)
+    # zbv's V on 2 devices: stages 0 and 3 share device 0, which is idle
+    # from 1 to 3 of the 4 units; device 1 (stages 1 and 2) from 0 to 1.
+    events = [dict(stage=0, start=0.0, end=1.0),
+              dict(stage=1, start=1.0, end=2.0),
+              dict(stage=2, start=2.0, end=3.0),
+              dict(stage=3, start=3.0, end=4.0)]
+    assert timeline.bubble_of(events, 4, [0, 1, 1, 0]) == pytest.approx(
+        1 - (2 + 2) / 2 / 4)
+    assert timeline.bubble_of(events, 4) == pytest.approx(0.75)
 
 
 def test_consecutive_recorded_steps_share_one_traced_function(devices,
@@ -134,3 +168,24 @@ def test_consecutive_recorded_steps_share_one_traced_function(devices,
         assert {e["kind"] for e in result["events"]} == {
             "forward", "recompute", "backward"}
     assert model._step_observer is None
+
+
+def test_timeline_tool_places_a_v_schedule_on_half_the_devices(tmp_path):
+    # tools/timeline.py in its own process (it creates the logical devices):
+    # zbv's 4 stages on 2 devices in a V, a warm step drawn.
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run(
+        [sys.executable, os.path.join(root, "tools", "timeline.py"),
+         "--schedule", "zbv", "--num-micro-batches", "2", "--batch-size",
+         "64", "--out", str(tmp_path), "--name", "v"],
+        capture_output=True, text=True, timeout=600,
+        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "measured bubble" in done.stdout
+    trace = json.loads((tmp_path / "v.trace.json").read_text())
+    rows = sorted(e["args"]["name"] for e in trace["traceEvents"]
+                  if e["ph"] == "M")
+    # Stage j and stage 3 - j share a device.
+    device = {int(r.split()[1]): r.split("(")[1] for r in rows}
+    assert device[0] == device[3] != device[1] == device[2]
+    assert os.path.getsize(tmp_path / "v.png") > 1000

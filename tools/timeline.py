@@ -1,14 +1,18 @@
 """Draws the timeline of one training step of the demo pipeline.
 
     python tools/timeline.py [--num-stages 4] [--num-micro-batches 8]
-                             [--schedule NAME] [--out docs] [--name timeline]
+                             [--schedule NAME] [--num-devices D]
+                             [--out docs] [--name timeline]
 
 Runs the demo's model (`keras_pipe.demo`) through `fit` with the
 `keras_pipe.callbacks.Timeline` callback and writes `NAME.png` and
 `NAME.trace.json` (chrome://tracing) to `--out` (`--name`, default
 `timeline`). Without GPUs the
 stages run on logical CPU devices, which share the machine's cores: the
-picture shows the schedule, not a speed-up.
+picture shows the schedule, not a speed-up. Schedules that run several
+stages per device (`interleaved_1f1b`, `zbv`) get `--num-devices` devices
+(default: half the stages for them, else one per stage), in the order the
+schedule needs.
 """
 
 import argparse
@@ -26,6 +30,7 @@ def main(argv=None):
     parser.add_argument("--num-micro-batches", type=int, default=8)
     parser.add_argument("--remat", default="except_last")
     parser.add_argument("--schedule", default="gpipe")
+    parser.add_argument("--num-devices", type=int, default=None)
     parser.add_argument("--batch-size", type=int, default=512)
     parser.add_argument("--out", default="timeline_out")
     parser.add_argument("--name", default="timeline")
@@ -33,8 +38,16 @@ def main(argv=None):
 
     import keras_pipe
     from keras_pipe import demo
+    from keras_pipe import schedule as schedule_lib
 
-    devices = keras_pipe.logical_cpu_devices(args.num_stages)
+    entry = schedule_lib.get_schedule(args.schedule)
+    num_devices = args.num_devices
+    if num_devices is None:
+        num_devices = (args.num_stages // 2 if entry.placement
+                       else args.num_stages)
+    logical = keras_pipe.logical_cpu_devices(num_devices)
+    devices = [logical[d] for d in schedule_lib.stage_placement(
+        args.num_stages, num_devices, entry.placement or "loop")]
     import keras
 
     keras.utils.set_random_seed(0)
