@@ -34,17 +34,22 @@ class SlowDense(keras.layers.Layer):
         return self.dense(inputs + 0.0 * tf.stop_gradient(slept))
 
 
+def _record_step_1(model, tmp_path):
+    """Fits `model` two steps with a Timeline on step 1; its result."""
+    model.compile("sgd", "mse")
+    recorder = timeline.Timeline(str(tmp_path), steps=(1,), verbose=False)
+    x = np.ones((16, 3), "float32")
+    model.fit(x, x, batch_size=8, epochs=1, callbacks=[recorder], verbose=0)
+    (result,) = recorder.results
+    return result
+
+
 def test_timeline_writes_trace_png_and_bubble(devices, tmp_path):
     k, m, t = 2, 4, 0.04
     model = keras_pipe.PipelineModel(
         [SlowDense(t) for _ in range(k)], devices=devices[:k],
         num_micro_batches=m, remat="except_last")
-    model.compile("sgd", "mse")
-    recorder = timeline.Timeline(str(tmp_path), steps=(1,), verbose=False)
-    x = np.ones((16, 3), "float32")
-    model.fit(x, x, batch_size=8, epochs=1, callbacks=[recorder], verbose=0)
-
-    (result,) = recorder.results
+    result = _record_step_1(model, tmp_path)
     events = result["events"]
     count = {kind: sum(e["kind"] == kind for e in events)
              for kind in timeline.KINDS}
@@ -82,11 +87,7 @@ def test_timeline_records_split_weight_gradients(devices, tmp_path):
     model = keras_pipe.PipelineModel(
         [SlowDense(0.01) for _ in range(k)], devices=devices[:k],
         num_micro_batches=m, schedule="zb_h2")
-    model.compile("sgd", "mse")
-    recorder = timeline.Timeline(str(tmp_path), steps=(1,), verbose=False)
-    x = np.ones((16, 3), "float32")
-    model.fit(x, x, batch_size=8, epochs=1, callbacks=[recorder], verbose=0)
-    events = recorder.results[0]["events"]
+    events = _record_step_1(model, tmp_path)["events"]
     weights = [e for e in events if e["kind"] == "weight"]
     backward = {(e["stage"], e["micro_batch"]): e for e in events
                 if e["kind"] == "backward"}
@@ -105,11 +106,7 @@ def test_timeline_bubble_joins_the_stages_of_a_device(devices, tmp_path):
         [SlowDense(0.01) for _ in range(k)],
         devices=[devices[0], devices[1], devices[1], devices[0]],
         num_micro_batches=m, schedule="zbv")
-    model.compile("sgd", "mse")
-    recorder = timeline.Timeline(str(tmp_path), steps=(1,), verbose=False)
-    x = np.ones((16, 3), "float32")
-    model.fit(x, x, batch_size=8, epochs=1, callbacks=[recorder], verbose=0)
-    (result,) = recorder.results
+    result = _record_step_1(model, tmp_path)
     events = result["events"]
     assert {e["stage"] for e in events} == set(range(k))
     assert result["measured_bubble"] == pytest.approx(
