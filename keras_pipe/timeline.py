@@ -148,9 +148,16 @@ def bubble_of(events, num_stages, stage_devices=None):
     `stage_devices` (per stage, the index of its device) joins the stages
     that share a device: a device running one of its stages is not idle
     while its other stage waits. Defaults to one device per stage.
+
+    Raises:
+        ValueError: if `stage_devices` does not give one index per stage.
     """
     stage_devices = (list(range(num_stages)) if stage_devices is None
                      else list(stage_devices))
+    if len(stage_devices) != num_stages:
+        raise ValueError(
+            f"stage_devices must give one device index per stage "
+            f"({num_stages}). Received: stage_devices={stage_devices!r}")
     span = max(e["end"] for e in events) - min(e["start"] for e in events)
     busy = [_busy([(e["start"], e["end"]) for e in events
                    if stage_devices[e["stage"]] == d])

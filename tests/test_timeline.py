@@ -136,6 +136,9 @@ def test_bubble_of_counts_idle_time():
     assert timeline.bubble_of(events, 4, [0, 1, 1, 0]) == pytest.approx(
         1 - (2 + 2) / 2 / 4)
     assert timeline.bubble_of(events, 4) == pytest.approx(0.75)
+    with pytest.raises(ValueError, match=r"one device index per stage "
+                       r"\(4\). Received: stage_devices=\[0, 1\]"):
+        timeline.bubble_of(events, 4, [0, 1])
 
 
 def test_consecutive_recorded_steps_share_one_traced_function(devices,
