@@ -177,6 +177,12 @@ def check_goal(key, measured):
             "met": met}
 
 
+def _num_stages(schedule):
+    """K of a schedule's runs in part (a): 2 stages per worker for the
+    schedules of FOUR_STAGE_SCHEDULES, else one."""
+    return 4 if schedule in FOUR_STAGE_SCHEDULES else 2
+
+
 def throughput_configs(p):
     """The runs of part (a) in one round, from its settings, as dicts.
 
@@ -192,15 +198,15 @@ def throughput_configs(p):
     for m in p["micro_batches"]:
         for name in p["schedules"]:
             configs.append({"kind": "pipeline", "schedule": name,
-                            "num_stages": 4 if name in FOUR_STAGE_SCHEDULES
-                            else 2, "num_micro_batches": m})
+                            "num_stages": _num_stages(name),
+                            "num_micro_batches": m})
         configs.append({"kind": "bare", "schedule": "gpipe", "num_stages": 2,
                         "num_micro_batches": m})
     for m in p["steps_per_execution_micro_batches"]:
         for name in p.get("steps_per_execution_schedules", ["gpipe"]):
             configs.append({"kind": "steps_per_execution", "schedule": name,
-                            "num_stages": 4 if name in FOUR_STAGE_SCHEDULES
-                            else 2, "num_micro_batches": m,
+                            "num_stages": _num_stages(name),
+                            "num_micro_batches": m,
                             "steps_per_execution": p["steps_per_execution"]})
     if p.get("xla_updates"):
         for m in p.get("no_xla_micro_batches", []):
@@ -231,7 +237,7 @@ def throughput_rows(result):
     """
     base = result["baseline_1core"]["step_seconds"]
     base_best = result["baseline_1core"].get("best_step_seconds")
-    base_cpu = result["baseline_1core"].get("cpu_seconds_per_step")
+    base_cpu = _base_cpu(result)
     worker1 = result.get("one_worker", {}).get("step_seconds")
     rows = []
     setting = result.get("steps_per_execution_setting", 4)
@@ -300,7 +306,7 @@ def overhead_rows(result):
             "spe_ms": _ms(spe.get(m)), "spe_ratio": ratio(spe.get(m), bare),
             "bare_cpu_ratio": ratio(
                 _sum(entry.get("worker_cpu_seconds_per_step")),
-                result["baseline_1core"].get("cpu_seconds_per_step"))})
+                _base_cpu(result))})
     return rows
 
 
@@ -1047,6 +1053,13 @@ class _BarePipeline:
         return times
 
 
+def _per(before, after, amount):
+    """Per process, `(after - before) / amount`; `None` where a reading is
+    missing (a process that ended)."""
+    return [None if a is None or b is None else (b - a) / amount
+            for a, b in zip(before, after)]
+
+
 def _interleave(runs, rounds, pids, errors):
     """Each run of `runs` once per round, in turn: noise hits them alike.
 
@@ -1054,10 +1067,6 @@ def _interleave(runs, rounds, pids, errors):
     use and wait (fractions of the wall time) and CPU seconds per step. A
     run that raises is reported in `errors` and dropped.
     """
-    def fractions(before, after, wall):
-        return [None if a is None or b is None else (b - a) / wall
-                for a, b in zip(before, after)]
-
     for _ in range(rounds):
         for label, r in list(runs.items()):
             cpu0 = [_cpu_seconds(pid) for pid in pids]
@@ -1073,9 +1082,9 @@ def _interleave(runs, rounds, pids, errors):
             wall = time.perf_counter() - start
             cpu1 = [_cpu_seconds(pid) for pid in pids]
             r["steps"] += steps
-            r["cpu"].append(fractions(cpu0, cpu1, wall))
-            r["cpu_per_step"].append(fractions(cpu0, cpu1, count))
-            r["wait"].append(fractions(
+            r["cpu"].append(_per(cpu0, cpu1, wall))
+            r["cpu_per_step"].append(_per(cpu0, cpu1, count))
+            r["wait"].append(_per(
                 wait0, [_run_delay_seconds(pid) for pid in pids], wall))
 
 
@@ -1114,9 +1123,8 @@ def _transfer_costs(tf, remote, pids, batch, micro_batches, width, hops,
                 start = time.perf_counter()
                 run().numpy()
                 times.append(time.perf_counter() - start)
-                cpu1 = [_cpu_seconds(pid) for pid in pids[:2]]
-                cpu.append(_sum([None if a is None or b is None else b - a
-                                 for a, b in zip(cpu0, cpu1)]))
+                cpu.append(_sum(_per(
+                    cpu0, [_cpu_seconds(pid) for pid in pids[:2]], 1)))
         entry = {"M": m, "rows": rows, "width": width, "hops": hops,
                  "repeats": repeats}
         for kind, (_, times, cpu) in chains.items():
