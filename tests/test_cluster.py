@@ -27,6 +27,33 @@ def _free_port():
         return s.getsockname()[1]
 
 
+def _stop(pid, timeout=10.0):
+    """SIGSTOPs `pid` and returns once every thread of it has stopped.
+
+    `kill` only queues the signal: the kernel wakes one thread to start the
+    group stop, and on a loaded machine the others (gRPC's pollers) can
+    still answer a request until it runs (seen once in CI: a probe sent
+    right after `kill` was answered).
+    """
+    os.kill(pid, signal.SIGSTOP)
+    tasks = pathlib.Path(f"/proc/{pid}/task")
+    deadline = time.monotonic() + timeout
+    while True:
+        states = [_thread_state(stat) for stat in tasks.glob("*/stat")]
+        if states and all(state in "tT" for state in states if state):
+            return
+        assert time.monotonic() < deadline, f"pid {pid} threads: {states}"
+        time.sleep(0.01)
+
+
+def _thread_state(stat):
+    """The state letter in a /proc/<pid>/task/<tid>/stat, "" if gone."""
+    try:
+        return stat.read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return ""
+
+
 def _env():
     """Worker and client env: TF quiet, no TF_CONFIG, nothing preloaded.
 
@@ -164,7 +191,7 @@ def test_watchdog_probe_keeps_its_channel_and_sees_a_stop(workers):
         channel = alive.channels[address]
         assert alive(address, 5.0) and alive.channels[address] is channel
         assert not alive(down, 1.0) and down not in alive.channels
-        os.kill(victim.pid, signal.SIGSTOP)  # open connection, no answer
+        _stop(victim.pid)  # open connection, no answer
         start = time.monotonic()
         assert not alive(address, 1.0)
         assert 1.0 <= time.monotonic() - start < 3.0
