@@ -3,7 +3,9 @@
 Each example trains two steps on `tfds.testing.mock_data` with tiny sizes in
 a subprocess (it needs its own logical CPU devices), evaluates, exports, and
 a second, fresh process loads the SavedModel and calls its signature: no
-keras_pipe, no example code and one CPU device there.
+keras_pipe, no example code and one CPU device there. The example's serving
+snippets of examples/README.md then run on the same export
+(`tests/snippets.py`).
 """
 
 import argparse
@@ -19,6 +21,8 @@ EXAMPLES = os.path.join(ROOT, "examples")
 sys.path.insert(0, EXAMPLES)
 
 import common  # noqa: E402
+
+from tests import snippets  # noqa: E402
 
 
 def _env():
@@ -64,8 +68,21 @@ print(out.dtype.name, out.shape.as_list(), sorted(loaded.signatures))
 """
 
 
+def _readme_export(example, tmp_path):
+    """Where the README's serving snippets load `example`'s export from."""
+    served = snippets.serving(example)
+    assert len(served) == 1, served  # One SavedModel per example.
+    return str(tmp_path / next(iter(served)))
+
+
+def _run_serving_snippets(example, tmp_path):
+    for codes in snippets.serving(example).values():
+        for code in codes:
+            snippets.run(code, str(tmp_path))
+
+
 def test_imagenet_example_trains_exports_and_serves(tmp_path):
-    export = str(tmp_path / "amoebanet")
+    export = _readme_export("examples/imagenet.py", tmp_path)
     out = _run([os.path.join(EXAMPLES, "imagenet.py"), "--mock-data",
                 "--steps", "2", "--num-stages", "2",
                 "--num-micro-batches", "2", "--export", export,
@@ -87,10 +104,11 @@ def test_imagenet_example_trains_exports_and_serves(tmp_path):
     # is lossy.
     np.testing.assert_allclose(png, batch, atol=1e-6)
     np.testing.assert_allclose(jpeg[0], batch[0], atol=1e-2)
+    _run_serving_snippets("examples/imagenet.py", tmp_path)
 
 
 def test_translate_example_trains_exports_and_serves(tmp_path):
-    export = str(tmp_path / "transformer")
+    export = _readme_export("examples/translate.py", tmp_path)
     out = _run([os.path.join(EXAMPLES, "translate.py"), "--mock-data",
                 "--steps", "2", "--num-stages", "3",
                 "--num-micro-batches", "2", "--export", export,
@@ -103,6 +121,7 @@ def test_translate_example_trains_exports_and_serves(tmp_path):
     assert "BLEU (greedy, wmt14_translate/de-en validation): " in out
     out = _run(["-c", SERVE_TEXT, export], cwd=tmp_path)
     assert "string [3] ['serving_default']" in out
+    _run_serving_snippets("examples/translate.py", tmp_path)
 
 
 def test_balance_flag():
