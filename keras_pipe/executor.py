@@ -26,6 +26,7 @@ import dataclasses
 import keras
 import tensorflow as tf
 
+from keras_pipe import logits as logits_lib
 from keras_pipe import microbatch
 from keras_pipe import schedule as schedule_lib
 from keras_pipe.gradients import sum_gradients
@@ -56,7 +57,9 @@ class LossHead:
 class Cell:
     """What micro-batch `i` left on stage `j` during a step."""
 
-    run: object = None           # the `StageRun` of the forward call
+    run: object = None           # the `StageRun` of the forward call; on
+    #                              the last stage its outputs are
+    #                              `keras_pipe.logits.keep(outputs)`
     output_grads: list = None    # gradients for `tree.flatten(run.outputs)`
     loss_grads: list = None      # gradients for `run.losses`
     split: bool = False          # a "W" action follows its "B"
@@ -425,11 +428,12 @@ class Executor:
                     _finish_mini_batch(runner.layer)
 
     def outputs(self, step):
-        """The last stage's outputs, merged over micro-batches."""
+        """The last stage's outputs, merged over micro-batches, with the
+        logits behind them (`keras_pipe.logits.view`)."""
         with tf.device(self.replicas[0][-1].device):
-            return microbatch.gather(
+            return logits_lib.view(microbatch.gather(
                 [row[-1].run.outputs for row in step.cells],
-                step.micro_batches)
+                step.micro_batches))
 
     def layer_losses(self, step, dtype):
         """The losses layers added (`add_loss`) during the forward calls.

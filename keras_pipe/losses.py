@@ -28,6 +28,7 @@ import keras
 import tensorflow as tf
 
 from keras_pipe import internals
+from keras_pipe import logits as logits_lib
 from keras_pipe import microbatch
 from keras_pipe.executor import LossHead
 
@@ -147,7 +148,8 @@ class _Rows:
         parts = microbatch.scatter((y, sample_weight),
                                    step.num_micro_batches)
         try:
-            sums = weight_sums(compile_loss, y, step.cells[0][-1].run.outputs,
+            sums = weight_sums(compile_loss, y,
+                               logits_lib.view(step.cells[0][-1].run.outputs),
                                sample_weight)
         except NotSplittable:
             return cls.NONE
@@ -190,6 +192,8 @@ def loss_head(model, x, y, sample_weight, training):
 
     def part(step, i):
         micro_batch = step.micro_batches[i]
+        # The last stage's outputs and logits (`keras_pipe.logits`), viewed
+        # as the model's outputs once cut to the rows the loss reads.
         outputs = step.cells[i][-1].run.outputs
         compile_loss = getattr(model, "_compile_loss", None)
         if not rows:
@@ -202,13 +206,14 @@ def loss_head(model, x, y, sample_weight, training):
             parts = rows[0]
             y_pred, y_i, w_i = micro_batch.real_rows(
                 (outputs,) + tuple(parts.rows[i]))
+            y_pred = logits_lib.view(y_pred)
             try:
                 return share(compile_loss, y_i, y_pred, w_i,
                              parts.total_rows, parts.sums)
             except NotSplittable:
                 rows[0] = _Rows.NONE
         sizes = [mb.size for mb in step.micro_batches]
-        alone = _alone(outputs, sizes, i, micro_batch)
+        alone = logits_lib.view(_alone(outputs, sizes, i, micro_batch))
         with keras.StatelessScope():
             return full(alone)
 

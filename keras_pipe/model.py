@@ -98,7 +98,8 @@ class PipelineModel(keras.Model):
             else remat
         self._remat_modes = validation.check_remat(remat, len(stages))
         self._schedule = schedule
-        self._runners = [Stage(s, d) for s, d in zip(stages, resolved)]
+        self._runners = [Stage(s, d, keeps_logits=j == len(stages) - 1)
+                         for j, (s, d) in enumerate(zip(stages, resolved))]
         self._executor = executor_lib.Executor(
             [self._runners], schedule, building.device_indices(resolved))
         # Set by `keras_pipe.callbacks.Timeline` while it records: makes

@@ -83,8 +83,9 @@ def make_runners(runners, devices):
             f"its variables live. Received: {resolved[:k]}")
     replicas = [list(runners)]
     for r in range(1, len(resolved) // k):
-        replicas.append([Stage(runner.layer, device) for runner, device in zip(
-            runners, resolved[r * k:(r + 1) * k])])
+        replicas.append([
+            Stage(runner.layer, device, keeps_logits=runner.keeps_logits)
+            for runner, device in zip(runners, resolved[r * k:(r + 1) * k])])
     return replicas
 
 

@@ -42,6 +42,7 @@ import keras
 import tensorflow as tf
 
 from keras_pipe import internals
+from keras_pipe import logits as logits_lib
 from keras_pipe.tensors import (exact_spec, float_leaves, is_float, pairs,
                                 relaxed_spec)
 from keras_pipe.gradients import add_gradients
@@ -69,11 +70,17 @@ class StageRun:
 
 
 class Stage:
-    """A Keras layer run as a pure function on a fixed device."""
+    """A Keras layer run as a pure function on a fixed device.
 
-    def __init__(self, layer, device):
+    The model's last stage `keeps_logits`: its outputs are
+    `keras_pipe.logits.keep(layer outputs)`, the logits behind a softmax or
+    sigmoid output beside the outputs, so the loss can read them.
+    """
+
+    def __init__(self, layer, device, keeps_logits=False):
         self.layer = layer
         self.device = device
+        self.keeps_logits = keeps_logits
         self._functions = {}
         self._split = {}  # training flag -> `SplitBackward`
         self._kinds = None
@@ -194,6 +201,8 @@ class Stage:
                                          collect_losses=True) as scope:
             before = [scope.get_current_value(v) for v in self.state_variables]
             outputs = self.layer(inputs, training=training)
+        if self.keeps_logits:
+            outputs = logits_lib.keep(outputs)
         new_state = [None if new is old else new for new, old in zip(
             (scope.get_current_value(v) for v in self.state_variables),
             before)]
