@@ -241,22 +241,20 @@ def test_mobilenetv2_trains_like_original(devices):
     # One micro-batch: BatchNormalization sees the same batch statistics as
     # in the original model, so the step (moving statistics included) is
     # the same; with several micro-batches it would differ by design.
-    # Logits out: a softmax output would let Keras' crossentropy read the
-    # logits behind the original's softmax, not the pipeline's. atol=1e-5:
+    # Its softmax head as built: the crossentropy reads the logits behind
+    # it in both models (keras_pipe/logits.py). atol=1e-5:
     # the first convolution's gradient crosses ~50 BatchNormalizations of 8
     # rows; the original's own eager and tf.function steps differ by 3e-2
     # there. The reference is the original's tf.function step: the stages'
     # forward ops run in place in the step's graph (no remat), where
     # grappler fuses them as it fuses the original's.
     model = keras.applications.MobileNetV2(
-        weights=None, input_shape=(64, 64, 3), classes=5,
-        classifier_activation=None)
+        weights=None, input_shape=(64, 64, 3), classes=5)
     x = np.random.rand(8, 64, 64, 3).astype("float32")
     y = np.random.randint(0, 5, size=(8,))
     pipe = _assert_step_matches(
-        model, x, y, keras.losses.SparseCategoricalCrossentropy(
-            from_logits=True), devices, 4, 1, balance="memory", atol=1e-5,
-        run_eagerly=False)
+        model, x, y, keras.losses.SparseCategoricalCrossentropy(), devices,
+        4, 1, balance="memory", atol=1e-5, run_eagerly=False)
     _assert_predictions_match(model, pipe, x)
 
 
