@@ -26,7 +26,7 @@ import dataclasses
 import keras
 import tensorflow as tf
 
-from keras_pipe import logits as logits_lib
+from keras_pipe import attached
 from keras_pipe import microbatch
 from keras_pipe import schedule as schedule_lib
 from keras_pipe.gradients import sum_gradients
@@ -59,7 +59,7 @@ class Cell:
 
     run: object = None           # the `StageRun` of the forward call; on
     #                              the last stage its outputs are
-    #                              `keras_pipe.logits.keep(outputs)`
+    #                              `keras_pipe.attached.keep(outputs)`
     output_grads: list = None    # gradients for `tree.flatten(run.outputs)`
     loss_grads: list = None      # gradients for `run.losses`
     split: bool = False          # a "W" action follows its "B"
@@ -429,9 +429,9 @@ class Executor:
 
     def outputs(self, step):
         """The last stage's outputs, merged over micro-batches, with the
-        logits behind them (`keras_pipe.logits.view`)."""
+        masks and logits attached again (`keras_pipe.attached.view`)."""
         with tf.device(self.replicas[0][-1].device):
-            return logits_lib.view(microbatch.gather(
+            return attached.view(microbatch.gather(
                 [row[-1].run.outputs for row in step.cells],
                 step.micro_batches))
 

@@ -44,6 +44,7 @@ check_versions({"keras": keras.__version__, "tensorflow": tf.__version__})
 
 # Imported after the check: on another version these may not exist.
 from keras.src.backend import get_keras_mask  # noqa: E402
+from keras.src.backend import set_keras_mask  # noqa: E402
 from keras.src.backend.common import global_state  # noqa: E402
 from keras.src.losses import loss as _loss_lib  # noqa: E402
 from keras.src.models.functional import Functional  # noqa: E402
@@ -87,7 +88,7 @@ __all__ = ["Functional", "KerasSaveable", "SUPPORTED",
            "no_automatic_tracking", "operation_fn", "reduce_weighted_values",
            "reinitialize_variable", "replaced_losses",
            "scale_loss_for_distribution", "seed_state_variables",
-           "set_initial_epoch", "set_keras_global_attribute",
+           "set_initial_epoch", "set_keras_global_attribute", "set_keras_mask",
            "to_snake_case", "unpack_singleton"]
 
 reduce_weighted_values = _loss_lib.reduce_weighted_values

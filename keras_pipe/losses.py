@@ -28,7 +28,7 @@ import keras
 import tensorflow as tf
 
 from keras_pipe import internals
-from keras_pipe import logits as logits_lib
+from keras_pipe import attached
 from keras_pipe import microbatch
 from keras_pipe.executor import LossHead
 
@@ -149,7 +149,7 @@ class _Rows:
                                    step.num_micro_batches)
         try:
             sums = weight_sums(compile_loss, y,
-                               logits_lib.view(step.cells[0][-1].run.outputs),
+                               attached.view(step.cells[0][-1].run.outputs),
                                sample_weight)
         except NotSplittable:
             return cls.NONE
@@ -169,6 +169,16 @@ def _alone(outputs, sizes, i, micro_batch):
         return tf.concat([zeros[0], t, zeros[1]], 0)
 
     return keras.tree.map_structure(place, micro_batch.real_rows(outputs))
+
+
+_MASKED_PARTS = (
+    "The model's outputs carry a Keras mask (e.g. from "
+    "Embedding(mask_zero=True)), and with schedule={schedule!r} and "
+    "{replicas} replica(s) a micro-batch's backward pass starts from its own "
+    "part of the loss before every micro-batch has run forward; a masked "
+    "loss is divided by the unmasked positions of the whole batch, which "
+    "are not known then. Use schedule='gpipe' without replicas for a model "
+    "with masked outputs.")
 
 
 def loss_head(model, x, y, sample_weight, training):
@@ -192,9 +202,13 @@ def loss_head(model, x, y, sample_weight, training):
 
     def part(step, i):
         micro_batch = step.micro_batches[i]
-        # The last stage's outputs and logits (`keras_pipe.logits`), viewed
-        # as the model's outputs once cut to the rows the loss reads.
+        # The last stage's outputs with their masks and logits beside them
+        # (`keras_pipe.attached`), viewed once cut to the rows the loss
+        # reads.
         outputs = step.cells[i][-1].run.outputs
+        if attached.masks(outputs):
+            raise ValueError(_MASKED_PARTS.format(
+                schedule=model.schedule, replicas=model.num_replicas))
         compile_loss = getattr(model, "_compile_loss", None)
         if not rows:
             # Every micro-batch's rows: outside the caller's control
@@ -206,14 +220,14 @@ def loss_head(model, x, y, sample_weight, training):
             parts = rows[0]
             y_pred, y_i, w_i = micro_batch.real_rows(
                 (outputs,) + tuple(parts.rows[i]))
-            y_pred = logits_lib.view(y_pred)
+            y_pred = attached.view(y_pred)
             try:
                 return share(compile_loss, y_i, y_pred, w_i,
                              parts.total_rows, parts.sums)
             except NotSplittable:
                 rows[0] = _Rows.NONE
         sizes = [mb.size for mb in step.micro_batches]
-        alone = logits_lib.view(_alone(outputs, sizes, i, micro_batch))
+        alone = attached.view(_alone(outputs, sizes, i, micro_batch))
         with keras.StatelessScope():
             return full(alone)
 

@@ -98,7 +98,7 @@ class PipelineModel(keras.Model):
             else remat
         self._remat_modes = validation.check_remat(remat, len(stages))
         self._schedule = schedule
-        self._runners = [Stage(s, d, keeps_logits=j == len(stages) - 1)
+        self._runners = [Stage(s, d, position=(j, len(stages)))
                          for j, (s, d) in enumerate(zip(stages, resolved))]
         self._executor = executor_lib.Executor(
             [self._runners], schedule, building.device_indices(resolved))

@@ -66,6 +66,10 @@ class GraphStage(keras.layers.Layer):
         # As Functional: inputs are converted per tensor, not cast at entry.
         self._convert_input_args = False
         self._allow_non_tensor_positional_args = True
+        # Masks: the layers inside read their inputs' masks and attach their
+        # outputs' (`compute_mask`); Keras would otherwise warn that this
+        # layer drops the masks its inputs carry (`keras_pipe.attached`).
+        self.supports_masking = True
         self.built = True
 
     @property
@@ -87,6 +91,11 @@ class GraphStage(keras.layers.Layer):
     def inputs(self):
         """The input KerasTensors, a flat list (as `keras.Model.inputs`)."""
         return list(self._input_tensors)
+
+    def compute_mask(self, inputs, previous_mask=None):
+        """None: the outputs carry the masks the layers inside attached."""
+        del inputs, previous_mask
+        return None
 
     def call(self, inputs, training=None):
         if self._first:

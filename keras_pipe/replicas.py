@@ -84,7 +84,7 @@ def make_runners(runners, devices):
     replicas = [list(runners)]
     for r in range(1, len(resolved) // k):
         replicas.append([
-            Stage(runner.layer, device, keeps_logits=runner.keeps_logits)
+            Stage(runner.layer, device, position=runner.position)
             for runner, device in zip(runners, resolved[r * k:(r + 1) * k])])
     return replicas
 

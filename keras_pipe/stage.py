@@ -42,7 +42,7 @@ import keras
 import tensorflow as tf
 
 from keras_pipe import internals
-from keras_pipe import logits as logits_lib
+from keras_pipe import attached
 from keras_pipe.tensors import (exact_spec, float_leaves, is_float, pairs,
                                 relaxed_spec)
 from keras_pipe.gradients import add_gradients
@@ -72,15 +72,18 @@ class StageRun:
 class Stage:
     """A Keras layer run as a pure function on a fixed device.
 
-    The model's last stage `keeps_logits`: its outputs are
-    `keras_pipe.logits.keep(layer outputs)`, the logits behind a softmax or
-    sigmoid output beside the outputs, so the loss can read them.
+    `position=(j, num_stages)` makes it stage `j` of a pipeline: its
+    outputs leave as `keras_pipe.attached.keep(outputs)` (their masks, and
+    on the last stage the logits behind a softmax or sigmoid, beside them)
+    and, unless `j == 0`, its inputs arrive so and get their masks back
+    before the layer runs. With `position=None` inputs and outputs are the
+    layer's own.
     """
 
-    def __init__(self, layer, device, keeps_logits=False):
+    def __init__(self, layer, device, position=None):
         self.layer = layer
         self.device = device
-        self.keeps_logits = keeps_logits
+        self.position = position
         self._functions = {}
         self._split = {}  # training flag -> `SplitBackward`
         self._kinds = None
@@ -197,12 +200,15 @@ class Stage:
         mapping += list(zip(self.state_variables, state[:n]))
         keyed = (internals.keyed_random(rows) if rows is not None
                  else contextlib.nullcontext())
+        if self.position is not None and self.position[0] > 0:
+            inputs = attached.view(inputs)
         with keyed, keras.StatelessScope(state_mapping=mapping,
                                          collect_losses=True) as scope:
             before = [scope.get_current_value(v) for v in self.state_variables]
             outputs = self.layer(inputs, training=training)
-        if self.keeps_logits:
-            outputs = logits_lib.keep(outputs)
+        if self.position is not None:
+            j, num_stages = self.position
+            outputs = attached.keep(outputs, logits=j == num_stages - 1)
         new_state = [None if new is old else new for new, old in zip(
             (scope.get_current_value(v) for v in self.state_variables),
             before)]

@@ -68,6 +68,18 @@ def test_loss_helpers_reduce_like_keras():
     assert internals.get_keras_mask(values) is None
 
 
+def test_mask_hooks_are_the_ones_keras_layers_use():
+    x = tf.constant([[3, 0], [1, 2]])
+    embedded = keras.layers.Embedding(4, 2, mask_zero=True)(x)
+    mask = internals.get_keras_mask(embedded)
+    assert mask.numpy().tolist() == [[True, False], [True, True]]
+    values = tf.identity(embedded)
+    internals.set_keras_mask(values, mask)
+    # A layer that reads masks sees it: the padded step is skipped.
+    summed = keras.layers.GlobalAveragePooling1D()(values)
+    np.testing.assert_allclose(summed[0], embedded[0, 0], rtol=1e-6)
+
+
 @pytest.mark.parametrize("loss_scale", [False, True])
 def test_colocate_optimizer_patches_the_object_not_the_class(loss_scale):
     optimizer = keras.optimizers.SGD(0.1, clipnorm=1.0)

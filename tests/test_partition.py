@@ -242,7 +242,7 @@ def test_mobilenetv2_trains_like_original(devices):
     # in the original model, so the step (moving statistics included) is
     # the same; with several micro-batches it would differ by design.
     # Its softmax head as built: the crossentropy reads the logits behind
-    # it in both models (keras_pipe/logits.py). atol=1e-5:
+    # it in both models (keras_pipe/attached.py). atol=1e-5:
     # the first convolution's gradient crosses ~50 BatchNormalizations of 8
     # rows; the original's own eager and tf.function steps differ by 3e-2
     # there. The reference is the original's tf.function step: the stages'

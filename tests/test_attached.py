@@ -1,13 +1,16 @@
-"""Softmax and sigmoid outputs: the loss reads the logits behind them.
+"""What Keras attaches to tensors crosses stages: logits and masks.
 
 Keras' crossentropies compute from the logits behind a softmax or sigmoid
-output (`keras_pipe.logits`). Before that was kept across the last stage,
-one micro-batch gave "No gradients provided for any variable" and 1F1B-like
-schedules silently dropped the gradient of the micro-batches run in place
-(weights off by 0.07 after one SGD step). Every model here is checked
-against its own layers on one device (tests/test_transparency.py, same
-tolerances), with saturated outputs where reading the probabilities instead
-of the logits would give another loss.
+output, and masks (`Embedding(mask_zero=True)`) reach later layers and the
+loss as tensor attributes (`keras_pipe.attached`). Before they were carried
+across stages, one micro-batch with a softmax head gave "No gradients
+provided for any variable", 1F1B-like schedules silently dropped the
+gradient of the micro-batches run in place (weights off by 0.07 after one
+SGD step), and masks were lost at the first cut (an LSTM after it ran over
+the padding; the loss counted it). Every model here is checked against its
+own layers on one device (tests/test_transparency.py, same tolerances),
+with saturated outputs where reading the probabilities instead of the
+logits would give another loss.
 """
 
 import keras
@@ -179,3 +182,108 @@ def test_from_model_with_a_softmax_head_fits_like_the_model(devices):
     for w, ref_w in zip(pipe.get_weights(), reference.get_weights()):
         close(w, ref_w)
     close(pipe.predict(x, verbose=0), reference.predict(x, verbose=0))
+
+
+# ------------------------------------------------------------------ masks
+
+SEQ, VOCAB = 5, 6
+
+
+def _masked_layers():
+    keras.utils.set_random_seed(5)
+    return [keras.layers.Embedding(VOCAB, 8, mask_zero=True),
+            keras.layers.LSTM(8, return_sequences=True),
+            keras.layers.Dense(helpers.NUM_CLASSES, activation="softmax")]
+
+
+def _masked_pair(devices, num_micro_batches, schedule="gpipe"):
+    """Embedding | LSTM + softmax head: the mask crosses the cut, and the
+    LSTM and the loss read it."""
+    embedding, lstm, head = _masked_layers()
+    stages = [keras.Sequential([keras.Input((SEQ,), dtype="int32"),
+                                embedding]),
+              keras.Sequential([keras.Input((SEQ, 8)), lstm, head])]
+    pipe = keras_pipe.PipelineModel(
+        stages, devices=devices[:2], num_micro_batches=num_micro_batches,
+        schedule=schedule)
+    pipe.build((None, SEQ))
+    with tf.device("/device:CPU:0"):
+        reference = keras.Sequential([keras.Input((SEQ,), dtype="int32")]
+                                     + _masked_layers())
+    reference.set_weights(pipe.get_weights())
+    for model in (pipe, reference):  # the head: saturated logits
+        kernel = model.trainable_variables[-2]
+        kernel.assign(kernel * LOGIT_SCALE)
+    return pipe, reference
+
+
+def _masked_data(rows):
+    rng = np.random.default_rng(2)
+    x = rng.integers(1, VOCAB, (rows, SEQ)).astype("int32")
+    x[:, 3:] = 0  # padding, masked
+    x[::3, 2:] = 0
+    y = rng.integers(0, helpers.NUM_CLASSES, (rows, SEQ)).astype("int32")
+    return x, y
+
+
+@pytest.mark.parametrize("num_micro_batches", [1, 3])
+def test_mask_crosses_stages_to_the_layers_and_the_loss(devices,
+                                                        num_micro_batches):
+    pipe, reference = _masked_pair(devices, num_micro_batches)
+    compile_both(pipe, reference, loss=_loss("softmax"),
+                 metrics=("sparse_categorical_accuracy",))
+    x, y = _masked_data(10)
+    # The mask changes what the reference computes (else this proves
+    # nothing): the LSTM's outputs at padding and the loss.
+    unmasked = keras.losses.SparseCategoricalCrossentropy()(
+        y, tf.convert_to_tensor(reference.predict(x, verbose=0)))
+    assert abs(float(unmasked) - float(reference.compute_loss(
+        x, y, reference(x)))) > 1e-3
+    close(pipe.predict(x, verbose=0), reference.predict(x, verbose=0))
+    logs = pipe.train_on_batch(x, y, return_dict=True)
+    ref_logs = reference.train_on_batch(x, y, return_dict=True)
+    for name in ref_logs:
+        close(logs[name], ref_logs[name])
+    for w, ref_w in zip(pipe.get_weights(), reference.get_weights()):
+        close(w, ref_w)
+
+
+def test_masked_outputs_under_a_schedule_seeded_by_parts_are_refused(
+        devices):
+    pipe, _ = _masked_pair(devices, 2, schedule="1f1b")
+    pipe.compile("sgd", _loss("softmax"))
+    x, y = _masked_data(4)
+    with pytest.raises(ValueError, match=r"outputs carry a Keras mask .* "
+                       r"schedule='1f1b' .* Use schedule='gpipe'"):
+        pipe.train_on_batch(x, y)
+
+
+def test_from_model_cuts_between_a_mask_and_its_users(devices):
+    keras.utils.set_random_seed(5)
+    inputs = keras.Input((SEQ,), dtype="int32")
+    h = keras.layers.Embedding(VOCAB, 8, mask_zero=True,
+                               name="embedding")(inputs)
+    h = keras.layers.LSTM(8, return_sequences=True, name="lstm")(h)
+    outputs = keras.layers.Dense(helpers.NUM_CLASSES, activation="softmax",
+                                 name="dense")(h)
+    model = keras.Model(inputs, outputs)
+    x, y = _masked_data(10)
+    model.compile(keras.optimizers.SGD(0.5), _loss("softmax"))
+    expected_pred = model.predict(x, verbose=0)
+    start = model.get_weights()
+    expected_loss = model.train_on_batch(x, y)
+    expected = model.get_weights()
+    model.set_weights(start)
+    pipe = keras_pipe.PipelineModel.from_model(
+        model, num_stages=3, devices=devices[:3], num_micro_batches=2,
+        balance=[2, 1, 1])
+    # The mask crosses both cuts: computed in stage 0 for the LSTM, and
+    # attached by the LSTM to its outputs for the loss.
+    assert [[c.name.split("_")[0] for c in stage.calls]
+            for stage in pipe.stages] == [["embedding", "not"], ["lstm"],
+                                          ["dense"]]
+    close(pipe.predict(x, verbose=0), expected_pred)
+    pipe.compile(keras.optimizers.SGD(0.5), _loss("softmax"))
+    close(pipe.train_on_batch(x, y), expected_loss)
+    for w, e in zip(pipe.get_weights(), expected):
+        close(w, e)
