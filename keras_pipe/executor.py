@@ -57,9 +57,8 @@ class LossHead:
 class Cell:
     """What micro-batch `i` left on stage `j` during a step."""
 
-    run: object = None           # the `StageRun` of the forward call; on
-    #                              the last stage its outputs are
-    #                              `keras_pipe.attached.keep(outputs)`
+    run: object = None           # the `StageRun` of the forward call (its
+    #                              outputs: `keras_pipe.attached.keep(...)`)
     output_grads: list = None    # gradients for `tree.flatten(run.outputs)`
     loss_grads: list = None      # gradients for `run.losses`
     split: bool = False          # a "W" action follows its "B"

@@ -27,8 +27,8 @@ import contextlib
 import keras
 import tensorflow as tf
 
-from keras_pipe import internals
 from keras_pipe import attached
+from keras_pipe import internals
 from keras_pipe import microbatch
 from keras_pipe.executor import LossHead
 
