@@ -483,13 +483,16 @@ class Executor:
         """Gradients of `loss` for the given micro-batches' stage outputs.
 
         Only the loss head is differentiated here; each stage's backward
-        runs in `Stage.backward` on its device.
+        runs in `Stage.backward` on its device. The gradients are partial
+        ones (`stop_gradients`): where one output feeds another (the logits
+        behind a softmax output, a head computed from another output), the
+        path between them is the stage's, taken once in its backward pass.
         """
         outputs = [keras.tree.flatten(step.cells[i][-1].run.outputs)
                    for i in indices]
         targets = [t for flat in outputs for t in flat if is_float(t)]
         with tf.device(self.replicas[0][-1].device):
-            grads = iter(tf.gradients(loss, targets,
+            grads = iter(tf.gradients(loss, targets, stop_gradients=targets,
                                       unconnected_gradients="none"))
         for i, flat in zip(indices, outputs):
             step.cells[i][-1].output_grads = [

@@ -148,6 +148,23 @@ def _loss_and_gradients(model, x, y):
     return loss, tape.gradient(loss, model.trainable_variables)
 
 
+@pytest.mark.parametrize("loss", [keras.losses.MeanSquaredError(),
+                                  keras.losses.CategoricalFocalCrossentropy()])
+@pytest.mark.parametrize("schedule,num_micro_batches", [("gpipe", 1),
+                                                        ("1f1b", 3)])
+def test_softmax_output_with_a_loss_of_the_probabilities(
+        devices, loss, schedule, num_micro_batches):
+    """These losses read the probabilities, not the logits kept beside them:
+    the logits' gradient is only the path through the softmax, taken once
+    (it was taken twice: weights off by 6e-3 with MSE)."""
+    pipe, reference = _pair(devices[:2], 2, num_micro_batches, "softmax",
+                            schedule=schedule)
+    compile_both(pipe, reference, loss=loss)
+    x, y = _data(10, "softmax")
+    check_one_step(pipe, reference, x,
+                   np.eye(helpers.NUM_CLASSES, dtype="float32")[y])
+
+
 def test_replicas_keep_the_logits(devices):
     pipe, reference = _pair(devices[:2], 2, 4, "softmax", schedule="1f1b")
     pipe.replicate(devices)  # 2 replicas x 2 stages
