@@ -207,6 +207,15 @@ class PipelineModel(keras.Model):
         """The schedule's name (see `keras_pipe.schedule.schedule_names`)."""
         return self._schedule
 
+    @property
+    def output_names(self):
+        """The names Keras gives per-output losses and metrics (`a_loss`):
+        those of the model the pipeline was cut from, else of its last
+        stage (None if it has none)."""
+        graph = saving.graph_of(self._stage_layers)
+        source = graph.model if graph is not None else self._stage_layers[-1]
+        return getattr(source, "output_names", None)
+
     def clock_ticks(self, num_micro_batches=None):
         """The clock ticks this model follows (see `keras_pipe.schedule`).
 
