@@ -42,6 +42,11 @@ def check_one_step(pipe, reference, x, y, sample_weight=None):
     assert len(grads) == len(ref_grads)
     for g, ref_g in zip(grads, ref_grads):
         close(g, ref_g)
+    check_train_on_batch(pipe, reference, x, y, sample_weight)
+
+
+def check_train_on_batch(pipe, reference, x, y, sample_weight=None):
+    """One `train_on_batch` each: every log by name, then every weight."""
     logs = pipe.train_on_batch(x, y, sample_weight, return_dict=True)
     ref_logs = reference.train_on_batch(x, y, sample_weight,
                                         return_dict=True)
