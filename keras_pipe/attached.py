@@ -39,8 +39,8 @@ _MASK = "mask"
 
 def _logits_of(t):
     """`(kind, logits)` behind output `t`, or `(None, None)`."""
-    if hasattr(t, "_keras_logits"):
-        return _ATTRIBUTE, t._keras_logits
+    if internals.keras_logits(t) is not None:
+        return _ATTRIBUTE, internals.keras_logits(t)
     if isinstance(t, tf.Tensor) and not tf.executing_eagerly() and (
             t.op.type in _OPS):
         return t.op.type, t.op.inputs[0]
@@ -76,7 +76,7 @@ def view(kept):
         kind, z = next(iter(parts.items()), (None, None))
         t = _OPS[kind](z) if kind in _OPS else tf.identity(flat[k])
         if kind == _ATTRIBUTE:
-            t._keras_logits = z
+            internals.set_keras_logits(t, z)
         if mask is not None:
             internals.set_keras_mask(t, mask)
         flat[k] = t

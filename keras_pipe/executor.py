@@ -27,6 +27,7 @@ import keras
 import tensorflow as tf
 
 from keras_pipe import attached
+from keras_pipe import internals
 from keras_pipe import microbatch
 from keras_pipe import schedule as schedule_lib
 from keras_pipe.gradients import sum_gradients
@@ -208,6 +209,45 @@ class Executor:
         return self.replicas[step.replica[i]][j]
 
     # ------------------------------------------------------------- a step
+
+    def loss_and_gradients(self, inputs, num_micro_batches, training, remat,
+                           head, variables, device_of, weight_loss=None,
+                           observer=None):
+        """One forward and backward pass of the schedule, no optimizer step.
+
+        Args:
+            inputs: the batch's inputs (a nested structure of tensors).
+            num_micro_batches: `M` per replica.
+            training: the `training` flag of the stage calls.
+            remat: per stage, `"always"`, `"except_last"` or `"never"`.
+            head: the model's `LossHead`.
+            variables: the trainable variables to return gradients for.
+            device_of: `device_of(variable)`, where its gradient is summed.
+            weight_loss: the regularization losses of the weights (a scalar
+                that reaches the variables directly), or None.
+            observer: stamps every stage call (the Timeline's recorder).
+
+        Returns:
+            `(loss, y_pred, gradients)`: the full-batch loss, the merged
+            outputs and one gradient (or None) per variable.
+        """
+        step = self.start(inputs, num_micro_batches, training, remat,
+                          differentiable=False)
+        self.run(step, head, observer=observer)
+        self.assign_state(step)
+        y_pred = self.outputs(step)
+        loss = step.loss
+        if loss is None:  # seeded by parts: the full loss for metrics
+            loss = self._full_loss(step, head, y_pred)
+        parts = list(self.gradient_parts(step))
+        if weight_loss is not None:
+            # Differentiated on its own: the gradient of the total loss
+            # would walk the whole forward graph again.
+            direct = tf.gradients(head.scale(weight_loss), variables,
+                                  unconnected_gradients="none")
+            parts += [(v, g) for v, g in zip(variables, direct)
+                      if g is not None]
+        return loss, y_pred, sum_on_devices(variables, parts, device_of)
 
     def start(self, inputs, num_micro_batches, training, remat,
               differentiable):
@@ -467,13 +507,17 @@ class Executor:
         step.last[last.device] = _first(
             step.cells[i][-1].output_grads)
 
-    def _seed_full(self, step, head):
-        """The full-batch loss, once; seeds the micro-batches not seeded."""
-        y_pred = self.outputs(step)
+    def _full_loss(self, step, head, y_pred):
+        """The full-batch loss of the merged outputs, with the layer losses,
+        on the last stage's device."""
         with tf.device(self.replicas[0][-1].device):
             loss = head.full(y_pred)
             extra = self.layer_losses(step, loss.dtype)
-            step.loss = loss if extra is None else loss + extra
+            return loss if extra is None else loss + extra
+
+    def _seed_full(self, step, head):
+        """The full-batch loss, once; seeds the micro-batches not seeded."""
+        step.loss = self._full_loss(step, head, self.outputs(step))
         todo = [i for i, row in enumerate(step.cells)
                 if row[-1].output_grads is None]
         self._seed(step, head.scale(step.loss), todo)
@@ -613,7 +657,7 @@ def _finish_mini_batch(layer):
     micro-batches (`keras_pipe.layers.DeferredBatchNormalization`) applies
     them here, once per mini-batch.
     """
-    for sub in layer._flatten_layers():
+    for sub in internals.flatten_layers(layer):
         finish = getattr(sub, "finish_mini_batch", None)
         if callable(finish):
             finish()

@@ -12,6 +12,7 @@ that does not fit on one device.
 import keras
 import tensorflow as tf
 
+from keras_pipe import internals
 from keras_pipe import saving
 
 __all__ = ["to_model", "export"]
@@ -45,8 +46,9 @@ def _apply(layer, inputs):
     if not saving.is_container(layer):
         return layer(inputs)
     if isinstance(layer, keras.Sequential):
-        if layer._functional is not None:
-            return _apply(layer._functional, inputs)
+        graph = internals.sequential_graph(layer)
+        if graph is not None:
+            return _apply(graph, inputs)
         for sub in layer.layers:
             inputs = _apply(sub, inputs)
         return inputs
@@ -56,7 +58,7 @@ def _apply(layer, inputs):
             return lambda x, *args, **kwargs: _apply(op, x)
         return op
 
-    return layer._run_through_graph(inputs, operation_fn=operation_fn)
+    return internals.run_through_graph(layer, inputs, operation_fn)
 
 
 def to_model(model, name=None):

@@ -120,12 +120,12 @@ class Graph:
 
     def standardize_inputs(self, inputs):
         """Flattens and converts model inputs as `Functional.call` does."""
-        return self.functional._standardize_inputs(inputs)
+        return internals.standardize_inputs(self.functional, inputs)
 
     def pack_outputs(self, flat):
         """Packs flat output tensors into the model's output structure."""
         return internals.unpack_singleton(keras.tree.pack_sequence_as(
-            self.functional._outputs_struct, list(flat)))
+            internals.outputs_struct(self.functional), list(flat)))
 
     def output_spec(self):
         """The model's outputs as fresh KerasTensors, in its structure."""
@@ -194,7 +194,7 @@ def _check_order(functional, calls):
 def _sublayers(op):
     if not isinstance(op, keras.layers.Layer):
         return []
-    return op._flatten_layers(include_self=False, recursive=False)
+    return internals.flatten_layers(op, include_self=False, recursive=False)
 
 
 def _inner_graph(op):
@@ -204,7 +204,7 @@ def _inner_graph(op):
             return None, f"{type(op).__name__} overrides call()"
         if getattr(op, "_functional", None) is None:
             return None, "a Sequential model without a graph (no Input)"
-        return op._functional, None
+        return internals.sequential_graph(op), None
     if isinstance(op, internals.Functional):
         if type(op).call is not internals.Functional.call:
             return None, f"{type(op).__name__} overrides call()"
@@ -233,7 +233,7 @@ def _flat_arguments(inner, node):
     training = kwargs.get("training")
     if training is not None and not isinstance(training, bool):
         return None, "called with a tensor as `training`"
-    struct, arg = inner._inputs_struct, args[0]
+    struct, arg = internals.inputs_struct(inner), args[0]
     if isinstance(arg, keras.KerasTensor):
         flat = [arg]
     elif isinstance(arg, dict) and not isinstance(struct, dict):
@@ -272,7 +272,7 @@ class _Reader:
         return self.alias[key]
 
     def read(self, functional, scope=0, training=(), prefix=""):
-        by_depth = functional._nodes_by_depth
+        by_depth = internals.nodes_by_depth(functional)
         for depth in sorted(by_depth, reverse=True):
             for node in by_depth[depth]:
                 if node.operation is None or node.is_input:

@@ -196,7 +196,7 @@ def loss_head(model, x, y, sample_weight, training):
     rows = []  # filled once per step, at the first part
 
     def full(y_pred):
-        return model._compute_loss(x=x, y=y, y_pred=y_pred,
+        return internals.compute_loss(model, x=x, y=y, y_pred=y_pred,
                                    sample_weight=sample_weight,
                                    training=training)
 

@@ -102,9 +102,7 @@ class PipelineModel(keras.Model):
                          for j, (s, d) in enumerate(zip(stages, resolved))]
         self._executor = executor_lib.Executor(
             [self._runners], schedule, building.device_indices(resolved))
-        # Set by `keras_pipe.callbacks.Timeline` while it records: makes
-        # the observer that stamps each stage call of a traced step.
-        self._step_observer = None
+        self._step_observer = None  # see `observe_steps`
         for stage, device in zip(stages, resolved):
             if stage.built:
                 placement.place_variables(stage, device)
@@ -225,6 +223,21 @@ class PipelineModel(keras.Model):
         """
         return self._executor.ticks(num_micro_batches or
                                     self.num_micro_batches)
+
+    @property
+    def step_observer(self):
+        """The factory set by `observe_steps`, or None."""
+        return self._step_observer
+
+    def observe_steps(self, factory):
+        """Stamps every stage call of the training steps traced from now on.
+
+        `keras_pipe.callbacks.Timeline` sets it while it records: `factory()`
+        makes the observer of one traced step (None stops observing). The
+        train function is traced anew.
+        """
+        self._step_observer = factory
+        self.make_train_function(force=True)
 
     def summary_table(self):
         """A text table: stage, device, layer name, parameter count."""
@@ -415,36 +428,15 @@ class PipelineModel(keras.Model):
             `(loss, y_pred, gradients)`, gradients in the order of
             `self.trainable_variables`.
         """
-        executor = self._executor
         self._build_compile_loss(x, y)
         head = losses_lib.loss_head(self, x, y, sample_weight, training)
-        step = executor.start(x, self.num_micro_batches, training,
-                              self._remat_modes, differentiable=False)
-        executor.run(step, head, observer=observer)
-        executor.assign_state(step)
-        y_pred = executor.outputs(step)
-        loss = step.loss
-        if loss is None:  # seeded by parts: the full loss for metrics
-            with tf.device(self._runners[-1].device):
-                loss = head.full(y_pred)
-                extra = executor.layer_losses(step, loss.dtype)
-                if extra is not None:
-                    loss = loss + extra
-        parts = list(executor.gradient_parts(step))
-        variables = self.trainable_variables
-        # Regularization losses of weights reach the variables directly and
-        # are differentiated on their own (asking for the gradient of the
-        # total loss would walk the whole forward graph again).
         weight_losses = [self._aggregate_additional_loss(l)
                          for l in self.losses]
-        if weight_losses:
-            direct = tf.gradients(head.scale(tf.add_n(weight_losses)),
-                                  variables, unconnected_gradients="none")
-            parts += [(v, g) for v, g in zip(variables, direct)
-                      if g is not None]
-        gradients = executor_lib.sum_on_devices(variables, parts,
-                                                placement.device_of)
-        return loss, y_pred, gradients
+        return self._executor.loss_and_gradients(
+            x, self.num_micro_batches, training, self._remat_modes, head,
+            self.trainable_variables, placement.device_of,
+            weight_loss=tf.add_n(weight_losses) if weight_losses else None,
+            observer=observer)
 
     def _build_compile_loss(self, x, y):
         """Builds the compiled loss (its metrics) outside stateless scopes."""

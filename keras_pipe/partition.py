@@ -73,6 +73,11 @@ class GraphStage(keras.layers.Layer):
         self.built = True
 
     @property
+    def source_graph(self):
+        """The `keras_pipe.graph.Graph` this stage's calls come from."""
+        return self._graph
+
+    @property
     def calls(self):
         """The `keras_pipe.graph.Call`s this stage runs, in order."""
         return list(self._calls)

@@ -15,6 +15,7 @@ module fixes each of them:
 import keras
 import tensorflow as tf
 
+from keras_pipe import colocation
 from keras_pipe import internals
 
 __all__ = ["logical_cpu_devices", "resolve_devices", "default_devices",
@@ -187,7 +188,7 @@ def colocate_optimizer(optimizer, xla_updates=False):
     scope: every slot and every update op land on one device, and TF moves
     every gradient there and back each step. This patches the hooks of this
     optimizer object (not its class) so that each runs on the device of its
-    variable or gradient (see `keras_pipe.internals.colocate_optimizer`).
+    variable or gradient (see `keras_pipe.colocation.colocate_optimizer`).
     Idempotent; a later call sets `xla_updates` anew.
 
     Args:
@@ -198,4 +199,4 @@ def colocate_optimizer(optimizer, xla_updates=False):
     Returns:
         `optimizer`.
     """
-    return internals.colocate_optimizer(optimizer, device_of, xla_updates)
+    return colocation.colocate_optimizer(optimizer, device_of, xla_updates)

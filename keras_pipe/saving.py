@@ -73,18 +73,19 @@ def graph_of(stages):
     Stages made by `PipelineModel.from_model` (`partition.GraphStage`) run
     calls of one original model.
     """
-    graphs = {id(getattr(s, "_graph", None)) for s in stages}
+    graphs = {id(getattr(s, "source_graph", None)) for s in stages}
     if len(graphs) != 1 or not all(
-            hasattr(s, "calls") and hasattr(s, "_graph") for s in stages):
+            hasattr(s, "calls") and hasattr(s, "source_graph")
+            for s in stages):
         return None
-    return stages[0]._graph
+    return stages[0].source_graph
 
 
 def _stage_layers(stage):
     """The layers of one stage, nested Sequential/Functional models opened."""
     if isinstance(stage, keras.layers.InputLayer):
         return []
-    if hasattr(stage, "calls") and hasattr(stage, "_graph"):  # GraphStage
+    if hasattr(stage, "calls") and hasattr(stage, "source_graph"):
         ops = [c.operation for c in stage.calls]
         return [leaf for op in ops if isinstance(op, keras.layers.Layer)
                 for leaf in _stage_layers(op)]
@@ -142,7 +143,7 @@ def _nested_paths(layers, prefix, stage_of, seen, result):
             continue  # Keras saves a layer where it first meets it.
         seen.add(id(layer))
         path = f"{prefix}/{name}"
-        if layer._obj_type() in ("Functional", "Sequential"):
+        if internals.object_type(layer) in ("Functional", "Sequential"):
             _nested_paths(layer.layers, f"{path}/layers", stage_of, seen,
                           result)
         elif not isinstance(layer, keras.layers.InputLayer):
@@ -188,8 +189,8 @@ class SeedStates(internals.KerasSaveable):
 
     def __init__(self, layers):
         self._generators = [g for layer in layers
-                            for sub in layer._flatten_layers(include_self=True)
-                            for g in sub._seed_generators]
+                            for sub in internals.flatten_layers(layer)
+                            for g in internals.seed_generators(sub)]
 
     def _obj_type(self):
         return "Operation"
@@ -369,7 +370,7 @@ def check_weights(model, h5, source):
     expected = weight_paths(model.stages)
     by_stage = {}
     for j, layer, path in expected:
-        own = layer._trainable_variables + layer._non_trainable_variables
+        own = internals.own_variables(layer)
         if not layer.variables:
             continue
         if path not in h5:

@@ -43,6 +43,7 @@ import tensorflow as tf
 
 from keras_pipe import attached
 from keras_pipe import internals
+from keras_pipe import keyed_random
 from keras_pipe.tensors import (exact_spec, float_leaves, is_float, pairs,
                                 relaxed_spec)
 from keras_pipe.gradients import add_gradients
@@ -125,10 +126,10 @@ class Stage:
         the next in issue order.
         """
         if self._kinds is None:
-            seeds = {id(v) for v in internals.seed_state_variables(
+            seeds = {id(v) for v in keyed_random.seed_state_variables(
                 self.layer)}
             ema = {}
-            for sub in self.layer._flatten_layers():
+            for sub in internals.flatten_layers(self.layer):
                 if (isinstance(sub, keras.layers.BatchNormalization)
                         and not getattr(sub, "renorm", False)
                         and not hasattr(sub, "finish_mini_batch")
@@ -192,13 +193,13 @@ class Stage:
         `state` holds one value per state variable and, optionally, one
         more: `[offset, total]`, the micro-batch's first row in the global
         batch and the global batch size, which keys random draws by row
-        (`keras_pipe.internals.keyed_random`).
+        (`keras_pipe.keyed_random.keyed_random`).
         """
         n = len(self.state_variables)
         rows = state[n] if len(state) > n else None
         mapping = list(zip(self.trainable_variables, params))
         mapping += list(zip(self.state_variables, state[:n]))
-        keyed = (internals.keyed_random(rows) if rows is not None
+        keyed = (keyed_random.keyed_random(rows) if rows is not None
                  else contextlib.nullcontext())
         if self.position is not None and self.position[0] > 0:
             inputs = attached.view(inputs)

@@ -277,9 +277,8 @@ class Timeline(keras.callbacks.Callback):
     def _switch(self, buffer):
         # The model calls the factory once per traced step and stamps each
         # stage call with the observer it returns.
-        self.model._step_observer = None if buffer is None else (
-            lambda: Recorder(buffer.shape[1], buffer.shape[2], buffer))
-        self.model.make_train_function(force=True)
+        self.model.observe_steps(None if buffer is None else (
+            lambda: Recorder(buffer.shape[1], buffer.shape[2], buffer)))
 
     def on_train_batch_begin(self, batch, logs=None):
         if self._step in self.steps:

@@ -8,7 +8,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from keras_pipe import colocation
 from keras_pipe import internals
+from keras_pipe import keyed_random
 
 
 def test_version_check_names_the_supported_series():
@@ -91,7 +93,7 @@ def test_colocate_optimizer_patches_the_object_not_the_class(loss_scale):
         devices_seen.append(variable.name)
         return "/device:CPU:0"
 
-    assert internals.colocate_optimizer(optimizer, device_of) is optimizer
+    assert colocation.colocate_optimizer(optimizer, device_of) is optimizer
     hooks = ["add_variable_from_reference", "update_step",
              "_distributed_tf_update_step", "_all_reduce_sum_gradients",
              "_clip_gradients"]
@@ -102,7 +104,7 @@ def test_colocate_optimizer_patches_the_object_not_the_class(loss_scale):
     assert "update_step" not in vars(keras.optimizers.SGD(0.1))
     # Idempotent: a second call wraps nothing twice.
     update_step = optimizer.update_step
-    internals.colocate_optimizer(optimizer, device_of)
+    colocation.colocate_optimizer(optimizer, device_of)
     assert optimizer.update_step is update_step
     # Keras' own math after the patch: one SGD step with clipping.
     variable = keras.Variable([3.0, 4.0], name="w")
@@ -155,7 +157,7 @@ def test_colocated_update_reads_step_scalars_once_per_device(
         variables = _two_per_device(values, devices)
         optimizer = make_optimizer()
         if name == "colocated":
-            internals.colocate_optimizer(optimizer, placement.device_of)
+            colocation.colocate_optimizer(optimizer, placement.device_of)
         optimizer.build(variables)
         step = _step(optimizer, grads, variables)
         graph = step.get_concrete_function().graph
@@ -210,7 +212,7 @@ def test_xla_updates_compile_one_function_per_device(devices, make_optimizer):
     for xla in (False, True):
         variables = _two_per_device(values, devices)
         optimizer = make_optimizer()
-        internals.colocate_optimizer(optimizer, placement.device_of,
+        colocation.colocate_optimizer(optimizer, placement.device_of,
                                      xla_updates=xla)
         optimizer.build(variables)
         step = _step(optimizer, grads, variables)
@@ -236,7 +238,7 @@ def test_xla_updates_fall_back_with_a_warning_for_a_foreign_variable(
         variable = keras.Variable(np.ones(3, "float32"), name="far")
     with tf.device(devices[0]):
         optimizer = keras.optimizers.Nadam(0.1)
-    internals.colocate_optimizer(optimizer, placement.device_of,
+    colocation.colocate_optimizer(optimizer, placement.device_of,
                                  xla_updates=True)
     optimizer.build([variable])
     step = _step(optimizer, [tf.constant([1.0, -1.0, 0.5])], [variable])
@@ -302,7 +304,7 @@ def test_keyed_random_rows_match_the_global_draw(draw):
     def rows_of(offset, size, total=10):
         generator.state.assign(state)
         x = tf.ones((size, 6))
-        with internals.keyed_random(tf.constant([offset, total])):
+        with keyed_random.keyed_random(tf.constant([offset, total])):
             if draw == "dropout":
                 return keras.random.dropout(x, 0.5, seed=generator)
             fn = getattr(keras.random, draw)

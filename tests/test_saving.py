@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import keras_pipe
+from keras_pipe import colocation
 from keras_pipe import saving
 
 IN_DIM, OUT_DIM = 6, 3
@@ -109,7 +110,7 @@ def test_round_trip_keeps_xla_updates(devices, tmp_path):
     path = str(tmp_path / "m.keras")
     model.save(path)
     loaded = keras.saving.load_model(path)
-    assert loaded.xla_updates and loaded.optimizer._keras_pipe_xla_updates
+    assert loaded.xla_updates and colocation.xla_updates(loaded.optimizer)
     xb, yb = data(8, seed=1)
     model.fit(xb, yb, batch_size=8, epochs=1, shuffle=False, verbose=0)
     loaded.fit(xb, yb, batch_size=8, epochs=1, shuffle=False, verbose=0)

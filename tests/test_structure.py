@@ -155,3 +155,39 @@ def test_internals_are_imported_in_one_module_only():
             bad += [f"{name} imports {m}" for m in modules
                     if m.startswith(("keras.src", "tensorflow.python"))]
     assert not bad, bad
+
+
+def _foreign_private_attributes(modules):
+    """Private attributes read or written on anything but `self`, `cls` or
+    `super()`, outside `keras_pipe.internals`."""
+    bad = []
+    for name, tree in modules.items():
+        if name == "keras_pipe.internals":
+            continue
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.Attribute)
+                    and node.attr.startswith("_")
+                    and not node.attr.startswith("__")):
+                continue
+            owner = node.value
+            if isinstance(owner, ast.Name) and owner.id in ("self", "cls"):
+                continue
+            if (isinstance(owner, ast.Call) and isinstance(owner.func, ast.Name)
+                    and owner.func.id == "super"):
+                continue
+            bad.append(f"{name}:{node.lineno} .{node.attr}")
+    return bad
+
+
+def test_private_attributes_are_reached_through_internals_only():
+    # Every private attribute of a Keras or TF object (and of another
+    # module's object) is read or written through keras_pipe.internals.
+    bad = _foreign_private_attributes(_modules())
+    assert not bad, bad
+
+
+def test_foreign_private_attribute_finder_finds_one():
+    tree = ast.parse("def f(layer, self):\n    self._a = layer._b\n"
+                     "    super()._c()\n")
+    assert _foreign_private_attributes({"keras_pipe.x": tree}) == [
+        "keras_pipe.x:2 ._b"]

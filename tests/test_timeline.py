@@ -77,7 +77,7 @@ def test_timeline_writes_trace_png_and_bubble(devices, tmp_path):
         f"F{i}" for i in range(m) for _ in range(k))
     assert os.path.getsize(tmp_path / "step1.png") > 1000
     # Steps that are not recorded run the ordinary step function.
-    assert model._step_observer is None
+    assert model.step_observer is None
 
 
 def test_timeline_records_split_weight_gradients(devices, tmp_path):
@@ -167,7 +167,7 @@ def test_consecutive_recorded_steps_share_one_traced_function(devices,
     for result in recorder.results:
         assert {e["kind"] for e in result["events"]} == {
             "forward", "recompute", "backward"}
-    assert model._step_observer is None
+    assert model.step_observer is None
 
 
 def test_timeline_tool_places_a_v_schedule_on_half_the_devices(tmp_path):

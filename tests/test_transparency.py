@@ -10,6 +10,7 @@ import pytest
 import tensorflow as tf
 
 import keras_pipe
+from keras_pipe import colocation
 from tests import helpers
 
 RTOL, ATOL = 1e-5, 1e-6
@@ -206,7 +207,7 @@ def test_mixed_precision_equals_unpipelined(devices, jit_compile):
         compile_both(pipe, reference, optimizer="sgd")
         if jit_compile:
             pipe.compile(optimizer="sgd", loss=pipe.loss, jit_compile=True)
-            assert pipe.optimizer.inner_optimizer._keras_pipe_xla_updates
+            assert colocation.xla_updates(pipe.optimizer.inner_optimizer)
         assert type(pipe.optimizer).__name__ == "LossScaleOptimizer"
         x, y, sample_weight = helpers.data(10)
         for _ in range(3):
