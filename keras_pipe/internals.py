@@ -43,13 +43,14 @@ def check_versions(versions):
 check_versions({"keras": keras.__version__, "tensorflow": tf.__version__})
 
 # Imported after the check: on another version these may not exist.
-from keras.src.backend import get_keras_mask  # noqa: E402
-from keras.src.backend import set_keras_mask  # noqa: E402
+from keras.src.backend import get_keras_mask, set_keras_mask  # noqa: E402
 from keras.src.backend.common import global_state  # noqa: E402
 from keras.src.losses import loss as _loss_lib  # noqa: E402
-from keras.src.models.functional import Functional  # noqa: E402
-from keras.src.models.functional import operation_fn  # noqa: E402
-from keras.src.models.functional import unpack_singleton  # noqa: E402
+from keras.src.models.functional import (  # noqa: E402
+    Functional,
+    operation_fn,
+    unpack_singleton,
+)
 from keras.src.saving.keras_saveable import KerasSaveable  # noqa: E402
 from keras.src.utils import io_utils as _io_utils  # noqa: E402
 from keras.src.utils import naming as _naming  # noqa: E402
@@ -370,9 +371,7 @@ def _clip_on_devices(optimizer, grads):
 # ------------------------------------------------ randomness keyed by row
 
 from keras.src.backend.tensorflow import random as _tf_random  # noqa: E402
-from keras.src.random.seed_generator import SeedGenerator  # noqa: E402
-from keras.src.random.seed_generator import draw_seed  # noqa: E402
-
+from keras.src.random.seed_generator import SeedGenerator, draw_seed  # noqa: E402
 
 _PHILOX = 1  # RNG_ALG_PHILOX: counter-based, 4 numbers per counter step
 

@@ -15,8 +15,8 @@ import re
 
 import keras
 import numpy as np
-import tensorflow as tf
 import pytest
+import tensorflow as tf
 
 import keras_pipe
 

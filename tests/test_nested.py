@@ -15,8 +15,7 @@ from keras import layers
 import keras_pipe
 from keras_pipe import saving
 from keras_pipe.graph import read_graph
-from tests.test_partition import _assert_predictions_match
-from tests.test_partition import _assert_step_matches
+from tests.test_partition import _assert_predictions_match, _assert_step_matches
 
 MSE = keras.losses.MeanSquaredError()
 

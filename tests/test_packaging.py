@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from keras_pipe import cluster as cluster_lib
 from keras_pipe import bind as bind_lib
+from keras_pipe import cluster as cluster_lib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 

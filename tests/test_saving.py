@@ -1,4 +1,5 @@
-"""Persistence: .keras round trip, stage-count independence, checkpoints, resume, bad files."""
+"""Persistence: .keras round trip, stage-count independence, checkpoints,
+resume, bad files."""
 
 import io
 import json
