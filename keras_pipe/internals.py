@@ -37,7 +37,7 @@ def check_versions(versions):
             f"keras_pipe supports Keras {SUPPORTED['keras']}.x and TensorFlow "
             f"{SUPPORTED['tensorflow']}.x; found {', '.join(bad)}. Install "
             f"'keras=={SUPPORTED['keras']}.*' and "
-            f"'tensorflow=={SUPPORTED['tensorflow']}.*' (see setup.py).")
+            f"'tensorflow=={SUPPORTED['tensorflow']}.*' (see pyproject.toml).")
 
 
 check_versions({"keras": keras.__version__, "tensorflow": tf.__version__})

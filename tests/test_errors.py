@@ -8,6 +8,8 @@ import tensorflow as tf
 import keras_pipe
 from keras_pipe import diagnosis
 
+pytestmark = pytest.mark.slow  # the fast tier: `-m "not slow"`
+
 
 class CheckFinite(keras.layers.Layer):
     """Raises InvalidArgumentError at run time when its input is not finite."""

@@ -20,6 +20,8 @@ import tensorflow as tf
 
 import keras_pipe
 
+pytestmark = pytest.mark.slow  # the fast tier: `-m "not slow"`
+
 WIDTH, BLOCKS, BATCH, STEPS = 8, 4, 16, 3
 
 

@@ -18,6 +18,8 @@ import keras_pipe
 from keras_pipe import partition, placement, schedule
 from keras_pipe.graph import read_graph
 
+pytestmark = pytest.mark.slow  # the fast tier: `-m "not slow"`
+
 PRED_TOL = dict(rtol=1e-5, atol=1e-5)
 
 

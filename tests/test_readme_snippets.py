@@ -1,13 +1,15 @@
 """Every ```python snippet of README.md and examples/README.md runs.
 
 How a snippet is made runnable (prelude, substitutions, SavedModels) is in
-`tests/snippets.py`. The snippets that serve an export of an example that
+`tests/support/snippets.py`. The snippets that serve an export of an example that
 `tests/test_examples.py` trains and exports run there, on that export.
 """
 
 import pytest
 
-from tests import snippets
+from tests.support import snippets
+
+pytestmark = pytest.mark.slow  # the fast tier: `-m "not slow"`
 
 SERVED = {code for example in snippets.EXAMPLES
           for codes in snippets.serving(example).values() for code in codes}

@@ -13,6 +13,8 @@ import tensorflow as tf
 import keras_pipe
 from keras_pipe import timeline
 
+pytestmark = pytest.mark.slow  # the fast tier: `-m "not slow"`
+
 
 class SlowDense(keras.layers.Layer):
     """Dense whose forward also sleeps `seconds` (not differentiated)."""

@@ -30,7 +30,8 @@ import subprocess
 import sys
 import textwrap
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__))))
 FILES = ("README.md", os.path.join("examples", "README.md"))
 # The example scripts whose SavedModels tests/test_examples.py exports and
 # serves; the snippets loading one run there, on that export.
