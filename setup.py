@@ -1,4 +1,4 @@
-"""Packaging for keras_pipe.
+"""The C-extension build of keras_pipe (the rest is in pyproject.toml).
 
 The bind shim (`keras_pipe/_bind.c`, see `keras_pipe/bind.py`) is compiled
 here, as an extension module of the package, so that it ships in the wheel;
@@ -10,7 +10,7 @@ import hashlib
 import os
 import sys
 
-from setuptools import Extension, find_packages, setup
+from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
 _SHIM = "keras_pipe._bind"
@@ -59,28 +59,6 @@ EXTENSIONS = [Extension(_SHIM, sources=["keras_pipe/_bind.c"],
                         libraries=["dl"])] \
     if sys.platform.startswith("linux") else []
 
-setup(
-    name="keras_pipe",
-    version="0.1.0",
-    description="GPipe pipeline parallelism for Keras 3 on TensorFlow.",
-    long_description=open("README.md", encoding="utf-8").read(),
-    long_description_content_type="text/markdown",
-    packages=find_packages(include=["keras_pipe", "keras_pipe.*"]),
-    ext_modules=EXTENSIONS,
-    cmdclass={"build_ext": BuildExt},
-    python_requires=">=3.10",
-    install_requires=[
-        "tensorflow==2.21.*",
-        "keras==3.15.*",
-        "numpy>=1.26,<3",
-    ],
-    extras_require={
-        "tests": ["pytest>=8,<10", "pytest-timeout>=2.3",
-                  "pytest-xdist>=3.5,<4"],
-        # keras-hub's WordPiece tokenizer runs on tensorflow-text, pinned to
-        # the TensorFlow release above.
-        "examples": ["tensorflow-datasets==4.9.*", "matplotlib>=3.8",
-                     "keras-hub==0.32.*", "tensorflow-text==2.21.*",
-                     "sacrebleu>=2.4,<3", "tensorboard==2.21.*"],
-    },
-)
+# Metadata, dependencies and extras are in pyproject.toml; this file only
+# adds the extension and the build step that records its hash.
+setup(ext_modules=EXTENSIONS, cmdclass={"build_ext": BuildExt})

@@ -18,8 +18,7 @@ import keras  # noqa: E402
 
 _check_backend(keras.backend.backend())
 
-from keras_pipe import layers  # noqa: E402
-from keras_pipe import schedule  # noqa: E402
+from keras_pipe import layers, schedule  # noqa: E402
 from keras_pipe.callbacks import BackupAndRestore  # noqa: E402
 from keras_pipe.cluster import connect  # noqa: E402
 from keras_pipe.layers import DeferredBatchNormalization  # noqa: E402

@@ -8,10 +8,8 @@ under its `tf.device`, so that its variables live there.
 import keras
 import tensorflow as tf
 
-from keras_pipe import internals
-from keras_pipe import placement
+from keras_pipe import internals, placement, validation
 from keras_pipe import schedule as schedule_lib
-from keras_pipe import validation
 
 __all__ = ["build_stages", "check_stages", "device_indices",
            "known_input_spec", "to_spec"]

@@ -22,8 +22,7 @@ import shutil
 import h5py
 import keras
 
-from keras_pipe import saving
-from keras_pipe import internals
+from keras_pipe import internals, saving
 from keras_pipe.timeline import Timeline  # noqa: F401  (re-exported)
 
 __all__ = ["BackupAndRestore", "Timeline"]

@@ -35,9 +35,7 @@ import warnings
 import tensorflow as tf
 
 from keras_pipe import bind as bind_lib
-from keras_pipe import diagnosis
-from keras_pipe import internals
-from keras_pipe import validation
+from keras_pipe import diagnosis, internals, validation
 
 __all__ = ["WorkerRestartedError", "WorkerUnavailableError", "cluster_spec",
            "connect", "probe", "run"]
@@ -195,8 +193,9 @@ def _unreachable(tasks, timeout):
             break
         results = {}
         threads = [threading.Thread(
-            target=lambda n=name, a=address: results.__setitem__(
-                n, probe(a, min(left, 1.0))), daemon=True)
+            # The threads are joined inside this iteration.
+            target=lambda n=name, a=address: results.__setitem__(  # noqa: B023
+                n, probe(a, min(left, 1.0))), daemon=True)  # noqa: B023
             for name, address in pending.items()]
         for thread in threads:
             thread.start()

@@ -91,9 +91,11 @@ def main(argv=None):
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         metrics=["accuracy"])
     print(model.summary_table())
+    bubble = keras_pipe.schedule.bubble_fraction(args.num_micro_batches,
+                                                 args.num_stages)
     print(f"\n{args.schedule} schedule, {args.num_micro_batches} "
           f"micro-batches on {args.num_stages} stages (GPipe's bubble "
-          f"{keras_pipe.schedule.bubble_fraction(args.num_micro_batches, args.num_stages):.0%}):")
+          f"{bubble:.0%}):")
     print(keras_pipe.schedule.format_schedule(model.clock_ticks()))
     print(f"\nremat={args.remat!r}; training on {split} samples, "
           f"batch size {args.batch_size}\n")

@@ -27,9 +27,7 @@ import contextlib
 import keras
 import tensorflow as tf
 
-from keras_pipe import attached
-from keras_pipe import internals
-from keras_pipe import microbatch
+from keras_pipe import attached, internals, microbatch
 from keras_pipe.executor import LossHead
 
 __all__ = ["NotSplittable", "loss_head", "share", "weight_sums"]

@@ -3,16 +3,11 @@
 import keras
 import tensorflow as tf
 
-from keras_pipe import building
-from keras_pipe import cluster
+from keras_pipe import building, cluster, internals, placement, saving, validation
 from keras_pipe import executor as executor_lib
 from keras_pipe import export as export_lib
-from keras_pipe import internals
 from keras_pipe import losses as losses_lib
-from keras_pipe import placement
 from keras_pipe import replicas as replicas_lib
-from keras_pipe import saving
-from keras_pipe import validation
 from keras_pipe.stage import Stage
 
 __all__ = ["PipelineModel"]

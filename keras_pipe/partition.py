@@ -28,12 +28,10 @@ import warnings
 
 import keras
 
-from keras_pipe.balance import shapes as shapes_lib
 from keras_pipe import balance as balance_lib
 from keras_pipe import graph as graph_lib
-from keras_pipe import internals
-from keras_pipe import placement
-from keras_pipe import validation
+from keras_pipe import internals, placement, validation
+from keras_pipe.balance import shapes as shapes_lib
 
 __all__ = ["BALANCE_MODES", "GraphStage", "Partition", "cut", "split_model"]
 

@@ -44,8 +44,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from keras_pipe import internals
-from keras_pipe import placement
+from keras_pipe import internals, placement
 
 __all__ = ["load_model", "flat_layers", "weight_paths", "get_config",
            "from_config", "compile_from_config", "load_weights",

@@ -67,8 +67,7 @@ import keras
 import tensorflow as tf
 
 from keras_pipe import gradients as gradients_lib
-from keras_pipe.tensors import (exact_spec, float_leaves, is_float, pairs,
-                                relaxed_spec)
+from keras_pipe.tensors import exact_spec, float_leaves, is_float, pairs, relaxed_spec
 
 __all__ = ["SplitBackward", "SplitPlan", "Stash"]
 

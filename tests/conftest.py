@@ -29,23 +29,5 @@ def _seed():
 
 # The fast tier (`python -m pytest -q -m "not slow" tests`): pure tests,
 # argument checks and small transparency checks, under ~90 s on 2 cores.
-# Every other test is marked slow here; the full suite runs them all.
-FAST_MODULES = {
-    "test_balance", "test_bad_inputs", "test_benchmark", "test_budget",
-    "test_internals", "test_memory", "test_microbatch", "test_schedule",
-    "test_shapes", "test_structure", "test_validation", "test_weight_grad",
-}
-FAST_TESTS = {
-    ("test_transparency", "test_stages_and_micro_batches"),
-    ("test_executor", "test_registered_schedule_is_followed"),
-    ("test_executor", "test_per_stage_remat_is_exact"),
-}
-
-
-def pytest_collection_modifyitems(config, items):
-    del config
-    for item in items:
-        module = item.module.__name__.rsplit(".", 1)[-1]
-        name = item.originalname or item.name
-        if module not in FAST_MODULES and (module, name) not in FAST_TESTS:
-            item.add_marker(pytest.mark.slow)
+# A test is fast unless marked: long ones carry `@pytest.mark.slow`, or
+# their module `pytestmark = pytest.mark.slow`.

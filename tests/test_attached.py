@@ -19,10 +19,15 @@ import pytest
 import tensorflow as tf
 
 import keras_pipe
-from tests import helpers
-from tests.test_transparency import (check_one_step,
-                                     check_train_on_batch, close,
-                                     compile_both)
+from tests.support import helpers
+from tests.test_transparency import (
+    check_one_step,
+    check_train_on_batch,
+    close,
+    compile_both,
+)
+
+pytestmark = pytest.mark.slow  # the fast tier: `-m "not slow"`
 
 # Logits this large put some true-class probabilities below Keras' epsilon
 # (1e-7): computed from the probabilities, those rows' loss would be clipped

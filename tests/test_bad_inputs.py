@@ -13,14 +13,9 @@ import pytest
 
 import keras_pipe
 from keras_pipe import worker as worker_lib
+from tests.support.ports import free_port
 
 NOT_HERE = "192.0.2.1"  # TEST-NET-1: documentation only, on no machine.
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _exit_message(argv, capsys, monkeypatch):
@@ -33,7 +28,7 @@ def _exit_message(argv, capsys, monkeypatch):
 
 
 def _cluster():
-    return f"127.0.0.1:{_free_port()}"
+    return f"127.0.0.1:{free_port()}"
 
 
 WORKER_CASES = [

@@ -8,8 +8,7 @@ import numpy as np
 import pytest
 from keras import layers
 
-from keras_pipe.balance import block_partition
-from keras_pipe.balance import cost
+from keras_pipe.balance import block_partition, cost
 from keras_pipe.graph import read_graph
 
 

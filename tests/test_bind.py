@@ -8,6 +8,9 @@ from tensorflow.python.eager import context
 import keras_pipe
 from keras_pipe import bind as bind_lib
 from keras_pipe import cluster as cluster_lib
+from tests.support.ports import free_port
+
+pytestmark = pytest.mark.slow  # the fast tier: `-m "not slow"`
 
 
 def test_pin_rewrites_tf_only_and_python_sockets_keep_their_address():
@@ -50,9 +53,7 @@ def test_serve_from_python_listens_on_loopback_only():
     import subprocess
     import sys
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     script = (
         "import os\n"
         "from keras_pipe import bind, worker\n"

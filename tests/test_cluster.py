@@ -16,15 +16,12 @@ from tensorflow.python.eager import context
 import keras_pipe
 from keras_pipe import cluster as cluster_lib
 from keras_pipe import worker as worker_lib
+from tests.support.ports import free_port
+
+pytestmark = pytest.mark.slow  # the fast tier: `-m "not slow"`
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-SCENARIOS = str(ROOT / "tests" / "cluster_scenarios.py")
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+SCENARIOS = str(ROOT / "tests" / "support" / "cluster_scenarios.py")
 
 
 def _stop(pid, timeout=10.0):
@@ -70,7 +67,7 @@ class Cluster:
     """Worker processes on free loopback ports, killed by PID at the end."""
 
     def __init__(self, num_tasks, tmp_path):
-        self.addresses = [f"127.0.0.1:{_free_port()}" for _ in range(num_tasks)]
+        self.addresses = [f"127.0.0.1:{free_port()}" for _ in range(num_tasks)]
         self.tmp_path = tmp_path
         self.procs = {}
         self.all_procs = []
@@ -155,7 +152,7 @@ def test_cluster_spec_forms(monkeypatch):
 
 
 def test_connect_names_down_and_hung_workers_in_bounded_time():
-    down = f"127.0.0.1:{_free_port()}"  # Nothing listens there.
+    down = f"127.0.0.1:{free_port()}"  # Nothing listens there.
     # A hung worker: the kernel accepts TCP connections, nobody answers.
     with socket.socket() as hung_socket:
         hung_socket.bind(("127.0.0.1", 0))
@@ -184,7 +181,7 @@ def test_watchdog_probe_keeps_its_channel_and_sees_a_stop(workers):
     """One channel per task while it answers; a stopped one misses in time."""
     alive = cluster_lib._KeptProbe()
     address = workers.addresses[1]
-    down = f"127.0.0.1:{_free_port()}"
+    down = f"127.0.0.1:{free_port()}"
     victim = workers.procs[1]
     try:
         assert alive(address, 5.0)

@@ -5,6 +5,10 @@ import re
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.slow  # the fast tier: `-m "not slow"`
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

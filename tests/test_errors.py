@@ -8,6 +8,8 @@ import tensorflow as tf
 import keras_pipe
 from keras_pipe import diagnosis
 
+pytestmark = pytest.mark.slow  # the fast tier: `-m "not slow"`
+
 
 class CheckFinite(keras.layers.Layer):
     """Raises InvalidArgumentError at run time when its input is not finite."""
@@ -62,7 +64,7 @@ def test_run_time_op_error_keeps_its_type_and_names_stage(devices):
     y = np.ones((16, 3), "float32")
     model.fit(x, y, batch_size=8, verbose=0)
     x[:, 0] = np.inf  # Dense(relu) passes inf on to stage 1.
-    for action, call in _calls(model, x, y).items():
+    for call in _calls(model, x, y).values():
         with pytest.raises(tf.errors.InvalidArgumentError) as info:
             call()
         message = info.value.message

@@ -5,7 +5,7 @@ a subprocess (it needs its own logical CPU devices), evaluates, exports, and
 a second, fresh process loads the SavedModel and calls its signature: no
 keras_pipe, no example code and one CPU device there. The example's serving
 snippets of examples/README.md then run on the same export
-(`tests/snippets.py`).
+(`tests/support/snippets.py`).
 """
 
 import argparse
@@ -22,7 +22,9 @@ sys.path.insert(0, EXAMPLES)
 
 import common  # noqa: E402
 
-from tests import snippets  # noqa: E402
+from tests.support import snippets  # noqa: E402
+
+pytestmark = pytest.mark.slow  # the fast tier: `-m "not slow"`
 
 
 def _env():

@@ -1,5 +1,7 @@
 """The executor runs any registered schedule: adding one is one function.
 
+That each steps like the unsplit model: tests/test_every_schedule.py.
+
 Tolerances as in test_transparency: rtol 1e-5, atol 1e-6 (float32; only
 the order of sums changes).
 """
@@ -12,22 +14,9 @@ import sys
 import pytest
 
 from keras_pipe import schedule
-from tests import helpers
+from tests.support import helpers
+from tests.support.schedules import backward_in_forward_order
 from tests.test_transparency import check_one_step, compile_both
-
-
-def backward_in_forward_order(num_micro_batches, num_stages,
-                              num_devices=None):
-    """GPipe, but each stage runs its backward passes in forward order."""
-    m, k = num_micro_batches, num_stages
-    return schedule.ticks_from_orders(
-        [[schedule.Action("F", i, j) for i in range(m)] +
-         [schedule.Action("B", i, j) for i in range(m)] for j in range(k)], k)
-
-
-if "test_gpipe_forward_order" not in schedule.schedule_names():
-    schedule.register_schedule("test_gpipe_forward_order",
-                               backward_in_forward_order)
 
 
 def test_registered_schedule_is_followed(devices):
@@ -41,15 +30,6 @@ def test_registered_schedule_is_followed(devices):
     assert pipe.clock_ticks() == ticks
 
 
-@pytest.mark.parametrize("remat", ["never", "always"])
-def test_registered_schedule_gives_the_gpipe_gradients(devices, remat):
-    pipe, reference = helpers.pipeline_and_reference(
-        3, 4, remat, devices, schedule="test_gpipe_forward_order")
-    compile_both(pipe, reference, optimizer="adam")
-    x, y, _ = helpers.data(10)
-    check_one_step(pipe, reference, x, y)
-
-
 def test_per_stage_remat_is_exact(devices):
     pipe, reference = helpers.pipeline_and_reference(
         3, 4, ["always", "never", "except_last"], devices)
@@ -58,22 +38,11 @@ def test_per_stage_remat_is_exact(devices):
     check_one_step(pipe, reference, x, y)
 
 
-@pytest.mark.parametrize("name,devices_of,remat", [
-    ("1f1b", [0, 1, 2], "never"), ("zb_h1", [0, 1, 2], "never"),
-    ("zb_h1", [0, 1, 2], "except_last"), ("zb_h2", [0, 1, 2], "always"),
-    ("interleaved_1f1b", [0, 1, 0, 1], "except_last"),
-    ("zbv", [0, 1, 1, 0], "never")])
-def test_every_schedule_gives_the_unsplit_gradients(devices, name,
-                                                    devices_of, remat):
-    stages = len(devices_of)
-    pipe, reference = helpers.pair(
-        lambda: helpers.dense_stages(stages), [devices[d] for d in devices_of],
-        5, remat, schedule=name)
-    compile_both(pipe, reference, optimizer="adam")
-    x, y, _ = helpers.data(11)  # uneven micro-batches: 3, 2, 2, 2, 2
-    check_one_step(pipe, reference, x, y)
+# Every registered schedule x every remat mode against the unsplit model:
+# tests/test_every_schedule.py.
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["interleaved_1f1b", "zbv"])
 def test_schedules_with_stages_sharing_devices_check_the_order(devices,
                                                                name):
@@ -84,6 +53,7 @@ def test_schedules_with_stages_sharing_devices_check_the_order(devices,
                      "never", schedule=name)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,remat", [("gpipe", "never"),
                                         ("zb_h1", "never"),
                                         ("1f1b", "always")])
@@ -113,6 +83,7 @@ def test_transfers_leave_through_an_identity_on_the_sender(devices, name,
         c for c in crossing if c[0] != "Identity"][:5]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("remat", ["never", "always"])
 def test_gpipe_weight_gradients_are_one_product_per_kernel(devices, remat):
     # Without remat, each stage's run of backward calls leaves its weight
@@ -189,6 +160,7 @@ def _products_per_step(schedule_name):
     return {key: n / 2 for key, n in counts.items()}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name, weight_products", [
     # GPipe: each stage's 4 backward calls form one run; one product per
     # kernel over the 32 rows of the batch.
@@ -213,6 +185,7 @@ def test_each_product_runs_once_per_step(name, weight_products):
     assert weight == weight_products, counts
 
 
+@pytest.mark.slow
 def test_a_stage_that_runs_fused_adds_its_weight_gradients_at_once(devices):
     # An LSTM stage cannot split (its While loop): B stashes its whole
     # weight gradients, so they are added at each backward call rather

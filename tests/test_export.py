@@ -13,6 +13,8 @@ from tensorflow.core.protobuf import saved_model_pb2
 
 import keras_pipe
 
+pytestmark = pytest.mark.slow  # the fast tier: `-m "not slow"`
+
 IN_DIM = 5
 
 

@@ -26,8 +26,7 @@ def test_version_check_names_the_supported_series():
 def test_eager_scope_leaves_and_restores_keras_scopes():
     with keras.StatelessScope():
         assert keras.backend.is_keras_tensor is not None
-        from keras.src.backend.common.stateless_scope import (  # noqa: PLC0415
-            in_stateless_scope)
+        from keras.src.backend.common.stateless_scope import in_stateless_scope  # noqa: PLC0415
         assert in_stateless_scope()
         with internals.eager_scope():
             assert not in_stateless_scope()

@@ -15,10 +15,12 @@ import re
 
 import keras
 import numpy as np
-import tensorflow as tf
 import pytest
+import tensorflow as tf
 
 import keras_pipe
+
+pytestmark = pytest.mark.slow  # the fast tier: `-m "not slow"`
 
 WIDTH, BLOCKS, BATCH, STEPS = 8, 4, 16, 3
 

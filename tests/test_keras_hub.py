@@ -14,8 +14,7 @@ import numpy as np
 import pytest
 
 import keras_pipe
-from tests.test_partition import _assert_predictions_match
-from tests.test_partition import _assert_step_matches
+from tests.test_partition import _assert_predictions_match, _assert_step_matches
 
 keras_hub = pytest.importorskip(
     "keras_hub", reason="KerasHub task models need keras_hub")

@@ -7,6 +7,8 @@ import pytest
 import keras_pipe
 from keras_pipe.layers import DeferredBatchNormalization, defer_batch_norm
 
+pytestmark = pytest.mark.slow  # the fast tier: `-m "not slow"`
+
 BATCH, NUM_CLASSES = 10, 3
 
 

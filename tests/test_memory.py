@@ -4,8 +4,7 @@ import keras
 import numpy as np
 import pytest
 
-from keras_pipe import memory
-from keras_pipe import partition, schedule
+from keras_pipe import memory, partition, schedule
 
 
 def _mlp(width=64, depth=4):

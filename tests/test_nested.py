@@ -15,8 +15,10 @@ from keras import layers
 import keras_pipe
 from keras_pipe import saving
 from keras_pipe.graph import read_graph
-from tests.test_partition import _assert_predictions_match
-from tests.test_partition import _assert_step_matches
+from tests.support.data import random_data
+from tests.test_partition import _assert_predictions_match, _assert_step_matches
+
+pytestmark = pytest.mark.slow  # the fast tier: `-m "not slow"`
 
 MSE = keras.losses.MeanSquaredError()
 
@@ -35,9 +37,7 @@ def _nested():
 
 
 def _data(n=8):
-    rng = np.random.default_rng(0)
-    return (rng.normal(size=(n, 5)).astype("float32"),
-            rng.normal(size=(n, 3)).astype("float32"))
+    return random_data(n, (5,), y_dim=3)
 
 
 def _keys(path):

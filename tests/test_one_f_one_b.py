@@ -10,8 +10,10 @@ import pytest
 import tensorflow as tf
 
 import keras_pipe
-from tests import helpers
+from tests.support import helpers
 from tests.test_transparency import check_one_step, close, compile_both
+
+pytestmark = pytest.mark.slow  # the fast tier: `-m "not slow"`
 
 BATCH, M = 10, 4  # micro-batches of 3, 3, 2, 2
 

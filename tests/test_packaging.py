@@ -3,27 +3,23 @@
 import os
 import pathlib
 import shutil
-import socket
 import subprocess
 import sys
 import time
 
 import pytest
 
-from keras_pipe import cluster as cluster_lib
 from keras_pipe import bind as bind_lib
+from keras_pipe import cluster as cluster_lib
+from tests.support.ports import free_port
+
+pytestmark = pytest.mark.slow  # the fast tier: `-m "not slow"`
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _start_worker(python, cwd, log):
-    address = f"127.0.0.1:{_free_port()}"
+    address = f"127.0.0.1:{free_port()}"
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
     for name in ("PYTHONPATH", "LD_PRELOAD", "KERAS_PIPE_BIND_HOST",
                  "TF_CONFIG"):
@@ -32,6 +28,24 @@ def _start_worker(python, cwd, log):
         [python, "-m", "keras_pipe.worker", "--task", "0", "--cluster",
          address], cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT)
     return proc, address
+
+
+def _see_running_packages(python):
+    """Lets the venv at `python` import this interpreter's packages.
+
+    `--system-site-packages` shows the system's site-packages only: when the
+    tests themselves run in a virtual environment, TensorFlow is in that
+    one. Its site directories go after the new venv's own (which holds the
+    wheel), in a .pth file; the checkout (an editable install) is left out.
+    """
+    site_dirs = [p for p in sys.path
+                 if os.path.basename(p) in ("site-packages", "dist-packages")]
+    target = subprocess.run(
+        [python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+        check=True, capture_output=True, text=True).stdout.strip()
+    with open(os.path.join(target, "_running_packages.pth"), "w",
+              encoding="utf-8") as f:
+        f.write("\n".join(site_dirs) + "\n")
 
 
 @pytest.mark.slow
@@ -57,6 +71,7 @@ def test_wheel_ships_the_shim_and_starts_a_worker(tmp_path):
     subprocess.run([sys.executable, "-m", "venv", "--system-site-packages",
                     str(venv)], check=True, timeout=300)
     python = str(venv / "bin" / "python")
+    _see_running_packages(python)
     subprocess.run([python, "-m", "pip", "install", "-q", "--no-deps",
                     "--no-index", str(wheel)], check=True,
                    capture_output=True, timeout=300)

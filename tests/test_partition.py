@@ -12,14 +12,13 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from keras import layers
-from keras import ops
+from keras import layers, ops
 
 import keras_pipe
-from keras_pipe import partition
-from keras_pipe import placement
-from keras_pipe import schedule
+from keras_pipe import partition, placement, schedule
 from keras_pipe.graph import read_graph
+
+pytestmark = pytest.mark.slow  # the fast tier: `-m "not slow"`
 
 PRED_TOL = dict(rtol=1e-5, atol=1e-5)
 

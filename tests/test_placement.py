@@ -14,7 +14,9 @@ import keras
 import pytest
 import tensorflow as tf
 
-from tests import helpers
+from tests.support import helpers
+
+pytestmark = pytest.mark.slow  # the fast tier: `-m "not slow"`
 
 PLACER_LINE = re.compile(r"placer\.cc:\d+\] (\S+): \((\w+)\): (\S+)$")
 
@@ -22,7 +24,7 @@ PLACER_LINE = re.compile(r"placer\.cc:\d+\] (\S+): \((\w+)\): (\S+)$")
 def run_placement_script(remat, *policy):
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="0")
     proc = subprocess.run(
-        [sys.executable, "-m", "tests.placement_script", remat, *policy],
+        [sys.executable, "-m", "tests.support.placement_script", remat, *policy],
         capture_output=True, text=True, env=env, timeout=300,
         cwd=os.path.dirname(os.path.dirname(__file__)))
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -13,7 +13,9 @@ import pytest
 import tensorflow as tf
 
 import keras_pipe
-from tests import helpers
+from tests.support import helpers
+
+pytestmark = pytest.mark.slow  # the fast tier: `-m "not slow"`
 
 
 def train(devices, remat, steps=3, schedule="gpipe"):

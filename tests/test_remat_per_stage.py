@@ -5,7 +5,9 @@ import numpy as np
 import pytest
 
 import keras_pipe
-from tests import helpers
+from tests.support import helpers
+
+pytestmark = pytest.mark.slow  # the fast tier: `-m "not slow"`
 
 STEPS = 3
 

@@ -7,6 +7,9 @@ import tensorflow as tf
 
 import keras_pipe
 from keras_pipe import replicas
+from tests.support.data import random_data
+
+pytestmark = pytest.mark.slow  # the fast tier: `-m "not slow"`
 
 
 def _stages():
@@ -17,11 +20,7 @@ def _stages():
 
 
 def _data(n=70):
-    rng = np.random.default_rng(3)
-    x = rng.normal(size=(n, 8)).astype("float32")
-    y = rng.integers(0, 3, size=(n,)).astype("int32")
-    w = rng.uniform(0.5, 2.0, size=(n,)).astype("float32")
-    return x, y, w
+    return random_data(n, (8,), classes=3, weights=(0.5, 2.0), seed=3)
 
 
 def _compile(model, **kwargs):

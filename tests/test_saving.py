@@ -1,4 +1,5 @@
-"""Persistence: .keras round trip, stage-count independence, checkpoints, resume, bad files."""
+"""Persistence: .keras round trip, stage-count independence, checkpoints,
+resume, bad files."""
 
 import io
 import json
@@ -17,6 +18,9 @@ import pytest
 import keras_pipe
 from keras_pipe import colocation
 from keras_pipe import saving
+from tests.support.data import random_data
+
+pytestmark = pytest.mark.slow  # the fast tier: `-m "not slow"`
 
 IN_DIM, OUT_DIM = 6, 3
 
@@ -55,9 +59,7 @@ def pipeline(devices, sizes=(3, 3), num_micro_batches=2, dropout=True,
 
 
 def data(n=16, seed=0):
-    rng = np.random.default_rng(seed)
-    return (rng.normal(size=(n, IN_DIM)).astype("float32"),
-            rng.normal(size=(n, OUT_DIM)).astype("float32"))
+    return random_data(n, (IN_DIM,), y_dim=OUT_DIM, seed=seed)
 
 
 def values(variables):
@@ -517,7 +519,7 @@ def test_flat_layers_open_nested_models():
 
 # ------------------------------------------------------------ atomic saves
 
-SAVE_SCENARIOS = str(pathlib.Path(__file__).with_name("save_scenarios.py"))
+SAVE_SCENARIOS = str(pathlib.Path(__file__).parent / "support" / "save_scenarios.py")
 
 
 def _values(model):
@@ -569,11 +571,7 @@ def test_failed_save_keeps_the_previous_file(devices, tmp_path, monkeypatch):
 def test_kill_during_checkpoint_keeps_the_previous_file(devices, tmp_path,
                                                         fmt):
     """SIGKILL a child at 3 points of a 70 MB ModelCheckpoint save."""
-    sys.path.insert(0, os.path.dirname(SAVE_SCENARIOS))
-    try:
-        import save_scenarios
-    finally:
-        sys.path.pop(0)
+    from tests.support import save_scenarios
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3",
                KERAS_BACKEND="tensorflow",
                PYTHONPATH=str(pathlib.Path(__file__).resolve().parents[1]))

@@ -11,7 +11,7 @@ import tensorflow as tf
 
 import keras_pipe
 from keras_pipe import colocation
-from tests import helpers
+from tests.support import helpers
 
 RTOL, ATOL = 1e-5, 1e-6
 
@@ -67,14 +67,10 @@ def test_stages_and_micro_batches(devices, num_stages, num_micro_batches):
     check_one_step(pipe, reference, x, y)
 
 
-@pytest.mark.parametrize("remat", ["always", "except_last", "never"])
-def test_remat_modes(devices, remat):
-    pipe, reference = helpers.pipeline_and_reference(3, 4, remat, devices)
-    compile_both(pipe, reference, optimizer="adam")
-    x, y, sample_weight = helpers.data(10)
-    check_one_step(pipe, reference, x, y, sample_weight)
+# Each remat mode under each schedule: tests/test_every_schedule.py.
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "reduction",
     ["sum_over_batch_size", "sum", "mean", "mean_with_sample_weight",
@@ -88,6 +84,7 @@ def test_loss_reductions_uneven_micro_batches(devices, reduction, weighted):
     check_one_step(pipe, reference, x, y, sample_weight if weighted else None)
 
 
+@pytest.mark.slow
 def test_mean_of_micro_batch_means_would_be_wrong():
     # Guards the premise of the test above: with sizes 3, 3, 2, 2 and
     # weights, the mean of per-micro-batch means differs from the batch mean,
@@ -98,6 +95,7 @@ def test_mean_of_micro_batch_means_would_be_wrong():
     assert abs(np.mean(means) - losses.mean()) > 1e-3
 
 
+@pytest.mark.slow
 def test_metrics_equal_plain_keras_on_the_full_batch(devices):
     pipe, reference = helpers.pipeline_and_reference(2, 3, "always", devices)
     compile_both(pipe, reference, metrics=[
@@ -107,6 +105,7 @@ def test_metrics_equal_plain_keras_on_the_full_batch(devices):
     check_one_step(pipe, reference, x, y, sample_weight)
 
 
+@pytest.mark.slow
 def test_evaluate_and_predict_equal_the_unpipelined_model(devices):
     pipe, reference = helpers.pipeline_and_reference(
         3, 4, "always", devices, batch_norm=True, dropout=0.3)
@@ -121,6 +120,7 @@ def test_evaluate_and_predict_equal_the_unpipelined_model(devices):
         close(results[name], expected[name])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_fit_on_dataset_equals_unpipelined_fit(devices, schedule):
     # A dataset has a dynamic batch size, and its last batch (2 rows) is
@@ -139,6 +139,7 @@ def test_fit_on_dataset_equals_unpipelined_fit(devices, schedule):
         close(w, ref_w)
 
 
+@pytest.mark.slow
 def test_regularization_losses_are_exact(devices):
     def stages():
         return [
@@ -154,6 +155,7 @@ def test_regularization_losses_are_exact(devices):
     check_one_step(pipe, reference, x, y)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("num_stages,num_micro_batches",
                          [(1, 2), (2, 3), (4, 3), (4, 8)])
 @pytest.mark.parametrize("remat", ["always", "except_last", "never"])
@@ -166,6 +168,7 @@ def test_one_f_one_b_equals_unpipelined(devices, num_stages,
     check_one_step(pipe, reference, x, y, sample_weight)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "reduction", ["sum_over_batch_size", "sum", "mean_with_sample_weight",
                   "none"])
@@ -178,6 +181,7 @@ def test_one_f_one_b_loss_reductions(devices, reduction):
     check_one_step(pipe, reference, x, y, sample_weight)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("clip", [{"clipnorm": 0.05}, {"global_clipnorm": 0.05},
                                   {"clipvalue": 0.01}])
 def test_gradient_clipping_equals_unpipelined(devices, clip):
@@ -190,6 +194,7 @@ def test_gradient_clipping_equals_unpipelined(devices, clip):
     check_one_step(pipe, reference, x, y, sample_weight)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("jit_compile", [False, True])
 def test_mixed_precision_equals_unpipelined(devices, jit_compile):
     # float16 compute: Keras wraps the optimizer in a LossScaleOptimizer,
@@ -225,6 +230,7 @@ def test_mixed_precision_equals_unpipelined(devices, jit_compile):
         keras.mixed_precision.set_global_policy("float32")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["gpipe", "zb_h2"])
 def test_xla_updates_equal_unpipelined(devices, schedule):
     # compile(jit_compile=True): each device's Adam update is one XLA
@@ -248,6 +254,7 @@ def test_xla_updates_equal_unpipelined(devices, schedule):
     assert int(pipe.optimizer.iterations.numpy()) == 3
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule,num_micro_batches", [("gpipe", 1),
                                                         ("1f1b", 3)])
 def test_an_output_computed_from_another_output(devices, schedule,

@@ -444,8 +444,7 @@ def fidelity_rows(result):
     """Rows of table (e): measured time over the schedule's prediction."""
     rows = []
     for entry in result["runs"]:
-        m, k, t = entry["M"], entry["K"], entry["stage_seconds"]
-        expected = entry["stage_times"] * t
+        expected = entry["stage_times"] * entry["stage_seconds"]
         rows.append({**entry, "expected_seconds": expected,
                      "ratio": ratio(entry["seconds"], expected)})
     return rows
@@ -1174,7 +1173,7 @@ def child_throughput(p):
                     bare = _BarePipeline(tf, keras, remote, p, x, y,
                                          p.get("xla_updates", False))
                 bare.steps(m, 3)  # trace and warm up
-                run = (lambda m=m: (bare.steps(m, p["steps"]), p["steps"]))
+                run = (lambda m=m: (bare.steps(m, p["steps"]), p["steps"]))  # noqa: B023,E731
             else:
                 keras.utils.set_random_seed(0)
                 if k == 1:
@@ -1200,7 +1199,7 @@ def child_throughput(p):
                 # execution of `spe` steps.
                 n = p["steps"] // spe * spe
                 rows = n * p["batch"]
-                run = (lambda model=model, spe=spe, n=n, rows=rows: ([
+                run = (lambda model=model, spe=spe, n=n, rows=rows: ([  # noqa: E731
                     t / spe for t in _fit_steps(keras, model, x[:rows],
                                                 y[:rows], p["batch"])], n))
         except Exception as exc:  # noqa: BLE001 - reported, others go on
@@ -1449,12 +1448,13 @@ def child_fidelity(p):
             model.build((None, 3))
             x = np.ones((2 * m, 3), "float32")
             if run == "forward":
-                step = tf.function(lambda v: model(v))
-                call = lambda: step(x).numpy()  # noqa: E731
+                # Called in this iteration only.
+                step = tf.function(lambda v: model(v))  # noqa: B023
+                call = lambda: step(x).numpy()  # noqa: B023,E731
                 ticks = m + k - 1
             else:
                 model.compile(keras.optimizers.SGD(0.0), "mse")
-                call = lambda: model.train_on_batch(x, x)  # noqa: E731
+                call = lambda: model.train_on_batch(x, x)  # noqa: B023,E731
                 # Forward, then backward (with its recompute first under
                 # remat="always"): each (M+K-1) ticks of t. 1F1B has the
                 # same bubble as GPipe, in other places.
@@ -2114,7 +2114,7 @@ def environment():
             return subprocess.run(["git", *args], cwd=ROOT, text=True,
                                   capture_output=True).stdout
         except OSError:
-            return 
+            return
     versions = {}
     for name in ("tensorflow", "keras"):
         try:

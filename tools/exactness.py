@@ -86,7 +86,7 @@ def main(argv=None):
             balance="params")
         value, got = step(pipe, net_weights)
 
-        def worst(indices):
+        def worst(indices, got=got):
             return max((float(np.max(np.abs(got[i] - ref[i])))
                         for i in indices), default=0.0)
 

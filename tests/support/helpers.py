@@ -5,6 +5,7 @@ import numpy as np
 import tensorflow as tf
 
 import keras_pipe
+from tests.support.data import random_data
 
 IN_DIM, HIDDEN, NUM_CLASSES = 6, 8, 3
 
@@ -64,12 +65,9 @@ def compiled_pipeline(devices, num_stages, num_micro_batches, remat,
 
 
 def data(batch_size, seed=0):
-    rng = np.random.default_rng(seed)
-    x = rng.normal(size=(batch_size, IN_DIM)).astype("float32")
-    y = rng.integers(0, NUM_CLASSES, size=(batch_size,)).astype("int32")
-    sample_weight = rng.uniform(0.1, 2.0, size=(batch_size,)).astype(
-        "float32")
-    return x, y, sample_weight
+    """`(x, y, sample_weight)` for `dense_stages`."""
+    return random_data(batch_size, (IN_DIM,), classes=NUM_CLASSES,
+                       weights=(0.1, 2.0), seed=seed)
 
 
 def pipeline_loss_and_gradients(pipe, x, y, sample_weight=None):

@@ -5,8 +5,8 @@ process already has 4 logical CPUs), so each scenario runs here, in its own
 process, against worker processes that the test started. The last stdout
 line is a JSON object with the measurements.
 
-    python tests/cluster_scenarios.py remote --cluster A0,A1
-    python tests/cluster_scenarios.py resume --cluster A0,A1 --kill-pid PID \
+    python tests/support/cluster_scenarios.py remote --cluster A0,A1
+    python tests/support/cluster_scenarios.py resume --cluster A0,A1 --kill-pid PID \
         --backup DIR    # waits for "go" on stdin after the worker is lost
 """
 
@@ -27,6 +27,7 @@ import numpy as np  # noqa: E402
 
 import keras_pipe  # noqa: E402
 from keras_pipe.cluster import WorkerUnavailableError  # noqa: E402
+from tests.support.data import random_data  # noqa: E402
 
 LOCAL = "/job:localhost/replica:0/task:0/device:CPU:0"
 
@@ -53,10 +54,7 @@ def make_model(devices, seed=7):
 
 
 def data():
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(64, 8)).astype("float32")
-    y = rng.integers(0, 3, size=(64,)).astype("int32")
-    return x, y
+    return random_data(64, (8,), classes=3)
 
 
 def copy_variables(source, target):

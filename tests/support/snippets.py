@@ -1,4 +1,4 @@
-"""The ```python snippets of README.md and examples/README.md, and running one.
+"""The ```python snippets of the READMEs and the docs pages, and running one.
 
 The snippets are read from the files when the tests are collected, so a
 documented flow cannot break silently, and an edited README is tested as it
@@ -30,8 +30,15 @@ import subprocess
 import sys
 import textwrap
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FILES = ("README.md", os.path.join("examples", "README.md"))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__))))
+READMES = ("README.md", os.path.join("examples", "README.md"))
+# Every page of the documentation site (docs/**/*.md), in a stable order.
+DOCS = tuple(sorted(
+    os.path.relpath(os.path.join(folder, name), ROOT)
+    for folder, _, names in os.walk(os.path.join(ROOT, "docs"))
+    for name in names if name.endswith(".md")))
+FILES = READMES + DOCS
 # The example scripts whose SavedModels tests/test_examples.py exports and
 # serves; the snippets loading one run there, on that export.
 EXAMPLES = ("examples/imagenet.py", "examples/translate.py")

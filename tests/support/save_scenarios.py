@@ -1,6 +1,6 @@
 """A child process that is killed (SIGKILL) during a save, for test_saving.py.
 
-    python tests/save_scenarios.py PATH FORMAT POINT
+    python tests/support/save_scenarios.py PATH FORMAT POINT
 
 saves a ~70 MB PipelineModel (weights and Adam slots all 1.0) to PATH,
 prints "SAVED", sets every value to 2.0 and saves again through Keras'

@@ -1,0 +1,1 @@
+"""Code the tests share: helpers, scenario scripts run in subprocesses, snippets."""
