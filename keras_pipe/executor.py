@@ -26,9 +26,7 @@ import dataclasses
 import keras
 import tensorflow as tf
 
-from keras_pipe import attached
-from keras_pipe import internals
-from keras_pipe import microbatch
+from keras_pipe import attached, internals, microbatch
 from keras_pipe import schedule as schedule_lib
 from keras_pipe.gradients import sum_gradients
 from keras_pipe.replicas import replica_of

@@ -12,8 +12,7 @@ that does not fit on one device.
 import keras
 import tensorflow as tf
 
-from keras_pipe import internals
-from keras_pipe import saving
+from keras_pipe import internals, saving
 
 __all__ = ["to_model", "export"]
 

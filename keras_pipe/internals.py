@@ -15,7 +15,6 @@ import contextlib
 
 import keras
 import tensorflow as tf
-from keras import ops
 
 SUPPORTED = {"keras": "3.15", "tensorflow": "2.21"}
 
@@ -40,22 +39,22 @@ def check_versions(versions):
 check_versions({"keras": keras.__version__, "tensorflow": tf.__version__})
 
 # Imported after the check: on another version these may not exist.
-from keras.src.backend import get_keras_mask  # noqa: E402
-from keras.src.backend import set_keras_mask  # noqa: E402
+from keras.src.backend import get_keras_mask, set_keras_mask  # noqa: E402
 from keras.src.backend.common import global_state  # noqa: E402
+from keras.src.backend.tensorflow import random as tf_random  # noqa: E402
 from keras.src.losses import loss as _loss_lib  # noqa: E402
-from keras.src.models.functional import Functional  # noqa: E402
-from keras.src.models.functional import operation_fn  # noqa: E402
-from keras.src.models.functional import unpack_singleton  # noqa: E402
+from keras.src.models.functional import (  # noqa: E402
+    Functional,
+    operation_fn,
+    unpack_singleton,
+)
+from keras.src.random.seed_generator import SeedGenerator, draw_seed  # noqa: E402
 from keras.src.saving.keras_saveable import KerasSaveable  # noqa: E402
 from keras.src.utils import io_utils as _io_utils  # noqa: E402
 from keras.src.utils import naming as _naming  # noqa: E402
 from keras.src.utils import tracking as _tracking  # noqa: E402
 from tensorflow.python.eager import cancellation  # noqa: E402
 from tensorflow.python.eager import context as _tf_context  # noqa: E402
-from keras.src.backend.tensorflow import random as tf_random  # noqa: E402
-from keras.src.random.seed_generator import SeedGenerator  # noqa: E402
-from keras.src.random.seed_generator import draw_seed  # noqa: E402
 
 # Keras' Functional graph: the class, how it calls one operation, and how
 # it unwraps a single output (`keras_pipe.graph`, `keras_pipe.saving`).
@@ -82,9 +81,11 @@ def set_keras_global_attribute(name, value):
     global_state.set_global_attribute(name, value)
 
 __all__ = ["Functional", "KerasSaveable", "SUPPORTED", "SeedGenerator",
+           "draw_seed", "tf_random",
            "ask_to_proceed_with_overwrite", "cancellation", "check_versions",
            "eager_scope", "get_keras_mask",
-           "get_server_def", "keras_global_state", "no_automatic_tracking", "operation_fn", "reduce_weighted_values",
+           "get_server_def", "keras_global_state", "no_automatic_tracking",
+           "operation_fn", "reduce_weighted_values",
            "reinitialize_variable", "replaced_losses",
            "scale_loss_for_distribution",
            "set_initial_epoch", "set_keras_global_attribute", "set_keras_mask",

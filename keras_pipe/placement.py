@@ -15,8 +15,7 @@ module fixes each of them:
 import keras
 import tensorflow as tf
 
-from keras_pipe import colocation
-from keras_pipe import internals
+from keras_pipe import colocation, internals
 
 __all__ = ["logical_cpu_devices", "resolve_devices", "default_devices",
            "place_variables", "colocate_optimizer", "device_of"]

@@ -41,12 +41,9 @@ import dataclasses
 import keras
 import tensorflow as tf
 
-from keras_pipe import attached
-from keras_pipe import internals
-from keras_pipe import keyed_random
-from keras_pipe.tensors import (exact_spec, float_leaves, is_float, pairs,
-                                relaxed_spec)
+from keras_pipe import attached, internals, keyed_random
 from keras_pipe.gradients import add_gradients
+from keras_pipe.tensors import exact_spec, float_leaves, is_float, pairs, relaxed_spec
 from keras_pipe.weight_grad import SplitBackward
 
 __all__ = ["Stage", "StageRun"]

@@ -8,9 +8,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from keras_pipe import colocation
-from keras_pipe import internals
-from keras_pipe import keyed_random
+from keras_pipe import colocation, internals, keyed_random
 
 
 def test_version_check_names_the_supported_series():

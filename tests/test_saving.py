@@ -16,8 +16,7 @@ import numpy as np
 import pytest
 
 import keras_pipe
-from keras_pipe import colocation
-from keras_pipe import saving
+from keras_pipe import colocation, saving
 from tests.support.data import random_data
 
 pytestmark = pytest.mark.slow  # the fast tier: `-m "not slow"`
