@@ -302,6 +302,9 @@ def main(argv=None):
                         help="a width that trains unsplit")
     parser.add_argument("--high", type=int, default=8192,
                         help="a width that trains on no setup")
+    parser.add_argument("--pipelined-high", type=int, default=None,
+                        help="a width that does not train on 2 workers "
+                        "(default: --high)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--adam", action="store_true",
                         help="one Adam run of each at the unsplit width")
@@ -346,7 +349,8 @@ def main(argv=None):
 
     start = time.time()
     w_unsplit, trials_u = widest(unsplit, args.low, args.high)
-    w_pipe, trials_p = widest(pipelined, w_unsplit, args.high)
+    w_pipe, trials_p = widest(pipelined, w_unsplit,
+                              args.pipelined_high or args.high)
     ratio = params(w_pipe) / params(w_unsplit)
     report.update(unsplit_width=w_unsplit, pipelined_width=w_pipe,
                   unsplit_params=params(w_unsplit),
