@@ -33,6 +33,7 @@ import socket
 import sys
 
 from keras_pipe import bind as bind_lib
+from keras_pipe import heap
 from keras_pipe import validation
 from keras_pipe.bind import listening_hosts  # noqa: F401  (public here too)
 
@@ -148,7 +149,8 @@ def _check_serve_args(spec, job, task, bind, inter_op_threads,
 
 
 def serve(cluster, task, job="worker", bind="127.0.0.1",
-          inter_op_threads=None, intra_op_threads=None, cpu_affinity=None):
+          inter_op_threads=None, intra_op_threads=None, cpu_affinity=None,
+          return_freed_memory=True):
     """Starts the TF server of one task in this process and returns it.
 
     Call before anything else initializes TensorFlow's runtime. The server
@@ -176,6 +178,10 @@ def serve(cluster, task, job="worker", bind="127.0.0.1",
             `None`.
         cpu_affinity: CPU ids this process may run on (Linux). Defaults to
             `None` (unchanged).
+        return_freed_memory: whether glibc gives freed tensor buffers
+            back to the OS (`keras_pipe.heap.return_freed_memory`): with
+            its defaults, a worker's ~100 threads keep freed buffers
+            resident in their malloc arenas. Defaults to `True`.
 
     Returns:
         The started `tf.distribute.Server`.
@@ -199,6 +205,8 @@ def serve(cluster, task, job="worker", bind="127.0.0.1",
         cpu_affinity)
     if cpu_affinity is not None:
         os.sched_setaffinity(0, set(cpu_affinity))
+    if return_freed_memory:
+        heap.return_freed_memory()
     bind_lib.pin(bind)
     config = tf.compat.v1.ConfigProto()
     if inter_op_threads is not None:
@@ -277,6 +285,11 @@ def _parser():
     parser.add_argument("--intra-op-threads", type=_count, default=None)
     parser.add_argument("--cpu-affinity", type=_cpu_list, default=None,
                         help="CPU ids, e.g. 0,1 or 0-3")
+    parser.add_argument("--keep-malloc-defaults", action="store_true",
+                        help="keep glibc's malloc settings, under which "
+                        "freed tensor buffers stay resident in per-thread "
+                        "arenas (default: big blocks are unmapped when "
+                        "freed, at most 2 arenas)")
     return parser
 
 
@@ -289,7 +302,8 @@ def main(argv=None):
         server = serve(cluster, args.task, job=args.job, bind=args.bind,
                        inter_op_threads=args.inter_op_threads,
                        intra_op_threads=args.intra_op_threads,
-                       cpu_affinity=args.cpu_affinity)
+                       cpu_affinity=args.cpu_affinity,
+                       return_freed_memory=not args.keep_malloc_defaults)
     except (TypeError, ValueError, RuntimeError) as exc:
         sys.exit(f"keras_pipe.worker: {exc}")
     _, port = _split_address(server.target.split("://")[-1], "target")

@@ -1,116 +1,161 @@
-"""Capacity demo: a model too big for one capped process trains on two.
+"""Capacity in one number: the widest MLP one process trains, against two workers.
 
-    python tools/capacity_demo.py --out docs/capacity_demo.json
+    python tools/capacity_demo.py --out /tmp/capacity.json   # ~15 min
 
-Every process that holds model memory runs under an OS memory cap:
-`RLIMIT_AS` (address space, set with `resource.setrlimit` in the child
-before it starts; the kernel refuses any mapping past it, and tracks the
-peak as `VmPeak` in `/proc/<pid>/status`). A cgroup's `memory.max` would cap
-resident memory instead, but needs a writable cgroup tree; `RLIMIT_RSS` is
-not enforced by Linux. TensorFlow reserves address space it never touches:
-each of a worker's ~100 threads reserves a stack of `RLIMIT_STACK` bytes
-(8 MiB by default; 2 MiB here, for every process) and glibc an arena per
-thread (`MALLOC_ARENA_MAX=2` keeps them few). So the planner's budget per
-device is the cap minus an idle worker's measured `VmPeak`.
+Every process that holds model memory (the unsplit process; each worker)
+runs under one resident-memory limit, `--limit-mib`, enforced by a
+watchdog: a thread of this process reads `VmHWM` (the kernel's record of
+the process's resident peak) from `/proc/<pid>/status` every 10 ms and
+kills the process with SIGKILL once it is over the limit, recording which
+process, its `VmHWM` and `VmRSS`. Why a watchdog: a cgroup's `memory.max`
+would bind resident memory but the cgroup tree is not writable here;
+`RLIMIT_RSS` is not enforced by Linux; `RLIMIT_AS` caps address space,
+which TensorFlow and glibc reserve less of when capped (a process 1.14x
+over an `RLIMIT_AS` cap uncapped trained under it). Reading `VmHWM`, not
+`VmRSS`, makes the limit exact: a spike between two polls is still seen
+at the next one (the kill then comes up to one poll late).
 
-1. Two idle workers after one tiny op: their `VmPeak` is TensorFlow's own
-   share; a plain process's likewise.
-2. The unsplit model (plain Keras `fit`) in one process without a cap:
-   its `VmPeak` is over the cap; and under the cap: it fails.
-3. `keras_pipe.plan(..., memory_budget=cap - idle worker)` picks the cut,
-   `num_micro_batches` and per-stage remat; two capped worker processes
-   (`python -m keras_pipe.worker`) train it from an uncapped client that
-   holds no stage; the loss goes down; each worker's `VmPeak` stays under
-   the cap.
+The model: `DEPTH` x Dense(width, relu) + Dense(10) on 1024 inputs, batch
+64, SGD, 3 steps (`train_on_batch`). For a width:
+* unsplit: plain Keras in one process (its own default: XLA), watched;
+* pipelined: two watched workers (`python -m keras_pipe.worker`, which
+  returns freed buffers to the OS: `keras_pipe.heap`) and an unwatched
+  client that holds no stage; `keras_pipe.plan(memory_budget=limit - an
+  idle worker's resident size, optimizer_slots=0)` chooses the cut, M and
+  per-stage remat; the client builds the model (it holds its initial
+  values until they are sent) and trains.
+
+A bisection over widths (multiples of 128) finds the widest that trains
+unsplit and the widest that trains pipelined; then `--repeats` runs at the
+pipelined width check that the unsplit run is killed for memory and the
+workers stay under the limit, every time. Losses of the unsplit and the
+pipelined run at the unsplit width are compared (SGD: equal to 1e-5);
+`--adam` adds one Adam run of each at that width, reported as runs.
 """
 
 import argparse
 import json
 import os
-import resource
+import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MiB = 2**20
-WIDTH, DEPTH, INPUTS, CLASSES = 4096, 6, 2048, 10
-BATCH, ROWS, EPOCHS = 64, 256, 3
-
-
-def _env():
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", MALLOC_ARENA_MAX="2",
-               KERAS_BACKEND="tensorflow")
-    env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (ROOT, env.get("PYTHONPATH")) if p)
-    return env
-
-
-STACK = 2 * MiB
-
-
-def _capped(cap):
-    def limit():
-        resource.setrlimit(resource.RLIMIT_STACK, (STACK, STACK))
-        if cap:
-            resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
-    return limit
+DEPTH, INPUTS, CLASSES, BATCH, STEPS = 7, 1024, 10, 64, 3
 
 
 def status(pid="self"):
-    """VmPeak, VmSize, VmHWM, VmRSS of a process, in bytes."""
+    """VmHWM and VmRSS of a process, in bytes (None if it is gone)."""
     result = {}
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            key, _, value = line.partition(":")
-            if key in ("VmPeak", "VmSize", "VmHWM", "VmRSS"):
-                result[key] = int(value.split()[0]) * 1024
-    return result
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key in ("VmHWM", "VmRSS"):
+                    result[key] = int(value.split()[0]) * 1024
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    return result or None
 
 
-def build_model(keras):
-    """The unsplit model: an MLP of ~92M parameters (Adam: ~1.5 GB)."""
+class Watchdog:
+    """Kills a watched process whose resident peak passes `limit` bytes."""
+
+    def __init__(self, limit, interval=0.01):
+        self.limit, self.interval = limit, interval
+        self.watched, self.killed, self.peaks = {}, {}, {}
+        self.lock = threading.Lock()
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def watch(self, pid, role):
+        with self.lock:
+            self.watched[pid] = role
+
+    def _run(self):
+        while not self.stop.wait(self.interval):
+            with self.lock:
+                watched = dict(self.watched)
+            for pid, role in watched.items():
+                s = status(pid)
+                if s is None:
+                    continue
+                self.peaks[role] = max(self.peaks.get(role, 0), s["VmHWM"])
+                if s["VmHWM"] > self.limit and role not in self.killed:
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        continue
+                    self.killed[role] = {"pid": pid, **s}
+
+    def close(self):
+        self.stop.set()
+        self.thread.join()
+
+
+def _env():
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3",
+               KERAS_BACKEND="tensorflow")
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (ROOT, env.get("PYTHONPATH")) if p)
+    for name in ("TF_CONFIG", "LD_PRELOAD", "MALLOC_ARENA_MAX"):
+        env.pop(name, None)
+    return env
+
+
+def build_model(keras, width):
     layers = [keras.Input((INPUTS,))]
-    layers += [keras.layers.Dense(WIDTH, activation="relu")
+    layers += [keras.layers.Dense(width, activation="relu")
                for _ in range(DEPTH)]
     layers.append(keras.layers.Dense(CLASSES))
-    return keras.Sequential(layers, name="wide_mlp")
+    return keras.Sequential(layers, name=f"mlp_{width}")
 
 
-def data(np):
+def params(width):
+    return (INPUTS * width + width + (DEPTH - 1) * (width * width + width)
+            + width * CLASSES + CLASSES)
+
+
+def _data(np):
     rng = np.random.default_rng(0)
-    x = rng.normal(size=(ROWS, INPUTS)).astype("float32")
-    w = rng.normal(size=(INPUTS, CLASSES)).astype("float32")
-    return x, np.argmax(x @ w, axis=1).astype("int32")
+    x = rng.normal(size=(BATCH * STEPS, INPUTS)).astype("float32")
+    return x, rng.integers(0, CLASSES, size=(BATCH * STEPS,)).astype("int32")
 
 
-def child_unsplit():
-    """Plain Keras fit of the whole model in this process."""
+def _optimizer(keras, name):
+    return (keras.optimizers.SGD(0.01) if name == "sgd"
+            else keras.optimizers.Adam(1e-4))
+
+
+def _train(keras, np, model, optimizer):
+    model.compile(_optimizer(keras, optimizer),
+                  keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    x, y = _data(np)
+    return [float(model.train_on_batch(x[s * BATCH:(s + 1) * BATCH],
+                                       y[s * BATCH:(s + 1) * BATCH]))
+            for s in range(STEPS)]
+
+
+def child_unsplit(args):
+    from keras_pipe import heap
+    heap.return_freed_memory()  # as the workers do: a like-for-like process
     import keras
     import numpy as np
     keras.utils.set_random_seed(0)
-    model = build_model(keras)
-    model.compile(keras.optimizers.Adam(1e-4),
-                  keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    x, y = data(np)
-    history = model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, verbose=0,
-                        shuffle=False)
-    return {"loss": history.history["loss"], **status()}
+    model = build_model(keras, args.width)
+    return {"loss": _train(keras, np, model, args.optimizer)}
 
 
-def child_idle():
-    """An idle TF worker's own share: import, serve, one tiny op."""
-    import tensorflow as tf
-    tf.reduce_sum(tf.ones([8])).numpy()
-    return status()
-
-
-def child_probe(cluster):
-    """Runs one tiny op on each worker (their thread pools start)."""
+def child_idle(args):
     import tensorflow as tf
 
     import keras_pipe
+    cluster = args.cluster.split(",")
     keras_pipe.connect({"worker": cluster}, timeout=60.0)
     for device in _remote(cluster):
         with tf.device(device):
@@ -123,51 +168,47 @@ def _remote(cluster):
             for t in range(len(cluster))]
 
 
-def child_client(cluster, budget):
-    """Plans for `budget` bytes per worker, trains on the workers."""
+def child_client(args):
     import keras
     import numpy as np
 
     import keras_pipe
     from keras_pipe import partition
+    cluster = args.cluster.split(",")
     keras_pipe.connect({"worker": cluster}, timeout=60.0)
     devices = _remote(cluster)
     keras.utils.set_random_seed(0)
-    model = build_model(keras)
-    p = keras_pipe.plan(model, devices=devices, memory_budget=budget,
-                        batch_size=BATCH)
+    model = build_model(keras, args.width)
+    try:
+        p = keras_pipe.plan(model, devices=devices, memory_budget=args.budget,
+                            batch_size=BATCH,
+                            optimizer_slots=0 if args.optimizer == "sgd"
+                            else 2)
+    except ValueError as exc:
+        return {"failed": True, "planner": str(exc).splitlines()[0][:300]}
     pipe = keras_pipe.PipelineModel(
         partition.split_model(model, len(devices), balance=p.sizes),
         devices=devices, num_micro_batches=p.num_micro_batches,
         remat=p.remat)
-    pipe.compile(keras.optimizers.Adam(1e-4),
-                 keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    x, y = data(np)
-    start = time.time()
-    history = pipe.fit(x, y, batch_size=BATCH, epochs=EPOCHS, verbose=0,
-                       shuffle=False)
-    return {"loss": history.history["loss"], "plan": str(p),
-            "sizes": p.sizes, "num_micro_batches": p.num_micro_batches,
-            "remat": p.remat, "seconds": time.time() - start,
+    loss = _train(keras, np, pipe, args.optimizer)
+    return {"loss": loss, "sizes": p.sizes,
+            "num_micro_batches": p.num_micro_batches, "remat": p.remat,
             "predicted_peaks": [s.peak_memory_bytes for s in p.stages]}
 
 
-def _run_child(name, args, cap=None, limited=True, timeout=1800):
-    done = subprocess.run(
+def _child(name, args, watchdog=None, role=None, timeout=1200):
+    proc = subprocess.Popen(
         [sys.executable, os.path.abspath(__file__), "--child", name] + args,
-        env=_env(), preexec_fn=_capped(cap) if limited else None,
-        capture_output=True, text=True, timeout=timeout)
-    lines = done.stdout.strip().splitlines()
-    if done.returncode == 0 and lines:
+        env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True)
+    if watchdog is not None:
+        watchdog.watch(proc.pid, role)
+    out, err = proc.communicate(timeout=timeout)
+    lines = out.strip().splitlines()
+    if proc.returncode == 0 and lines:
         return json.loads(lines[-1])
-    errors = [line.strip()[:300] for line in done.stderr.splitlines()
-              if any(word in line for word in (
-                  "ResourceExhausted", "OOM", "bad_alloc", "MemoryError",
-                  "llocat", "Cannot allocate", "terminate", "Aborted",
-                  "Check failed"))]
-    return {"failed": True, "returncode": done.returncode,
-            "signal": -done.returncode if done.returncode < 0 else None,
-            "errors": errors[:5]}
+    return {"failed": True, "returncode": proc.returncode,
+            "stderr": err.strip().splitlines()[-1:]}
 
 
 def _free_port():
@@ -176,95 +217,178 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def run_pipelined(cap, budget, num_workers=2, probe=False):
-    """Capped workers, an uncapped client; the workers' peaks.
-
-    With `probe`, the client only runs a tiny op on each worker.
-    """
-    cluster = [f"127.0.0.1:{_free_port()}" for _ in range(num_workers)]
-    workers = [subprocess.Popen(
-        [sys.executable, "-m", "keras_pipe.worker", "--task", str(t),
-         "--cluster", ",".join(cluster), "--intra-op-threads", "1",
-         "--cpu-affinity", str(t % os.cpu_count())],
-        env=_env(), preexec_fn=_capped(cap), stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL) for t in range(num_workers)]
+def run_unsplit(width, limit, optimizer="sgd"):
+    watchdog = Watchdog(limit)
     try:
-        if probe:
-            result = _run_child("probe", ["--cluster", ",".join(cluster)],
-                                limited=False)
-        else:
-            result = _run_child("client", ["--cluster", ",".join(cluster),
-                                           "--budget", str(budget)],
-                                limited=False)
-        result["workers"] = []
-        for t, w in enumerate(workers):
-            alive = w.poll() is None
-            entry = {"task": t, "alive": alive}
-            if alive:
-                entry.update(status(w.pid))
-                entry["rlimit_as"] = resource.prlimit(
-                    w.pid, resource.RLIMIT_AS)[0]
-            result["workers"].append(entry)
-        return result
+        result = _child("unsplit", ["--width", str(width), "--optimizer",
+                                    optimizer], watchdog, "unsplit")
     finally:
+        watchdog.close()
+    result["peak"] = watchdog.peaks.get("unsplit")
+    if watchdog.killed:
+        result.update(failed=True, killed=watchdog.killed)
+    return result
+
+
+def run_pipelined(width, limit, budget=None, optimizer="sgd", idle=False):
+    """Two watched workers and a client; with `idle`, one tiny op each."""
+    cluster = [f"127.0.0.1:{_free_port()}" for _ in range(2)]
+    watchdog = Watchdog(limit)
+    workers = []
+    try:
+        for t in range(2):
+            w = subprocess.Popen(
+                [sys.executable, "-m", "keras_pipe.worker", "--task", str(t),
+                 "--cluster", ",".join(cluster), "--intra-op-threads", "1"],
+                env=_env(), stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL)
+            workers.append(w)
+            watchdog.watch(w.pid, f"worker {t}")
+        args = ["--cluster", ",".join(cluster)]
+        if idle:
+            result = _child("idle", args)
+        else:
+            result = _child("client", args + [
+                "--width", str(width), "--budget", str(budget),
+                "--optimizer", optimizer])
+        time.sleep(3 * watchdog.interval)
+    finally:
+        watchdog.close()
         for w in workers:
             w.kill()
             w.wait()
+    result["peaks"] = [watchdog.peaks.get(f"worker {t}") for t in range(2)]
+    if watchdog.killed:
+        result.update(failed=True, killed=watchdog.killed)
+    return result
+
+
+def widest(trains, low, high, step=128):
+    """The widest width in [low, high) (multiples of `step`) that trains.
+
+    `trains(low)` must hold and `trains(high)` not (not checked). Returns
+    the width and every trial `(width, result)`.
+    """
+    trials = []
+    while high - low > step:
+        mid = (low + high) // 2 // step * step
+        result = trains(mid)
+        trials.append((mid, result))
+        if result.get("failed"):
+            high = mid
+        else:
+            low = mid
+    return low, trials
+
+
+def _why(result):
+    if "killed" in result:
+        return "; ".join(f"{role} killed at VmHWM {k['VmHWM'] / MiB:,.0f} "
+                         f"MiB" for role, k in result["killed"].items())
+    if "planner" in result:
+        return f"planner: {result['planner']}"
+    if result.get("failed"):
+        return f"failed: {result.get('stderr')}"
+    peaks = result.get("peaks") or [result.get("peak")]
+    return "trained, peak " + ", ".join(f"{p / MiB:,.0f}" for p in peaks
+                                        if p) + " MiB"
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cap-mib", type=int, default=None,
-                        help="RLIMIT_AS per process (default: from the "
-                        "idle worker's and the unsplit model's peaks)")
+    parser.add_argument("--limit-mib", type=int, default=1280,
+                        help="resident-memory limit per process (VmHWM)")
+    parser.add_argument("--low", type=int, default=1024,
+                        help="a width that trains unsplit")
+    parser.add_argument("--high", type=int, default=8192,
+                        help="a width that trains on no setup")
+    parser.add_argument("--pipelined-high", type=int, default=None,
+                        help="a width that does not train on 2 workers "
+                        "(default: --high)")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--adam", action="store_true",
+                        help="one Adam run of each at the unsplit width")
     parser.add_argument("--out", default=None)
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--cluster", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--width", type=int, default=None,
+                        help=argparse.SUPPRESS)
     parser.add_argument("--budget", type=int, default=None,
                         help=argparse.SUPPRESS)
+    parser.add_argument("--optimizer", default="sgd", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
-        if args.child == "client":
-            out = child_client(args.cluster.split(","), args.budget)
-        elif args.child == "probe":
-            out = child_probe(args.cluster.split(","))
-        else:
-            out = {"unsplit": child_unsplit, "idle": child_idle}[args.child]()
+        out = {"unsplit": child_unsplit, "client": child_client,
+               "idle": child_idle}[args.child](args)
         print(json.dumps(out))
         return
-    report = {"idle": _run_child("idle", [])}
-    report["idle_workers"] = run_pipelined(None, None, probe=True)["workers"]
-    report["unsplit"] = _run_child("unsplit", [])
-    idle, unsplit = report["idle"]["VmPeak"], report["unsplit"]["VmPeak"]
-    worker = max(w["VmPeak"] for w in report["idle_workers"])
-    # Halfway between the unsplit model and an even split on two workers.
-    cap = (args.cap_mib * MiB if args.cap_mib else
-           (unsplit + worker + (unsplit - idle) // 2) // 2)
-    budget = cap - worker
-    report["cap"], report["budget"] = cap, budget
-    report["unsplit_capped"] = _run_child("unsplit", [], cap=cap)
-    report["pipelined"] = run_pipelined(cap, budget)
-    mib = lambda b: f"{b / MiB:,.0f} MiB"  # noqa: E731
-    print(f"cap per process (RLIMIT_AS): {mib(cap)}; idle TF worker "
-          f"VmPeak {mib(worker)} (plain TF process {mib(idle)}); planner "
-          f"budget per worker {mib(budget)}")
-    print(f"unsplit, no cap: VmPeak {mib(unsplit)} "
-          f"({unsplit / cap:.2f}x the cap), VmHWM "
-          f"{mib(report['unsplit']['VmHWM'])}, loss "
-          f"{report['unsplit']['loss']}")
-    capped = report["unsplit_capped"]
-    print("unsplit, capped: " + ("trained?!" if not capped.get("failed")
-                                 else f"failed: {capped}"))
-    pipe = report["pipelined"]
-    if pipe.get("failed"):
-        print(f"pipelined: FAILED {pipe}")
-    else:
-        print(pipe["plan"])
-        print(f"pipelined loss per epoch: {pipe['loss']}")
-        for w in pipe["workers"]:
-            print(f"worker {w['task']}: VmPeak {mib(w.get('VmPeak', 0))} "
-                  f"({w.get('VmPeak', 0) / cap:.2f}x the cap), VmHWM "
-                  f"{mib(w.get('VmHWM', 0))}, alive {w['alive']}")
+    limit = args.limit_mib * MiB
+    say = lambda text: print(text, flush=True)  # noqa: E731
+    idle = run_pipelined(None, limit, idle=True)
+    worker_idle = max(idle["peaks"])
+    budget = limit - worker_idle
+    report = {"limit": limit, "idle_worker_peaks": idle["peaks"],
+              "budget": budget}
+    say(f"limit per process (resident peak, watchdog): {args.limit_mib:,} "
+        f"MiB; idle worker {worker_idle / MiB:,.0f} MiB; planner budget "
+        f"per worker {budget / MiB:,.0f} MiB")
+
+    def unsplit(width):
+        result = run_unsplit(width, limit)
+        say(f"  unsplit   width {width}: {params(width):>12,} params: "
+            f"{_why(result)}")
+        return result
+
+    def pipelined(width):
+        result = run_pipelined(width, limit, budget)
+        plan = (f" (cut {result['sizes']}, M={result['num_micro_batches']}"
+                f", remat {result['remat']})" if "sizes" in result else "")
+        say(f"  pipelined width {width}: {params(width):>12,} params: "
+            f"{_why(result)}{plan}")
+        return result
+
+    start = time.time()
+    w_unsplit, trials_u = widest(unsplit, args.low, args.high)
+    w_pipe, trials_p = widest(pipelined, w_unsplit,
+                              args.pipelined_high or args.high)
+    ratio = params(w_pipe) / params(w_unsplit)
+    report.update(unsplit_width=w_unsplit, pipelined_width=w_pipe,
+                  unsplit_params=params(w_unsplit),
+                  pipelined_params=params(w_pipe), ratio=ratio,
+                  trials_unsplit=trials_u, trials_pipelined=trials_p)
+    say(f"widest unsplit: {w_unsplit} ({params(w_unsplit):,} params); "
+        f"widest on 2 workers: {w_pipe} ({params(w_pipe):,} params): "
+        f"{ratio:.2f}x the parameters")
+    repeats = []
+    for r in range(args.repeats):
+        u = run_unsplit(w_pipe, limit)
+        p = run_pipelined(w_pipe, limit, budget)
+        ok = bool(u.get("killed")) and not p.get("failed")
+        repeats.append({"unsplit": u, "pipelined": p, "ok": ok})
+        say(f"repeat {r + 1}: unsplit {_why(u)}; pipelined {_why(p)}: "
+            f"{'as expected' if ok else 'NOT as expected'}")
+    report["repeats"] = repeats
+    say(f"{sum(r['ok'] for r in repeats)} of {len(repeats)} runs: the "
+        f"unsplit process killed for memory, the workers under the limit")
+    u = next(r for w, r in trials_u if w == w_unsplit) if any(
+        w == w_unsplit for w, _ in trials_u) else run_unsplit(w_unsplit, limit)
+    p = run_pipelined(w_unsplit, limit, budget)
+    report["sgd"] = {"unsplit": u, "pipelined": p}
+    if "loss" in u and "loss" in p:
+        diff = max(abs(a - b) for a, b in zip(u["loss"], p["loss"]))
+        say(f"SGD losses at width {w_unsplit}: unsplit {u['loss']}, "
+            f"pipelined {p['loss']}: max difference {diff:.2e} "
+            f"({'equal' if diff <= 1e-5 else 'NOT equal'} to 1e-5)")
+    if args.adam:
+        ua = run_unsplit(w_unsplit // 2, limit, "adam")
+        pa = run_pipelined(w_unsplit // 2, limit, budget, "adam")
+        report["adam"] = {"width": w_unsplit // 2, "unsplit": ua,
+                          "pipelined": pa}
+        say(f"Adam runs at width {w_unsplit // 2}: unsplit "
+            f"{ua.get('loss', _why(ua))}, pipelined "
+            f"{pa.get('loss', _why(pa))}")
+    report["seconds"] = time.time() - start
+    say(f"total {report['seconds'] / 60:.1f} min")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=1)

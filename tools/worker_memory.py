@@ -1,0 +1,234 @@
+"""Where a worker's resident memory goes: phases of a pipelined fit, per worker.
+
+    python tools/worker_memory.py                 # the issue's MLP, SGD
+    python tools/worker_memory.py --optimizer adam --num-micro-batches 4
+
+Starts two loopback workers (`python -m keras_pipe.worker`) and a client
+process that connects, runs one op on each worker, then builds the model
+(7 x Dense(WIDTH), batch 64), cuts it with `from_model(num_stages=2,
+balance="params")`, compiles and trains. After each phase the client reads
+each worker's `VmRSS` and `VmHWM` (resident now, resident peak) from
+`/proc/<pid>/status`; everything is net of the idle worker after the first
+op. The unsplit model is measured the same way in its own process (net of
+the process after one op). Every process returns freed buffers to the OS
+(`keras_pipe.heap`) unless `--malloc-defaults`. Prints one table and, with `--out`, JSON.
+"""
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MiB = 2**20
+INPUTS, CLASSES, BATCH = 2048, 10, 64
+
+
+def status(pid="self"):
+    """VmHWM and VmRSS of a process, in bytes."""
+    result = {}
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key in ("VmHWM", "VmRSS"):
+                result[key] = int(value.split()[0]) * 1024
+    return result
+
+
+def _env():
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", KERAS_BACKEND="tensorflow")
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (ROOT, env.get("PYTHONPATH")) if p)
+    return env
+
+
+def build_model(keras, width, depth):
+    layers = [keras.Input((INPUTS,))]
+    layers += [keras.layers.Dense(width, activation="relu")
+               for _ in range(depth)]
+    layers.append(keras.layers.Dense(CLASSES))
+    return keras.Sequential(layers, name="mlp")
+
+
+def _data(np, steps):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(BATCH * steps, INPUTS)).astype("float32")
+    return x, rng.integers(0, CLASSES, size=(BATCH * steps,)).astype("int32")
+
+
+def _optimizer(keras, name):
+    return {"sgd": lambda: keras.optimizers.SGD(0.01),
+            "adam": lambda: keras.optimizers.Adam(1e-4)}[name]()
+
+
+def child_unsplit(args):
+    if not args.malloc_defaults:
+        from keras_pipe import heap
+        heap.return_freed_memory()
+    import keras
+    import numpy as np
+    import tensorflow as tf
+    tf.reduce_sum(tf.ones([8])).numpy()
+    phases = [("idle", status())]
+    keras.utils.set_random_seed(0)
+    model = build_model(keras, args.width, args.depth)
+    phases.append(("built", status()))
+    model.compile(_optimizer(keras, args.optimizer),
+                  keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  jit_compile=False if args.no_xla else "auto")
+    x, y = _data(np, args.steps)
+    model.train_on_batch(x[:BATCH], y[:BATCH])
+    phases.append(("first step", status()))
+    history = model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0,
+                        shuffle=False)
+    phases.append(("fit", status()))
+    return {"phases": phases, "loss": history.history["loss"],
+            "params": model.count_params()}
+
+
+def child_client(args):
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    import keras_pipe
+    cluster = args.cluster.split(",")
+    pids = [int(p) for p in args.pids.split(",")]
+    devices = [f"/job:worker/replica:0/task:{t}/device:CPU:0"
+               for t in range(len(cluster))]
+    keras_pipe.connect({"worker": cluster}, timeout=60.0)
+    for device in devices:
+        with tf.device(device):
+            tf.function(lambda: tf.reduce_sum(tf.ones([64, 64])))().numpy()
+    phases = []
+
+    def mark(name):
+        phases.append((name, [status(p) for p in pids], status()))
+
+    mark("idle")
+    keras.utils.set_random_seed(0)
+    model = build_model(keras, args.width, args.depth)
+    mark("model built (client)")
+    pipe = keras_pipe.PipelineModel.from_model(
+        model, num_stages=2, devices=devices,
+        num_micro_batches=args.num_micro_batches, balance="params",
+        remat=args.remat)
+    mark("pipeline built")
+    pipe.compile(_optimizer(keras, args.optimizer),
+                 keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    x, y = _data(np, args.steps)
+    pipe.train_on_batch(x[:BATCH], y[:BATCH])
+    mark("first step")
+    history = pipe.fit(x, y, batch_size=BATCH, epochs=1, verbose=0,
+                       shuffle=False)
+    mark("fit")
+    stages = [[v.shape.num_elements() * 4 for v in s.trainable_variables]
+              for s in pipe.stages]
+    return {"phases": phases, "loss": history.history["loss"],
+            "params": model.count_params(),
+            "stage_weight_bytes": [sum(s) for s in stages]}
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run(argv):
+    done = subprocess.run([sys.executable, os.path.abspath(__file__)] + argv,
+                          env=_env(), capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(done.stderr[-3000:])
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def measure(args):
+    common = ["--width", str(args.width), "--depth", str(args.depth),
+              "--optimizer", args.optimizer, "--steps", str(args.steps),
+              "--num-micro-batches", str(args.num_micro_batches),
+              "--remat", args.remat] + (
+                  ["--malloc-defaults"] if args.malloc_defaults else []) + (
+                  ["--no-xla"] if args.no_xla else [])
+    unsplit = _run(["--child", "unsplit"] + common)
+    cluster = [f"127.0.0.1:{_free_port()}" for _ in range(2)]
+    workers = [subprocess.Popen(
+        [sys.executable, "-m", "keras_pipe.worker", "--task", str(t),
+         "--cluster", ",".join(cluster), "--intra-op-threads", "1"]
+        + (["--keep-malloc-defaults"] if args.malloc_defaults else []),
+        env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        for t in range(2)]
+    try:
+        client = _run(["--child", "client", "--cluster", ",".join(cluster),
+                       "--pids", ",".join(str(w.pid) for w in workers)]
+                      + common)
+    finally:
+        for w in workers:
+            w.kill()
+            w.wait()
+    return {"unsplit": unsplit, "pipelined": client, "args": vars(args)}
+
+
+def table(report):
+    mib = lambda b: f"{b / MiB:8.1f}"  # noqa: E731
+    lines = []
+    u = report["unsplit"]
+    idle = u["phases"][0][1]["VmHWM"]
+    lines.append(f"unsplit ({u['params']:,} params, weights "
+                 f"{u['params'] * 4 / MiB:.1f} MiB), net of idle "
+                 f"{idle / MiB:.0f} MiB (MiB):")
+    lines.append(f"  {'phase':24} {'RSS':>8} {'HWM':>8}")
+    for name, s in u["phases"]:
+        lines.append(f"  {name:24} {mib(s['VmRSS'] - idle)} "
+                     f"{mib(s['VmHWM'] - idle)}")
+    p = report["pipelined"]
+    idle = [w["VmHWM"] for w in p["phases"][0][1]]
+    lines.append(f"pipelined, stage weights "
+                 f"{[round(b / MiB, 1) for b in p['stage_weight_bytes']]} "
+                 f"MiB; workers net of idle "
+                 f"{[round(b / MiB) for b in idle]} MiB (MiB):")
+    lines.append(f"  {'phase':24} {'w0 RSS':>8} {'w0 HWM':>8} {'w1 RSS':>8} "
+                 f"{'w1 HWM':>8} {'client RSS':>10}")
+    for name, ws, c in p["phases"]:
+        cells = " ".join(f"{mib(w['VmRSS'] - i)} {mib(w['VmHWM'] - i)}"
+                         for w, i in zip(ws, idle))
+        lines.append(f"  {name:24} {cells} {mib(c['VmRSS'])}")
+    lines.append(f"losses: unsplit {u['loss']} pipelined {p['loss']}")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--width", type=int, default=3584)
+    parser.add_argument("--depth", type=int, default=7)
+    parser.add_argument("--optimizer", default="sgd", choices=("sgd", "adam"))
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--num-micro-batches", type=int, default=2)
+    parser.add_argument("--remat", default="never")
+    parser.add_argument("--malloc-defaults", action="store_true",
+                        help="glibc's malloc defaults in every process "
+                        "(before keras_pipe.heap)")
+    parser.add_argument("--no-xla", action="store_true",
+                        help="the unsplit model with jit_compile=False "
+                        "(Keras' default on TF is XLA where it can)")
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--cluster", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--pids", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        out = {"unsplit": child_unsplit, "client": child_client}[
+            args.child](args)
+        print(json.dumps(out))
+        return
+    report = measure(args)
+    print(table(report))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
