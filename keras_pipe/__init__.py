@@ -26,8 +26,10 @@ from keras_pipe.model import PipelineModel  # noqa: E402
 from keras_pipe.placement import logical_cpu_devices  # noqa: E402
 from keras_pipe.planner import plan  # noqa: E402
 from keras_pipe.saving import load_model  # noqa: E402
+from keras_pipe.verify import VerificationReport, verify  # noqa: E402
 
 __all__ = ["BackupAndRestore", "DeferredBatchNormalization", "PipelineModel",
            "connect", "layers", "load_model",
-           "logical_cpu_devices", "plan", "schedule"]
+           "logical_cpu_devices", "plan", "schedule", "VerificationReport",
+           "verify"]
 __version__ = "0.1.0"

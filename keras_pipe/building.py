@@ -12,7 +12,7 @@ from keras_pipe import internals, placement, validation
 from keras_pipe import schedule as schedule_lib
 
 __all__ = ["build_stages", "check_stages", "device_indices",
-           "known_input_spec", "to_spec"]
+           "known_input_spec", "spec_of", "to_spec"]
 
 
 def _is_shape(value):
@@ -29,6 +29,18 @@ def to_spec(shapes):
     if isinstance(shapes, (tuple, list)):
         return type(shapes)(to_spec(v) for v in shapes)
     raise TypeError(f"Cannot read an input shape from {shapes!r}.")
+
+
+def spec_of(inputs):
+    """KerasTensors with an open batch size, shaped and typed as `inputs`."""
+    def one(t):
+        if t is None:
+            return None
+        shape = tuple(t.shape)
+        dtype = keras.backend.standardize_dtype(t.dtype)
+        return keras.KerasTensor((None,) + shape[1:] if shape else shape,
+                                 dtype=dtype)
+    return keras.tree.map_structure(one, inputs)
 
 
 def _describe(spec):

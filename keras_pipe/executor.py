@@ -28,7 +28,7 @@ import tensorflow as tf
 
 from keras_pipe import attached, internals, microbatch
 from keras_pipe import schedule as schedule_lib
-from keras_pipe.gradients import sum_gradients
+from keras_pipe.gradients import sum_gradients, sum_micro_batches
 from keras_pipe.replicas import replica_of
 from keras_pipe.tensors import is_float
 
@@ -612,13 +612,20 @@ class Executor:
         for ii, _ in group:
             step.cells[ii][j].stash = None
     def gradient_parts(self, step):
-        """`(variable, gradient)` per stage, replica and trainable variable."""
-        for replica, sums in zip(self.replicas, step.sums):
-            for runner, totals in zip(replica, sums):
-                for variable, total in zip(runner.trainable_variables,
-                                           totals):
-                    if total is not None:
-                        yield variable, total
+        """`(variable, gradient)` per stage and trainable variable.
+
+        The replicas' sums of a stage are micro-batches of one read: they
+        are added on replica 0's device (where the variables live) as
+        micro-batches are (`keras_pipe.gradients.add_gradients`).
+        """
+        for j, runner in enumerate(self.replicas[0]):
+            for n, variable in enumerate(runner.trainable_variables):
+                parts = [sums[j][n] for sums in step.sums
+                         if sums[j][n] is not None]
+                if parts:
+                    with tf.device(runner.device):
+                        total = sum_micro_batches(parts)
+                    yield variable, total
 
 
 def sum_on_devices(variables, parts, device_of):

@@ -29,6 +29,9 @@ def _input_spec(model):
             inputs = inputs[0]
         return keras.tree.map_structure(
             lambda t: keras.KerasTensor(t.shape, t.dtype), inputs)
+    seen = getattr(model, "_seen_input_spec", None)
+    if seen is not None:
+        return seen
     shapes = getattr(model, "_build_shapes_dict", None)
     if shapes:
         shape = next(iter(shapes.values()))
@@ -36,8 +39,9 @@ def _input_spec(model):
             lambda s: keras.KerasTensor(tuple(s)), shape)
     raise ValueError(
         f"PipelineModel {model.name!r} does not know its input shape: its "
-        "first stage has no Input and the model was never built. Call the "
-        "model on a batch (or model.build(input_shape)) first.")
+        "first stage has no Input and the model has not been built or "
+        "called. Call the model on a batch (`model(x)`, `fit`, `predict`) "
+        "or model.build(input_shape) first.")
 
 
 def _apply(layer, inputs):

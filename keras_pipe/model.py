@@ -7,6 +7,7 @@ from keras_pipe import building, cluster, internals, placement, saving, validati
 from keras_pipe import executor as executor_lib
 from keras_pipe import export as export_lib
 from keras_pipe import losses as losses_lib
+from keras_pipe import reporting
 from keras_pipe import replicas as replicas_lib
 from keras_pipe.stage import Stage
 
@@ -245,6 +246,18 @@ class PipelineModel(keras.Model):
         return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(r, widths))
                          for r in rows)
 
+    def summary(self, *args, **kwargs):
+        """`keras.Model.summary`, then each layer's stage and device.
+
+        Arguments are Keras' (`print_fn`, `line_length`, ...); `print_fn`
+        prints the stage table too.
+        """
+        super().summary(*args, **kwargs)
+        print_fn = kwargs.get("print_fn") or (args[2] if len(args) > 2
+                                              else None) or print
+        print_fn("Stages:\n" + reporting.layer_table(
+            self._stage_layers, self._resolved_devices))
+
     # ----------------------------------------------------------------- saving
     # The logic lives in keras_pipe/saving.py and keras_pipe/export.py.
 
@@ -315,6 +328,7 @@ class PipelineModel(keras.Model):
         self._build_from_spec(building.to_spec(input_shape))
 
     def _build_from_spec(self, spec):
+        self._remember_input_spec(spec)
         building.build_stages(self._stage_layers, self._resolved_devices,
                               spec)
         self.built = True
@@ -330,6 +344,15 @@ class PipelineModel(keras.Model):
         if self.built and optimizer is not None and not optimizer.built:
             with internals.eager_scope():
                 optimizer.build(self.trainable_variables)
+
+    def _remember_input_spec(self, inputs):
+        """Keeps the first input spec seen, for `to_model` and `export`.
+
+        A first stage that is a subclassed model has no `Input` to read it
+        from, and a model built by `fit` has no `_build_shapes_dict`.
+        """
+        if getattr(self, "_seen_input_spec", None) is None:
+            self._seen_input_spec = building.spec_of(inputs)
 
     def _ensure_built(self, x):
         """Builds from a batch (Keras' TF trainer builds on first trace)."""
@@ -403,6 +426,7 @@ class PipelineModel(keras.Model):
 
     @_not_autograph
     def call(self, inputs, training=False):
+        self._remember_input_spec(inputs)
         step = self._executor.start(
             inputs, self.num_micro_batches, bool(training),
             ["never"] * self.num_stages, differentiable=True)
@@ -446,6 +470,9 @@ class PipelineModel(keras.Model):
     def train_step(self, data):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         self._ensure_built(x)
+        if not getattr(self, "_batch_norm_warned", False):
+            self._batch_norm_warned = reporting.warn_batch_norm(
+                self._stage_layers, self.num_micro_batches)
         observer = self._step_observer() if self._step_observer else None
         loss, y_pred, gradients = self.compute_loss_and_gradients(
             x, y, sample_weight, observer=observer)
@@ -502,6 +529,14 @@ class PipelineModel(keras.Model):
     # (`keras_pipe.cluster.run`); a plain call when every stage is local.
 
     def fit(self, *args, **kwargs):
+        # TensorBoard(write_graph=True) gets the model config as Keras
+        # writes it for a Functional model (`keras_pipe.reporting`).
+        if len(args) > 5:
+            args = args[:5] + (reporting.with_config_writers(args[5]),) + \
+                args[6:]
+        else:
+            kwargs["callbacks"] = reporting.with_config_writers(
+                kwargs.get("callbacks"))
         return cluster.run(self._resolved_devices, "fit", super().fit, *args,
                            **kwargs)
 

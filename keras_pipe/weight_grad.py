@@ -342,8 +342,10 @@ class SplitBackward:
             if plan.splittable:
                 grads = _replayed_gradients(plan, params, stashes)
             else:
-                grads = [None if slot is None else gradients_lib.sum_gradients(
-                    [s[slot] for s in stashes]) for slot in plan.param_slots]
+                grads = [None if slot is None
+                         else gradients_lib.sum_micro_batches(
+                             [s[slot] for s in stashes])
+                         for slot in plan.param_slots]
             sums = iter(sums)
             new_sums = [gradients_lib.add_gradients(next(sums), g)
                         for g, d in zip(grads, dense) if d]

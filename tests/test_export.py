@@ -73,6 +73,41 @@ def test_to_model_needs_an_input_shape(devices):
     with pytest.raises(ValueError, match=r"does not know its input shape.*"
                                          r"model.build\(input_shape\)"):
         model.to_model()
+    # The call the message names works.
+    model(np.zeros((2, 3), "float32"))
+    assert model.to_model().input_shape == (None, 3)
+
+
+class SubclassedStage(keras.Model):
+    """A stage with no Input: its input shape is only known once called."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = keras.layers.Dense(6, activation="relu")
+
+    def call(self, x):
+        return self.dense(x)
+
+
+def test_subclassed_first_stage_converts_back_after_fit(devices, tmp_path):
+    # Broke: after fit and predict, to_model() and export() raised "does
+    # not know its input shape", and calling the model did not help.
+    model = keras_pipe.PipelineModel(
+        [SubclassedStage(), keras.layers.Dense(2)], devices=devices[:2],
+        num_micro_batches=2)
+    model.compile("adam", "mse")
+    x = np.random.default_rng(0).normal(size=(8, IN_DIM)).astype("float32")
+    model.fit(x, np.ones((8, 2), "float32"), verbose=0)
+    expected = model.predict(x, verbose=0)
+    plain = model.to_model()
+    assert plain.input_shape == (None, IN_DIM)
+    np.testing.assert_allclose(plain.predict(x, verbose=0), expected,
+                               rtol=0, atol=1e-6)
+    path = str(tmp_path / "served")
+    model.export(path, verbose=False)
+    loaded = tf.saved_model.load(path)  # kept: its functions need it
+    np.testing.assert_allclose(loaded.serve(tf.constant(x)).numpy(),
+                               expected, rtol=0, atol=1e-6)
 
 
 SERVE_SCRIPT = textwrap.dedent("""

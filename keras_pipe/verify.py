@@ -1,0 +1,361 @@
+"""A check users run on their own model: the pipeline's steps against Keras'.
+
+keras_pipe promises that a pipelined step is the unsplit model's step. Its
+tests prove that on their models; `verify` proves it on the user's, on the
+user's batch: the same weights, a few optimizer steps of plain Keras on the
+unsplit model and of the pipeline, every variable compared, and the known
+reasons for a difference named (BatchNormalization at M > 1, mixed
+precision) so that anything else stands out.
+"""
+
+import dataclasses
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from keras_pipe.model import PipelineModel
+
+__all__ = ["VariableDifference", "VerificationReport", "verify"]
+
+# Layers whose randomness is set aside (attribute set to 0 for the check).
+_RANDOM = ((keras.layers.Dropout, "rate"),
+           (keras.layers.GaussianDropout, "rate"),
+           (keras.layers.AlphaDropout, "rate"),
+           (keras.layers.GaussianNoise, "stddev"))
+
+BATCH_NORM = ("BatchNormalization at M > 1: training normalizes each "
+              "micro-batch with its own statistics (DeferredBatchNormalization"
+              " too: it makes only the moving statistics the unsplit ones); "
+              "num_micro_batches=1 is exact")
+NOISE = ("gradient at float-rounding level (a key bias under softmax, a "
+         "parameter the loss does not depend on): Adam, RMSprop and the like "
+         "normalize the noise into full steps of either sign")
+MIXED_PRECISION = ("mixed precision: float16/bfloat16 computations rounded "
+                   "in another order")
+
+
+@dataclasses.dataclass
+class VariableDifference:
+    """One variable after the steps: pipeline against plain Keras."""
+
+    path: str
+    shape: tuple
+    update: float      # max |w_keras - w_start|
+    difference: float  # max |w_pipeline - w_keras|
+    gradient: float = 0.0  # max |dloss/dw| at the start (plain Keras)
+
+    @property
+    def relative(self):
+        """`difference / update` (the difference itself if nothing moved)."""
+        return self.difference / self.update if self.update else \
+            self.difference
+
+
+@dataclasses.dataclass
+class VerificationReport:
+    """What `keras_pipe.verify` found; `str(report)` is a readable table.
+
+    Attributes:
+        ok: True when every variable and the predictions are within
+            tolerance, or differ only for a named known cause.
+        num_stages, num_micro_batches, schedule, steps: what was run.
+        losses_keras, losses_pipeline: the loss of each step.
+        prediction_difference: max |y_pipeline - y_keras| / max |y_keras|
+            of `predict` at the starting weights.
+        variables: a `VariableDifference` per float variable, largest
+            relative difference first.
+        causes: the known causes seen (BatchNormalization at M > 1, mixed
+            precision): differences they explain are not flagged.
+        flagged: paths of the variables off by more than `tolerance` of
+            their update with no known cause.
+        set_aside: the random layers (Dropout, ...) switched off.
+        tolerance: the largest difference relative to the update accepted.
+        noise: paths of the variables whose gradient is at rounding level
+            (at most 1e-5 of the largest): their difference is named, not
+            flagged, and left out of `largest`.
+    """
+
+    ok: bool
+    num_stages: int
+    num_micro_batches: int
+    schedule: str
+    steps: int
+    losses_keras: list
+    losses_pipeline: list
+    prediction_difference: float
+    variables: list
+    causes: list
+    flagged: list
+    set_aside: list
+    tolerance: float
+    noise: list = dataclasses.field(default_factory=list)
+
+    @property
+    def largest(self):
+        """The largest relative difference of a variable (noise left out)."""
+        return max((v.relative for v in self.variables
+                    if v.path not in self.noise), default=0.0)
+
+    def __str__(self):
+        verdict = "OK" if self.ok else (
+            "DIFFERENT (unexplained)" if self.flagged else
+            "DIFFERENT (explained by the causes below)")
+        losses = ", ".join(f"{a:.6g} / {b:.6g}" for a, b in zip(
+            self.losses_keras, self.losses_pipeline))
+        lines = [
+            f"keras_pipe.verify: {verdict}",
+            (f"  {self.num_stages} stages, M={self.num_micro_batches}, "
+             f"schedule={self.schedule!r}, {self.steps} step(s); tolerance "
+             f"{self.tolerance:g} of each variable's update"),
+            f"  loss (keras / pipeline): {losses}",
+            (f"  predictions: max difference "
+             f"{self.prediction_difference:.3g} of their scale"),
+            (f"  variables: {len(self.variables)}, largest difference "
+             f"{self.largest:.3g} of the update"),
+        ]
+        if self.set_aside:
+            lines.append("  set aside: " + ", ".join(self.set_aside))
+        for cause in self.causes:
+            lines.append(f"  known cause: {cause}")
+        if self.flagged:
+            lines.append(f"  flagged ({len(self.flagged)}): "
+                         + ", ".join(self.flagged[:8])
+                         + (" ..." if len(self.flagged) > 8 else ""))
+        width = max([len(v.path) for v in self.variables[:10]] + [8])
+        lines.append(f"  {'variable':<{width}}  {'update':>10}  "
+                     f"{'difference':>10}  {'relative':>10}")
+        for v in self.variables[:10]:
+            lines.append(f"  {v.path:<{width}}  {v.update:10.3g}  "
+                         f"{v.difference:10.3g}  {v.relative:10.3g}")
+        if len(self.variables) > 10:
+            lines.append(f"  ... {len(self.variables) - 10} more, each "
+                         f"within {self.variables[10].relative:.3g}")
+        return "\n".join(lines)
+
+
+class _Unsplit(keras.Model):
+    """The user's model behind a fresh `keras.Model`: its own compile."""
+
+    def __init__(self, model):
+        super().__init__(name=f"unsplit_{model.name}")
+        self.inner = model
+
+    def call(self, inputs, training=False):
+        return self.inner(inputs, training=training)
+
+
+def verify(model, x, y, loss=None, optimizer=None, num_stages=None,
+           num_micro_batches=None, schedule=None, devices=None, steps=2,
+           sample_weight=None, tolerance=1e-3, **pipeline_kwargs):
+    """Checks that the pipeline trains `model` as plain Keras does.
+
+    From the same weights, runs `steps` optimizer steps of plain Keras on the
+    unsplit model and of the pipeline on the batch `(x, y)`, compares
+    `predict` at the start and every float variable at the end, and puts the
+    weights back. Dropout and other random layers are set aside (rate 0)
+    for the check: the pipeline draws its masks per row, not as Keras does.
+    A difference is reported relative to the variable's update
+    (`max|w_pipeline - w_keras| / max|w_keras - w_start|`), so a float
+    rounding shows as ~1e-6 and a different step as ~1. Known causes that
+    make the pipeline train differently on purpose are named:
+    BatchNormalization at M > 1 (per-micro-batch statistics) and mixed
+    precision (rounding); a difference with no known cause is flagged.
+
+    ```python
+    report = keras_pipe.verify(model, x, y, loss="mse", optimizer="adam",
+                               num_stages=2, num_micro_batches=4)
+    print(report)
+    assert report.ok
+    ```
+
+    Args:
+        model: a built `keras.Model` (cut with
+            `PipelineModel.from_model`) or a `PipelineModel` (its stages,
+            devices, `num_micro_batches`, `remat` and `schedule` are used;
+            `num_stages`, `num_micro_batches`, `schedule`, `devices` and
+            `pipeline_kwargs` must then be left out).
+        x, y: one batch, as `fit` takes it (arrays, dicts of arrays).
+        loss: a Keras loss. Defaults to `None`: the loss `model` was
+            compiled with.
+        optimizer: a Keras optimizer (name, config or instance: fresh copies
+            are made, the instance is not stepped). Defaults to `None`: the
+            one `model` was compiled with.
+        num_stages: stages to cut `model` into. Defaults to `None`: 2.
+        num_micro_batches: `M`. Defaults to `None`: 2.
+        schedule: a registered schedule. Defaults to `None`: `"gpipe"`.
+        devices: one device per stage. Defaults to `None` (as
+            `PipelineModel`).
+        steps: optimizer steps to compare. Defaults to `2`.
+        sample_weight: per-sample weights of the batch. Defaults to `None`.
+        tolerance: the largest difference, relative to each variable's
+            update, that counts as equal. Defaults to `1e-3`.
+        **pipeline_kwargs: more `PipelineModel.from_model` arguments
+            (`balance`, `remat`, `input_shape`).
+
+    Returns:
+        A `VerificationReport`; `print` it, test `report.ok`.
+
+    Raises:
+        TypeError: if `model` is not a Keras model.
+        ValueError: if no loss or optimizer is given nor compiled, `steps`
+            is not a positive integer, or pipeline arguments are given with
+            a `PipelineModel`.
+    """
+    if not isinstance(model, keras.Model):
+        raise TypeError("verify() takes a keras.Model or a "
+                        f"keras_pipe.PipelineModel. Received: {model!r}")
+    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+        raise ValueError(f"steps must be a positive integer. Received: "
+                         f"steps={steps!r}")
+    loss = loss if loss is not None else getattr(model, "loss", None)
+    if loss is None:
+        raise ValueError("verify() needs a loss: pass loss=... (or compile "
+                         "the model first). Received: loss=None")
+    optimizer = optimizer if optimizer is not None else getattr(
+        model, "optimizer", None)
+    if optimizer is None:
+        raise ValueError("verify() needs an optimizer: pass optimizer=... "
+                         "(or compile the model first). Received: "
+                         "optimizer=None")
+    if isinstance(model, PipelineModel):
+        given = dict(pipeline_kwargs, devices=devices, num_stages=num_stages,
+                     num_micro_batches=num_micro_batches, schedule=schedule)
+        given = {k: v for k, v in given.items() if v is not None}
+        if given:
+            raise ValueError(
+                "verify() runs a PipelineModel as it is: leave out "
+                f"{sorted(given)} (they apply to a keras.Model it cuts).")
+        pipe = PipelineModel(
+            model.stages, devices=list(model.devices),
+            num_micro_batches=model.num_micro_batches, remat=model.remat,
+            schedule=model.schedule)
+        unsplit = model.to_model()
+    else:
+        pipe = PipelineModel.from_model(
+            model, 2 if num_stages is None else num_stages, devices=devices,
+            num_micro_batches=(2 if num_micro_batches is None
+                               else num_micro_batches),
+            schedule=schedule or "gpipe", **pipeline_kwargs)
+        unsplit = model
+    variables = [v for v in unsplit.weights if _is_float(v)]
+    start = [v.numpy() for v in unsplit.weights]
+    set_aside = _set_aside_randomness(pipe.layers)
+    try:
+        expected_pred = _predict(_Unsplit(unsplit), x)
+        actual_pred = _predict(pipe, x)
+        reference = _Unsplit(unsplit)
+        losses_keras = _train(reference, loss, optimizer, x, y,
+                              sample_weight, steps)
+        expected = [v.numpy() for v in variables]
+        _assign(unsplit.weights, start)
+        grads = _gradient_sizes(reference, variables, x, y, sample_weight)
+        losses_pipe = _train(pipe, loss, optimizer, x, y, sample_weight,
+                             steps)
+        actual = [v.numpy() for v in variables]
+    finally:
+        _assign(unsplit.weights, start)
+        for layer, attribute, value in set_aside:
+            setattr(layer, attribute, value)
+    initial = {id(v): s for v, s in zip(unsplit.weights, start)}
+    rows = []
+    for v, e, a in zip(variables, expected, actual):
+        s = initial[id(v)]
+        rows.append(VariableDifference(
+            v.path, tuple(v.shape),
+            float(np.max(np.abs(e.astype("float64") - s), initial=0.0)),
+            float(np.max(np.abs(a.astype("float64") - e), initial=0.0)),
+            grads[id(v)]))
+    rows.sort(key=lambda r: r.relative, reverse=True)
+    scale = max(float(np.max(np.abs(e), initial=0.0))
+                for e in keras.tree.flatten(expected_pred)) or 1.0
+    prediction = max(float(np.max(np.abs(a - e), initial=0.0))
+                     for e, a in zip(keras.tree.flatten(expected_pred),
+                                     keras.tree.flatten(actual_pred))) / scale
+    causes = _known_causes(pipe)
+    off = [r for r in rows if r.relative > tolerance]
+    largest_gradient = max((r.gradient for r in rows), default=0.0)
+    noise = [r.path for r in off if r.gradient <= 1e-5 * largest_gradient]
+    if noise:
+        causes.append(f"{NOISE}: {', '.join(noise[:4])}"
+                      + (" ..." if len(noise) > 4 else ""))
+    off = [r.path for r in off if r.path not in noise]
+    explained = any(c in (BATCH_NORM, MIXED_PRECISION) for c in causes)
+    flagged = [] if explained else list(off)
+    if prediction > tolerance and not explained:
+        flagged.append("(predictions)")
+    return VerificationReport(
+        ok=not off and prediction <= tolerance,
+        num_stages=pipe.num_stages, num_micro_batches=pipe.num_micro_batches,
+        schedule=pipe.schedule, steps=steps, losses_keras=losses_keras,
+        losses_pipeline=losses_pipe, prediction_difference=prediction,
+        variables=rows, causes=causes, flagged=flagged,
+        set_aside=[f"{layer.name}.{attribute}={value}"
+                   for layer, attribute, value in set_aside],
+        tolerance=tolerance, noise=noise)
+
+
+def _is_float(variable):
+    return "float" in keras.backend.standardize_dtype(variable.dtype)
+
+
+def _assign(variables, values):
+    for v, value in zip(variables, values):
+        v.assign(value)
+
+
+def _fresh(optimizer):
+    """A new optimizer with `optimizer`'s configuration."""
+    if isinstance(optimizer, keras.optimizers.Optimizer):
+        return optimizer.__class__.from_config(optimizer.get_config())
+    return keras.optimizers.get(optimizer)
+
+
+def _predict(model, x):
+    batch = len(keras.tree.flatten(x)[0])
+    return model.predict(x, batch_size=batch, verbose=0)
+
+
+def _gradient_sizes(model, variables, x, y, sample_weight):
+    """`{id(variable): max |gradient|}` of one plain Keras loss."""
+    x, y = keras.tree.map_structure(tf.convert_to_tensor, (x, y))
+    with tf.GradientTape() as tape:
+        y_pred = model(x, training=True)
+        loss = model.compute_loss(x, y, y_pred, sample_weight, training=True)
+    grads = tape.gradient(loss, variables)
+    return {id(v): 0.0 if g is None else float(tf.reduce_max(tf.abs(
+        tf.convert_to_tensor(g)))) for v, g in zip(variables, grads)}
+
+
+def _train(model, loss, optimizer, x, y, sample_weight, steps):
+    model.compile(_fresh(optimizer), loss=loss, jit_compile=False)
+    return [float(np.ravel(model.train_on_batch(
+        x, y, sample_weight=sample_weight))[0]) for _ in range(steps)]
+
+
+def _set_aside_randomness(layers):
+    """Sets Dropout-like layers' rate to 0; returns what to put back."""
+    found = []
+    for top in layers:
+        for layer in top._flatten_layers():
+            for kind, attribute in _RANDOM:
+                value = getattr(layer, attribute, 0)
+                if isinstance(layer, kind) and value:
+                    found.append((layer, attribute, value))
+                    setattr(layer, attribute, 0)
+                    break
+    return found
+
+
+def _known_causes(pipe):
+    """The known reasons for a pipelined step to differ, as sentences."""
+    causes = []
+    layers = [sub for top in pipe.layers for sub in top._flatten_layers()]
+    if pipe.num_micro_batches > 1 and any(
+            isinstance(layer, keras.layers.BatchNormalization)
+            for layer in layers):
+        causes.append(BATCH_NORM)
+    if any(layer.dtype_policy.compute_dtype in ("float16", "bfloat16")
+           for layer in layers):
+        causes.append(MIXED_PRECISION)
+    return causes

@@ -1,0 +1,116 @@
+"""keras_pipe.verify: the pipeline's steps against plain Keras, per variable.
+
+Tolerance: verify's default, 1e-3 of each variable's update after 2 steps
+(float rounding shows as ~1e-6, a different step as ~1).
+"""
+
+import keras
+import numpy as np
+import pytest
+from keras import ops
+
+import keras_pipe
+from keras_pipe.verify import BATCH_NORM
+
+CE = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def _mlp(middle=None):
+    inputs = keras.Input((6,))
+    h = keras.layers.Dense(8, activation="tanh", name="first")(inputs)
+    if middle is not None:
+        h = middle(h)
+    h = keras.layers.Dropout(0.5, name="drop")(h)
+    h = keras.layers.Dense(8, activation="tanh", name="second")(h)
+    return keras.Model(inputs, keras.layers.Dense(3, name="logits")(h))
+
+
+def _batch():
+    rng = np.random.default_rng(0)
+    return (rng.normal(size=(8, 6)).astype("float32"),
+            (np.arange(8) % 3).astype("int32"))
+
+
+class BatchCentered(keras.layers.Layer):
+    """Subtracts the batch mean: couples rows, with no known cause named."""
+
+    def call(self, x):
+        return x - ops.mean(x, axis=0, keepdims=True)
+
+
+def test_equal_model_is_ok_and_weights_are_put_back(devices):
+    model = _mlp()
+    x, y = _batch()
+    start = [v.numpy() for v in model.weights]
+    report = keras_pipe.verify(model, x, y, loss=CE, optimizer="adam",
+                               num_micro_batches=4, schedule="1f1b",
+                               devices=devices[:2])
+    assert report.ok, report
+    assert not report.flagged and not report.causes
+    assert report.largest < 1e-4
+    assert report.set_aside == ["drop.rate=0.5"]
+    assert model.get_layer("drop").rate == 0.5
+    assert len(report.variables) == 6
+    assert all(v.update > 0 for v in report.variables)
+    np.testing.assert_allclose(report.losses_pipeline, report.losses_keras,
+                               rtol=1e-5)
+    for v, s in zip(model.weights, start):
+        np.testing.assert_array_equal(v.numpy(), s)
+    text = str(report)
+    assert text.startswith("keras_pipe.verify: OK")
+    assert "first/kernel" in text and "set aside: drop.rate=0.5" in text
+
+
+def test_batch_norm_at_several_micro_batches_is_named(devices):
+    x, y = _batch()
+    model = _mlp(keras.layers.BatchNormalization(name="bn"))
+    with pytest.warns(UserWarning, match=r"num_micro_batches=2 \(stage"):
+        report = keras_pipe.verify(model, x, y, loss=CE, optimizer="sgd",
+                                   num_micro_batches=2, devices=devices[:2])
+    assert not report.ok
+    assert report.causes == [BATCH_NORM]
+    assert not report.flagged
+    assert report.largest > 0.01
+    assert "DIFFERENT (explained" in str(report)
+    assert "num_micro_batches=1 is exact" in str(report)
+    # M=1: the unsplit statistics, nothing to explain.
+    report = keras_pipe.verify(model, x, y, loss=CE, optimizer="sgd",
+                               num_micro_batches=1, devices=devices[:2])
+    assert report.ok and not report.causes, report
+
+
+def test_unexplained_difference_is_flagged(devices):
+    x, y = _batch()
+    model = _mlp(BatchCentered(name="centered"))
+    report = keras_pipe.verify(model, x, y, loss=CE, optimizer="adam",
+                               devices=devices[:2])
+    assert not report.ok and not report.causes
+    assert "first/kernel" in report.flagged
+    assert "DIFFERENT (unexplained)" in str(report)
+
+
+def test_pipeline_model_is_run_as_it_is(devices):
+    stages = [keras.Sequential([keras.Input((6,)), keras.layers.Dense(8)]),
+              keras.layers.Dense(3)]
+    pipe = keras_pipe.PipelineModel(stages, devices=devices[:2],
+                                    num_micro_batches=4, schedule="zb_h2")
+    pipe.compile("rmsprop", CE)
+    x, y = _batch()
+    report = keras_pipe.verify(pipe, x, y)
+    assert report.ok, report
+    assert (report.num_micro_batches, report.schedule) == (4, "zb_h2")
+    with pytest.raises(ValueError, match=r"leave out \['num_stages'\]"):
+        keras_pipe.verify(pipe, x, y, num_stages=3)
+
+
+def test_bad_arguments(devices):
+    x, y = _batch()
+    model = _mlp()
+    with pytest.raises(ValueError, match="needs a loss: pass loss="):
+        keras_pipe.verify(model, x, y, optimizer="sgd")
+    with pytest.raises(ValueError, match="needs an optimizer"):
+        keras_pipe.verify(model, x, y, loss=CE)
+    with pytest.raises(ValueError, match="steps=0"):
+        keras_pipe.verify(model, x, y, loss=CE, optimizer="sgd", steps=0)
+    with pytest.raises(TypeError, match="Received: 3"):
+        keras_pipe.verify(3, x, y)
