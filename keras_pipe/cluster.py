@@ -23,6 +23,7 @@ opens, can run arbitrary ops in that process. Use a trusted network.
 (`keras_pipe.bind`).
 """
 
+import ctypes
 import ipaddress
 import json
 import os
@@ -533,15 +534,20 @@ def run(devices, action, function, *args, interval=1.0, misses=2,
     watchdog = _Watch(tasks, interval, misses)
     keras_state = internals.keras_global_state()
     outcome = {}
+    # Set when `call` ends. Not `Thread.is_alive`: a KeyboardInterrupt in
+    # `Thread.join` marks a running thread as stopped (CPython 3.11).
+    done = threading.Event()
 
     def call():
-        for name, value in keras_state.items():
-            internals.set_keras_global_attribute(name, value)
         try:
+            for name, value in keras_state.items():
+                internals.set_keras_global_attribute(name, value)
             with internals.cancellation.CancellationManagerContext(watchdog.manager):
                 outcome["value"] = function(*args, **kwargs)
         except BaseException as exc:  # Re-raised in the calling thread.
             outcome["error"] = exc
+        finally:
+            done.set()
 
     caller = threading.Thread(target=call, daemon=True,
                               name=f"keras_pipe-{action}")
@@ -549,16 +555,16 @@ def run(devices, action, function, *args, interval=1.0, misses=2,
     try:
         watchdog.thread.start()
         caller.start()
-        while caller.is_alive():
-            caller.join(0.1)
-            if (watchdog.lost_at is not None
-                    and time.monotonic() - watchdog.lost_at > grace):
-                break
+        try:
+            _wait(done, watchdog, grace)
+        except BaseException as interrupt:  # Ctrl-C reaches this thread only.
+            _stop_caller(caller, done, watchdog, grace, interrupt)
+            raise
     finally:
         watchdog.stop.set()
         _Watch.active = False
     error = outcome.get("error")
-    if caller.is_alive() or isinstance(error, tf.errors.OpError):
+    if not done.is_set() or isinstance(error, tf.errors.OpError):
         lost = dict(watchdog.lost) or _unreachable(tasks, interval * misses)
         if lost:
             detail = (_first_line(error) if error is not None else
@@ -581,6 +587,43 @@ def run(devices, action, function, *args, interval=1.0, misses=2,
     if error is not None:
         raise error
     return outcome["value"]
+
+
+def _wait(done, watchdog, grace):
+    """Waits for `done`; returns early `grace` s after a task was lost."""
+    while not done.wait(0.1):
+        if (watchdog.lost_at is not None
+                and time.monotonic() - watchdog.lost_at > grace):
+            return
+
+
+def _raise_in_thread(ident, kind):
+    """Raises exception class `kind` in thread `ident` (CPython's async exc)."""
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(ident),
+                                               ctypes.py_object(kind))
+
+
+def _stop_caller(caller, done, watchdog, grace, interrupt):
+    """Ends the call running in `caller` at its next step; then returns.
+
+    Python delivers a signal (Ctrl-C) to the main thread only: without this
+    the step loop in `caller` ran on after `fit` had raised (trap 12). The
+    interrupt is re-raised in `caller` as soon as it runs Python code again,
+    so the step in progress (one TF call) finishes and no further step
+    starts: the model keeps the weights of its last completed step, as a
+    Ctrl-C of a local `fit` does. Waits for `caller` to end (bounded by the
+    watchdog as above); a second interrupt stops waiting.
+    """
+    if done.is_set():
+        return
+    _raise_in_thread(caller.ident, type(interrupt))
+    try:
+        _wait(done, watchdog, grace)
+    except BaseException as again:  # A second Ctrl-C: stop waiting.
+        interrupt.add_note(
+            f"keras_pipe: stopped waiting for {caller.name} to end after a "
+            f"second interrupt ({type(again).__name__}); the step it was "
+            "running may still finish in the background.")
 
 
 _REBUILD = (
