@@ -40,7 +40,8 @@ from keras_pipe import diagnosis
 from keras_pipe import internals
 from keras_pipe import validation
 
-__all__ = ["WorkerRestartedError", "WorkerUnavailableError", "cluster_spec",
+__all__ = ["WorkerRestartedError", "WorkerUnavailableError", "check_addresses",
+           "cluster_spec",
            "connect", "probe", "run"]
 
 
@@ -119,6 +120,31 @@ def cluster_spec(cluster=None):
     if not any(spec.task_indices(job) for job in spec.jobs):
         raise ValueError(f"The cluster has no task. Received: {cluster!r}")
     return spec
+
+
+def check_addresses(spec):
+    """Checks every task address of `spec`: `host:port`, each used once.
+
+    Raises:
+        ValueError: naming each malformed or repeated address and its task
+            (TF would wait for the whole timeout on the first, and fail
+            with "Context id already exists" on the second).
+    """
+    problems, seen = [], {}
+    for name, address in _tasks(spec).items():
+        host, colon, port = str(address).rpartition(":")
+        if not colon or not host or not port.isdigit() or not (
+                0 < int(port) < 65536):
+            problems.append(
+                f"{name}: {address!r} is not host:port with a port in "
+                "1..65535 (e.g. '127.0.0.1:2222')")
+        elif address in seen:
+            problems.append(f"{name}: {address!r} is also the address of "
+                            f"{seen[address]} (each task needs its own)")
+        seen.setdefault(address, name)
+    if problems:
+        raise ValueError("Bad cluster addresses: " + "; ".join(problems)
+                         + ". Fix the cluster spec.")
 
 
 def _tasks(spec):
@@ -292,13 +318,16 @@ def connect(cluster=None, timeout=30.0, job_name="localhost",
     """
     if inter_op_threads is not None:
         validation.check_positive_int("inter_op_threads", inter_op_threads)
+    if not isinstance(job_name, str) or not re.fullmatch(r"[A-Za-z0-9_]+",
+                                                         job_name):
+        raise TypeError(
+            f"job_name must be a string of letters, digits or '_', e.g. "
+            f"'localhost'. Received: job_name={job_name!r}")
+    validation.check_positive_number("timeout", timeout)
     spec = cluster_spec(cluster)
+    check_addresses(spec)
     bind = bind_lib.check_address(bind)
     _check_client_address(spec, job_name, bind)
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) \
-            or timeout <= 0:
-        raise ValueError(f"timeout must be a number of seconds > 0. "
-                         f"Received: timeout={timeout!r}")
     tasks = {n: a for n, a in _tasks(spec).items()
              if not n.startswith(f"/job:{job_name}/")}
     down = _unreachable(tasks, timeout)
