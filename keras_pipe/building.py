@@ -92,7 +92,10 @@ def check_stages(stages, devices, num_micro_batches, remat, schedule="gpipe"):
     else:
         validation.check_device_list(devices, len(stages))
         resolved = placement.resolve_devices(devices)
-    schedule_lib.check_placement(schedule, device_indices(resolved))
+    indices = device_indices(resolved)
+    schedule_lib.check_placement(schedule, indices)
+    schedule_lib.build_ticks(schedule, num_micro_batches, len(stages),
+                             1 + max(indices))
     _check_known_shapes(stages)
     return list(stages), resolved
 

@@ -23,6 +23,7 @@ opens, can run arbitrary ops in that process. Use a trusted network.
 (`keras_pipe.bind`).
 """
 
+import ctypes
 import ipaddress
 import json
 import os
@@ -37,7 +38,8 @@ import tensorflow as tf
 from keras_pipe import bind as bind_lib
 from keras_pipe import diagnosis, internals, validation
 
-__all__ = ["WorkerRestartedError", "WorkerUnavailableError", "cluster_spec",
+__all__ = ["WorkerRestartedError", "WorkerUnavailableError", "check_addresses",
+           "cluster_spec",
            "connect", "probe", "run"]
 
 
@@ -116,6 +118,31 @@ def cluster_spec(cluster=None):
     if not any(spec.task_indices(job) for job in spec.jobs):
         raise ValueError(f"The cluster has no task. Received: {cluster!r}")
     return spec
+
+
+def check_addresses(spec):
+    """Checks every task address of `spec`: `host:port`, each used once.
+
+    Raises:
+        ValueError: naming each malformed or repeated address and its task
+            (TF would wait for the whole timeout on the first, and fail
+            with "Context id already exists" on the second).
+    """
+    problems, seen = [], {}
+    for name, address in _tasks(spec).items():
+        host, colon, port = str(address).rpartition(":")
+        if not colon or not host or not port.isdigit() or not (
+                0 < int(port) < 65536):
+            problems.append(
+                f"{name}: {address!r} is not host:port with a port in "
+                "1..65535 (e.g. '127.0.0.1:2222')")
+        elif address in seen:
+            problems.append(f"{name}: {address!r} is also the address of "
+                            f"{seen[address]} (each task needs its own)")
+        seen.setdefault(address, name)
+    if problems:
+        raise ValueError("Bad cluster addresses: " + "; ".join(problems)
+                         + ". Fix the cluster spec.")
 
 
 def _tasks(spec):
@@ -290,13 +317,16 @@ def connect(cluster=None, timeout=30.0, job_name="localhost",
     """
     if inter_op_threads is not None:
         validation.check_positive_int("inter_op_threads", inter_op_threads)
+    if not isinstance(job_name, str) or not re.fullmatch(r"[A-Za-z0-9_]+",
+                                                         job_name):
+        raise TypeError(
+            f"job_name must be a string of letters, digits or '_', e.g. "
+            f"'localhost'. Received: job_name={job_name!r}")
+    validation.check_positive_number("timeout", timeout)
     spec = cluster_spec(cluster)
+    check_addresses(spec)
     bind = bind_lib.check_address(bind)
     _check_client_address(spec, job_name, bind)
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) \
-            or timeout <= 0:
-        raise ValueError(f"timeout must be a number of seconds > 0. "
-                         f"Received: timeout={timeout!r}")
     tasks = {n: a for n, a in _tasks(spec).items()
              if not n.startswith(f"/job:{job_name}/")}
     down = _unreachable(tasks, timeout)
@@ -532,15 +562,20 @@ def run(devices, action, function, *args, interval=1.0, misses=2,
     watchdog = _Watch(tasks, interval, misses)
     keras_state = internals.keras_global_state()
     outcome = {}
+    # Set when `call` ends. Not `Thread.is_alive`: a KeyboardInterrupt in
+    # `Thread.join` marks a running thread as stopped (CPython 3.11).
+    done = threading.Event()
 
     def call():
-        for name, value in keras_state.items():
-            internals.set_keras_global_attribute(name, value)
         try:
+            for name, value in keras_state.items():
+                internals.set_keras_global_attribute(name, value)
             with internals.cancellation.CancellationManagerContext(watchdog.manager):
                 outcome["value"] = function(*args, **kwargs)
         except BaseException as exc:  # Re-raised in the calling thread.
             outcome["error"] = exc
+        finally:
+            done.set()
 
     caller = threading.Thread(target=call, daemon=True,
                               name=f"keras_pipe-{action}")
@@ -548,16 +583,16 @@ def run(devices, action, function, *args, interval=1.0, misses=2,
     try:
         watchdog.thread.start()
         caller.start()
-        while caller.is_alive():
-            caller.join(0.1)
-            if (watchdog.lost_at is not None
-                    and time.monotonic() - watchdog.lost_at > grace):
-                break
+        try:
+            _wait(done, watchdog, grace)
+        except BaseException as interrupt:  # Ctrl-C reaches this thread only.
+            _stop_caller(caller, done, watchdog, grace, interrupt)
+            raise
     finally:
         watchdog.stop.set()
         _Watch.active = False
     error = outcome.get("error")
-    if caller.is_alive() or isinstance(error, tf.errors.OpError):
+    if not done.is_set() or isinstance(error, tf.errors.OpError):
         lost = dict(watchdog.lost) or _unreachable(tasks, interval * misses)
         if lost:
             detail = (_first_line(error) if error is not None else
@@ -580,6 +615,43 @@ def run(devices, action, function, *args, interval=1.0, misses=2,
     if error is not None:
         raise error
     return outcome["value"]
+
+
+def _wait(done, watchdog, grace):
+    """Waits for `done`; returns early `grace` s after a task was lost."""
+    while not done.wait(0.1):
+        if (watchdog.lost_at is not None
+                and time.monotonic() - watchdog.lost_at > grace):
+            return
+
+
+def _raise_in_thread(ident, kind):
+    """Raises exception class `kind` in thread `ident` (CPython's async exc)."""
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(ident),
+                                               ctypes.py_object(kind))
+
+
+def _stop_caller(caller, done, watchdog, grace, interrupt):
+    """Ends the call running in `caller` at its next step; then returns.
+
+    Python delivers a signal (Ctrl-C) to the main thread only: without this
+    the step loop in `caller` ran on after `fit` had raised (trap 12). The
+    interrupt is re-raised in `caller` as soon as it runs Python code again,
+    so the step in progress (one TF call) finishes and no further step
+    starts: the model keeps the weights of its last completed step, as a
+    Ctrl-C of a local `fit` does. Waits for `caller` to end (bounded by the
+    watchdog as above); a second interrupt stops waiting.
+    """
+    if done.is_set():
+        return
+    _raise_in_thread(caller.ident, type(interrupt))
+    try:
+        _wait(done, watchdog, grace)
+    except BaseException as again:  # A second Ctrl-C: stop waiting.
+        interrupt.add_note(
+            f"keras_pipe: stopped waiting for {caller.name} to end after a "
+            f"second interrupt ({type(again).__name__}); the step it was "
+            "running may still finish in the background.")
 
 
 _REBUILD = (

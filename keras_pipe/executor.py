@@ -199,9 +199,9 @@ class Executor:
 
     def ticks(self, num_micro_batches):
         """The schedule's clock ticks for one replica's micro-batches."""
-        build = schedule_lib.get_schedule(self.schedule).build
-        return build(num_micro_batches, self.num_stages,
-                     1 + max(self.stage_devices))
+        return schedule_lib.build_ticks(self.schedule, num_micro_batches,
+                                        self.num_stages,
+                                        1 + max(self.stage_devices))
 
     def runner(self, step, i, j):
         return self.replicas[step.replica[i]][j]

@@ -159,6 +159,9 @@ def export(model, filepath, format="tf_saved_model", verbose=None,
         ValueError: if the input shape is unknown, or `pipelined=True` with
             another format than `"tf_saved_model"`.
     """
+    if not isinstance(pipelined, bool):
+        raise TypeError(f"pipelined must be True or False. Received: "
+                        f"pipelined={pipelined!r}")
     if pipelined:
         if format != "tf_saved_model" or kwargs:
             raise ValueError(

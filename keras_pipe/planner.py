@@ -214,6 +214,11 @@ def plan(model, num_stages=None, num_micro_batches=1, balance="params",
     validation.check_non_negative_number("optimizer_slots", optimizer_slots)
     if flops_per_second is not None:
         validation.check_positive_number("flops_per_second", flops_per_second)
+    if devices is not None and (isinstance(devices, str) or not isinstance(
+            devices, (list, tuple))):
+        raise TypeError(
+            "devices must be a list of device strings, one per stage, e.g. "
+            f"['/GPU:0', '/GPU:1']. Received: devices={devices!r}")
     if num_stages is None:
         if devices is None:
             raise ValueError(

@@ -31,6 +31,7 @@ would leave a truncated file and no previous copy.
 """
 
 import contextlib
+import errno
 import json
 import os
 import threading
@@ -515,23 +516,55 @@ def write_atomically(filepath, write, overwrite=True):
     Returns:
         What `write` returned, or `None` if the user declined to overwrite.
     """
-    path = os.path.abspath(os.fspath(filepath))
+    shown = os.fspath(filepath)
+    path = os.path.abspath(shown)
     if os.path.exists(path) and not overwrite:
         if not _ask_to_overwrite(path):
             return None
     folder, name = os.path.split(path)
+    if not os.path.isdir(folder):
+        raise FileNotFoundError(
+            errno.ENOENT, f"Cannot save {shown!r}: the folder {folder!r} "
+            "does not exist. Create it first (os.makedirs)", shown)
     temporary = os.path.join(folder, f".{uuid.uuid4().hex[:8]}.tmp.{name}")
     try:
         result = write(temporary)
         with open(temporary, "rb") as f:
             os.fsync(f.fileno())
         os.replace(temporary, path)
-    except BaseException:
+    except BaseException as exc:
         with contextlib.suppress(OSError):
             os.remove(temporary)
+        named = _naming_user_path(exc, temporary, shown)
+        if named is not None:
+            raise named from exc
         raise
     _fsync_directory(folder)
     return result
+
+
+def _naming_user_path(error, temporary, shown):
+    """`error` with the user's path `shown` for `temporary`, else None.
+
+    The file is written under a temporary name first; an error of Keras or
+    of the file system must still name the file the user asked for.
+    """
+    if not isinstance(error, Exception):
+        return None
+    if isinstance(error, OSError) and error.errno is not None:
+        reason = error.strerror or str(error)
+        new = type(error)(error.errno, f"Cannot save {shown!r}: {reason}",
+                          shown)
+        return new
+    text = str(error)
+    short = os.path.basename(temporary)
+    if temporary not in text and short not in text:
+        return None
+    text = text.replace(temporary, shown).replace(short, shown)
+    try:
+        return type(error)(text)
+    except Exception:  # A type whose constructor takes other arguments.
+        return None
 
 
 def _local_file(filepath):
@@ -655,6 +688,15 @@ def load_model(filepath, devices=None, custom_objects=None, compile=True,
             existing device per saved stage.
         TypeError: if `devices` is not a list of strings.
     """
+    if not isinstance(filepath, (str, os.PathLike)):
+        raise TypeError(
+            "filepath must be the path of a .keras file (a string or "
+            f"os.PathLike). Received: filepath={filepath!r} of type "
+            f"{type(filepath).__name__}")
+    if custom_objects is not None and not isinstance(custom_objects, dict):
+        raise TypeError(
+            "custom_objects must be a dict {name: class or function}. "
+            f"Received: custom_objects={custom_objects!r}")
     path = os.fspath(filepath)
     if not os.path.exists(path):
         raise ValueError(f"Cannot load {path!r}: no such file.")

@@ -29,11 +29,12 @@ import dataclasses
 
 from keras_pipe import validation
 
-__all__ = ["Action", "bubble_fraction", "check_placement", "format_schedule",
-           "defer_weight_runs", "get_schedule", "gpipe", "idle_fraction",
-           "interleaved_1f1b", "list_schedule", "one_f_one_b",
-           "register_schedule", "schedule_names", "stage_placement",
-           "ticks_from_orders", "zb_h1", "zb_h2", "zbv"]
+__all__ = ["Action", "bubble_fraction", "build_ticks", "check_placement",
+           "check_ticks", "defer_weight_runs", "format_schedule",
+           "get_schedule", "gpipe", "idle_fraction", "interleaved_1f1b",
+           "list_schedule", "one_f_one_b", "register_schedule",
+           "schedule_names", "stage_placement", "ticks_from_orders", "zb_h1",
+           "zb_h2", "zbv"]
 
 KINDS = ("F", "B", "W")
 
@@ -115,6 +116,95 @@ def ticks_from_orders(orders, num_stages):
                     break
         ticks.append(tick)
     return ticks
+
+
+def check_ticks(ticks, num_micro_batches, num_stages, name="schedule"):
+    """Checks a schedule's ticks before they run; returns them as lists.
+
+    The rules, checked action by action in tick order (the error names the
+    first action that breaks one, and the rule):
+
+    - `ticks` is a list of ticks, each a list of `Action`s;
+    - kinds are `"F"`, `"B"`, `"W"`; `0 <= i < M` and `0 <= j < K`;
+    - no action appears twice;
+    - `F` of `(i, j)` comes after `F` of `(i, j - 1)`; `B` of `(i, j)` after
+      its own `F` and after `B` of `(i, j + 1)`; `W` after its `B` (each
+      in an earlier tick: actions of one tick may run at the same time);
+    - every `(i, j)` has its `F` and its `B` (and at most one `W`).
+
+    ```python
+    >>> check_ticks([[Action("F", 0, 0)], [Action("B", 0, 0)]], 1, 1)
+    [[Action(kind='F', i=0, j=0)], [Action(kind='B', i=0, j=0)]]
+    ```
+
+    Args:
+        ticks: what a schedule's `build(M, K, D)` returned.
+        num_micro_batches: `M`.
+        num_stages: `K`.
+        name: the schedule's name, for the message. Defaults to
+            `"schedule"`.
+
+    Returns:
+        The ticks, as a list of lists of `Action`s.
+
+    Raises:
+        TypeError: if `ticks` is not a list of lists of `Action`s.
+        ValueError: naming the first offending action and the rule.
+    """
+    m, k = num_micro_batches, num_stages
+    where = f"Schedule {name!r} with M={m} micro-batches and K={k} stages"
+    if not isinstance(ticks, (list, tuple)):
+        raise TypeError(
+            f"{where} must build a list of ticks (each a list of "
+            f"keras_pipe.schedule.Action). Received: {ticks!r} of type "
+            f"{type(ticks).__name__}")
+    done, seen, checked = set(), set(), []
+    for t, tick in enumerate(ticks):
+        if not isinstance(tick, (list, tuple)) or not all(
+                isinstance(a, Action) for a in tick):
+            raise TypeError(
+                f"{where}: tick {t} must be a list of "
+                f"keras_pipe.schedule.Action. Received: {tick!r}")
+        for a in tick:
+            problem = _action_problem(a, m, k, done, seen)
+            if problem:
+                raise ValueError(f"{where}: action {a} ({a.kind} of "
+                                 f"micro-batch {a.i} on stage {a.j}) at "
+                                 f"tick {t} {problem}.")
+            seen.add(a)
+        done.update(tick)
+        checked.append(list(tick))
+    for i in range(m):
+        for j in range(k):
+            for kind in ("F", "B"):
+                if Action(kind, i, j) not in seen:
+                    raise ValueError(
+                        f"{where}: action {Action(kind, i, j)} ({kind} of "
+                        f"micro-batch {i} on stage {j}) is missing: every "
+                        "(micro-batch, stage) needs one F and one B.")
+    return checked
+
+
+def _action_problem(a, m, k, done, seen):
+    """What rule `a` breaks, given the actions of earlier ticks, else ''."""
+    if a.kind not in KINDS:
+        return f"has kind {a.kind!r}: kinds are 'F', 'B' and 'W'"
+    for index, count, what in ((a.i, m, "micro-batch"), (a.j, k, "stage")):
+        if isinstance(index, bool) or not isinstance(index, int) or not (
+                0 <= index < count):
+            return (f"has {what} index {index!r} out of range: "
+                    f"0 <= index < {count}")
+    if a in seen:
+        return "appears twice: each action runs once"
+    needs = _depends_on(a, k, has_w=True)
+    for need in needs:
+        if need not in done:
+            rule = {"F": "F of a stage comes after F of the previous stage",
+                    "B": ("B comes after its own F and after B of the next "
+                          "stage"),
+                    "W": "W comes after its B"}[a.kind]
+            return (f"runs before {need} has run in an earlier tick: {rule}")
+    return ""
 
 
 def defer_weight_runs(actions, device_of, eligible):
@@ -440,7 +530,9 @@ def register_schedule(name, build, placement=None, stages_per_device=None):
 
     Raises:
         TypeError: if `name` is not a string or `build` is not callable.
-        ValueError: if `name` is taken or `placement` unknown.
+        ValueError: if `name` is taken, `placement` unknown,
+            `stages_per_device` not >= 1, or `build` returns ticks that
+            `check_ticks` refuses for small counts (M = 1, 4; D = 1, 2).
     """
     if not isinstance(name, str):
         raise TypeError(f"name must be a string. Received: name={name!r}")
@@ -452,7 +544,39 @@ def register_schedule(name, build, placement=None, stages_per_device=None):
     if placement not in (None, "loop", "v"):
         raise ValueError(f"placement must be None, 'loop' or 'v'. Received: "
                          f"placement={placement!r}")
+    if stages_per_device is not None:
+        validation.check_positive_int("stages_per_device", stages_per_device)
+    _check_sample(name, build, stages_per_device or 1)
     _REGISTRY[name] = _Entry(build, placement, stages_per_device)
+
+
+def _check_sample(name, build, stages_per_device):
+    """Builds and checks a few small schedules (M = 1, 4; D = 1, 2).
+
+    A `ValueError` from `build` is a schedule refusing those counts: those
+    are skipped (the model's own counts are checked when it is built).
+    """
+    for d in (1, 2):
+        k = d * stages_per_device
+        for m in (1, 4):
+            try:
+                ticks = build(m, k, d)
+            except ValueError:
+                continue
+            except Exception as exc:  # The user's build function failed.
+                raise ValueError(
+                    f"Schedule {name!r}: build({m}, {k}, {d}) raised "
+                    f"{type(exc).__name__}: {exc}. build must take "
+                    "(num_micro_batches, num_stages, num_devices) and "
+                    "return a list of ticks.") from exc
+            check_ticks(ticks, m, k, name)
+
+
+def build_ticks(name, num_micro_batches, num_stages, num_devices):
+    """The checked ticks of registered schedule `name` (see `check_ticks`)."""
+    ticks = get_schedule(name).build(num_micro_batches, num_stages,
+                                     num_devices)
+    return check_ticks(ticks, num_micro_batches, num_stages, name)
 
 
 def get_schedule(name):

@@ -4,9 +4,11 @@ Each case names the bad value and the fix (README "Bad inputs" counts them).
 """
 
 import os
+import re
 import socket
 import subprocess
 import sys
+import time
 
 import keras
 import pytest
@@ -130,3 +132,100 @@ def test_bad_plan_numbers_are_named(kwargs, error, expected):
     # Broke: negative values printed negative times and memory.
     with pytest.raises(error, match=expected):
         keras_pipe.plan(_small_model(), num_stages=2, **kwargs)
+
+
+# ------------------------------------------- issue 26: the probe's cases
+
+
+@pytest.mark.parametrize("kwargs, error, expected", [
+    # Broke: timeout=nan never returned (100% CPU).
+    ({"timeout": float("nan")}, ValueError,
+     r"timeout must be a finite number. Received: timeout=nan"),
+    ({"timeout": float("inf")}, ValueError, r"timeout must be a finite"),
+    ({"timeout": "5"}, TypeError, r"timeout must be a number"),
+    # Broke: "'<' not supported between instances of 'int' and 'str'".
+    ({"job_name": 5}, TypeError,
+     r"job_name must be a string of letters.*Received: job_name=5"),
+    ({"job_name": "a/b"}, TypeError, r"Received: job_name='a/b'"),
+])
+def test_bad_connect_arguments_are_named_first(kwargs, error, expected):
+    with pytest.raises(error, match=expected):
+        keras_pipe.connect({"worker": ["127.0.0.1:1"]}, **kwargs)
+
+
+@pytest.mark.parametrize("addresses, expected", [
+    # Broke: each waited the whole timeout, then said "Start the worker".
+    (["127.0.0.1:abc"], r"task:0: '127.0.0.1:abc' is not host:port with a "
+     r"port in 1..65535"),
+    (["127.0.0.1:99999"], r"'127.0.0.1:99999' is not host:port"),
+    (["127.0.0.1"], r"'127.0.0.1' is not host:port"),
+    ([":2222"], r"':2222' is not host:port"),
+    # Broke: "device listing did not finish within 30 s" after 0.5 s.
+    (["127.0.0.1:2222", "127.0.0.1:2222"],
+     r"task:1: '127.0.0.1:2222' is also the address of "
+     r"/job:worker/replica:0/task:0 \(each task needs its own\)"),
+])
+def test_malformed_and_repeated_addresses_are_refused_before_connecting(
+        addresses, expected):
+    start = time.monotonic()
+    with pytest.raises(ValueError, match=f"Bad cluster addresses: .*"
+                       f"{expected}.*Fix the cluster spec"):
+        keras_pipe.connect({"worker": addresses}, timeout=30.0)
+    # Refused at once, without waiting for the timeout (30 s).
+    assert time.monotonic() - start < 15.0
+
+
+def test_plan_devices_must_be_a_list():
+    # Broke: devices="/GPU:0" planned 6 stages (the string's length).
+    with pytest.raises(TypeError, match=r"devices must be a list of device "
+                       r"strings.*Received: devices='/GPU:0'"):
+        keras_pipe.plan(_small_model(), devices="/GPU:0")
+
+
+def _pipeline(devices):
+    model = keras_pipe.PipelineModel(
+        [keras.layers.Dense(4), keras.layers.Dense(2)], devices=devices[:2],
+        num_micro_batches=1)
+    model.build((None, 3))
+    return model
+
+
+def test_export_pipelined_must_be_a_bool(devices, tmp_path):
+    # Broke: pipelined="no" exported the pipelined SavedModel.
+    with pytest.raises(TypeError, match=r"pipelined must be True or False. "
+                       r"Received: pipelined='no'"):
+        _pipeline(devices).export(str(tmp_path / "m"), pipelined="no")
+    assert not (tmp_path / "m").exists()
+
+
+@pytest.mark.parametrize("args, kwargs, error, expected", [
+    ((None,), {}, TypeError, r"filepath must be the path of a .keras file.*"
+     r"Received: filepath=None of type NoneType"),
+    ((123,), {}, TypeError, r"Received: filepath=123 of type int"),
+    (("m.keras",), {"custom_objects": "x"}, TypeError,
+     r"custom_objects must be a dict .*Received: custom_objects='x'"),
+])
+def test_load_model_arguments(args, kwargs, error, expected):
+    with pytest.raises(error, match=expected):
+        keras_pipe.load_model(*args, **kwargs)
+
+
+@pytest.mark.parametrize("method, name, error, expected", [
+    # Broke: each named a temporary file (".85993cfc.tmp.m.txt").
+    ("save", "m.txt", ValueError, r"Invalid filepath extension.*Received: "
+     r"filepath={path}"),
+    ("save_weights", "w.h5", ValueError, r"must end in `.weights.h5`. "
+     r"Received: filepath={path}"),
+    ("save", "missing/m.keras", FileNotFoundError,
+     r"Cannot save '{path}': the folder '.*missing' does not exist"),
+    ("save_weights", "missing/m.weights.h5", FileNotFoundError,
+     r"Cannot save '{path}': the folder"),
+])
+def test_save_errors_name_the_users_path(devices, tmp_path, method, name,
+                                         error, expected):
+    path = str(tmp_path / name)
+    with pytest.raises(error, match=expected.format(path=re.escape(path))) \
+            as info:
+        getattr(_pipeline(devices), method)(path)
+    assert ".tmp." not in str(info.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == []

@@ -293,6 +293,25 @@ def test_stage_error_on_a_worker_names_stage_and_device(workers):
     assert "RecvAsync is cancelled" not in result["message"], result
 
 
+def test_interrupt_stops_remote_steps_and_fit_continues(workers):
+    # Broke: Ctrl-C raised KeyboardInterrupt in the caller while the step
+    # loop went on in the thread that runs the call next to the watchdog
+    # (trap 12): fit ran to its end, and the next fit trained on top.
+    result = _scenario("interrupt", "--cluster", workers.spec)
+    for how, raised in (("sigint", "KeyboardInterrupt"),
+                        ("raise", "ValueError")):
+        case = result[how]
+        assert case["raised"] == raised, result
+        # Interrupted after step 3: 3 steps done, none started after.
+        assert case["iterations"] == case["iterations_later"] == 3, result
+        assert case["threads_left"] == [], result
+        # 3 more steps on the rest of the data = 6 uninterrupted steps.
+        assert case["weights_max_diff"] == 0.0, result
+    for action in ("evaluate", "predict"):
+        assert result[action] == {"raised": "KeyboardInterrupt", "batches": 2,
+                                  "threads_left": []}, result
+
+
 def assert_lost_task_1(result, workers):
     """The scenario's fit ended with an error naming task 1, in time."""
     assert result["error"] == "WorkerUnavailableError"

@@ -251,3 +251,125 @@ def test_every_registered_schedule_is_complete_and_ordered(name, m, k):
                 assert when[schedule.Action("B", i, j + 1)] < when[b]
             if "W" in kinds:
                 assert when[b] < when[schedule.Action("W", i, j)]
+
+
+# ------------------------------------------------- checked before they run
+
+A = schedule.Action
+GPIPE_2_2 = [[A("F", 0, 0)], [A("F", 1, 0), A("F", 0, 1)],
+             [A("F", 1, 1)], [A("B", 1, 1)], [A("B", 1, 0), A("B", 0, 1)],
+             [A("B", 0, 0)]]
+WHERE = "Schedule 's' with M=2 micro-batches and K=2 stages"
+
+
+def _without(ticks, action):
+    return [[a for a in tick if a != action] for tick in ticks]
+
+
+def test_check_ticks_accepts_every_registered_schedule():
+    for name in schedule.schedule_names():
+        entry = schedule.get_schedule(name)
+        for d in (1, 2, 3):
+            k = d * (entry.stages_per_device or 2)
+            for m in (1, 2, 5, 8):
+                try:
+                    ticks = entry.build(m, k, d)
+                except ValueError:  # counts this schedule refuses
+                    continue
+                assert schedule.check_ticks(ticks, m, k, name) == [
+                    list(t) for t in ticks]
+    assert schedule.check_ticks(GPIPE_2_2, 2, 2) == GPIPE_2_2
+
+
+@pytest.mark.parametrize("ticks, error", [
+    # Broke: a dropped B trained silently (weights off by 0.064).
+    (_without(GPIPE_2_2, A("B", 1, 0)),
+     "action 0B1 \\(B of micro-batch 1 on stage 0\\) is missing: every "
+     "\\(micro-batch, stage\\) needs one F and one B"),
+    # Broke: AttributeError: 'NoneType' object has no attribute 'shape'.
+    (_without(GPIPE_2_2, A("F", 1, 1)),
+     "action 1B1 \\(B of micro-batch 1 on stage 1\\) at tick 3 runs before "
+     "1F1 has run in an earlier tick: B comes after its own F and after B "
+     "of the next stage"),
+    ([[A("B", 0, 0)], [A("F", 0, 0)]],
+     "action 0B0 .* at tick 0 runs before 0F0 has run"),
+    ([[A("F", 0, 1)]], "action 1F0 .* at tick 0 runs before 0F0 has run in "
+     "an earlier tick: F of a stage comes after F of the previous stage"),
+    ([[A("F", 0, 0), A("F", 0, 1)]], "action 1F0 .* at tick 0 runs before "
+     "0F0 has run in an earlier tick"),
+    (GPIPE_2_2[:3] + [[A("B", 1, 1)], [A("B", 1, 0), A("B", 0, 0)],
+                      [A("B", 0, 1)]],
+     "action 0B0 .* at tick 4 runs before 1B0 has run in an earlier tick: B "
+     "comes after its own F and after B of the next stage"),
+    (GPIPE_2_2[:3] + [[A("W", 1, 1)]] + GPIPE_2_2[3:],
+     "action 1W1 .* at tick 3 runs before 1B1 has run in an earlier tick: W "
+     "comes after its B"),
+    (GPIPE_2_2 + [[A("W", 0, 0)], [A("W", 0, 0)]],
+     "action 0W0 .* at tick 7 appears twice: each action runs once"),
+    (GPIPE_2_2 + [[A("F", 0, 0)]], "action 0F0 .* at tick 6 appears twice"),
+    ([[A("F", 2, 0)]], "action 0F2 .* at tick 0 has micro-batch index 2 out "
+     "of range: 0 <= index < 2"),
+    ([[A("F", 0, -1)]], "action -1F0 .* has stage index -1 out of range"),
+    ([[A("X", 0, 0)]], "action 0X0 .* has kind 'X': kinds are 'F', 'B' and "
+     "'W'"),
+])
+def test_check_ticks_names_the_first_offending_action_and_rule(ticks, error):
+    with pytest.raises(ValueError, match=f"^{WHERE}: {error}"):
+        schedule.check_ticks(ticks, 2, 2, "s")
+
+
+@pytest.mark.parametrize("ticks, error", [
+    (None, "must build a list of ticks .* Received: None of type NoneType"),
+    ([A("F", 0, 0)], "tick 0 must be a list of keras_pipe.schedule.Action"),
+    ([[("F", 0, 0)]], "tick 0 must be a list of keras_pipe.schedule.Action"),
+])
+def test_check_ticks_wants_lists_of_actions(ticks, error):
+    with pytest.raises(TypeError, match=error):
+        schedule.check_ticks(ticks, 2, 2, "s")
+
+
+def _register(name, build, **kwargs):
+    try:
+        schedule.register_schedule(name, build, **kwargs)
+    finally:
+        schedule._REGISTRY.pop(name, None)
+
+
+def test_register_checks_the_schedule():
+    # Broke: each registered and failed (or trained wrongly) only in fit.
+    with pytest.raises(ValueError, match="action 0B1 .* is missing"):
+        _register("t_drop_b", lambda m, k, d=None: _without(
+            schedule.gpipe(m, k), A("B", 1, 0)))
+    with pytest.raises(TypeError, match="must build a list of ticks"):
+        _register("t_none", lambda m, k, d=None: None)
+    with pytest.raises(ValueError, match=r"build\(1, 1, 1\) raised "
+                       "IndexError: boom. build must take"):
+        _register("t_raises", lambda m, k, d=None: [][0] if False else
+                  (_ for _ in ()).throw(IndexError("boom")))
+    # Ticks for the wrong K: stage indices out of range.
+    with pytest.raises(ValueError, match="stage index 1 out of range: "
+                       "0 <= index < 1"):
+        _register("t_wrong_k", lambda m, k, d=None: schedule.gpipe(m, k + 1))
+    # Broke: registered, then "Pass 0 stages" at model build.
+    with pytest.raises(ValueError, match="stages_per_device must be >= 1. "
+                       "Received: stages_per_device=0"):
+        _register("t_zero", schedule.gpipe, stages_per_device=0)
+    assert not any(n.startswith("t_") for n in schedule.schedule_names())
+
+
+def test_a_model_checks_its_schedule_for_its_counts(devices):
+    # Correct for the counts tried at registration, wrong for M=3.
+    def build(m, k, d=None):
+        ticks = schedule.gpipe(m, k)
+        return _without(ticks, A("B", 2, 0)) if m == 3 else ticks
+
+    schedule.register_schedule("t_wrong_at_3", build)
+    try:
+        stages = [keras.layers.Dense(2), keras.layers.Dense(2)]
+        with pytest.raises(ValueError, match="Schedule 't_wrong_at_3' with "
+                           "M=3 micro-batches and K=2 stages: action 0B2"):
+            keras_pipe.PipelineModel(stages, devices=devices[:2],
+                                     num_micro_batches=3,
+                                     schedule="t_wrong_at_3")
+    finally:
+        schedule._REGISTRY.pop("t_wrong_at_3", None)

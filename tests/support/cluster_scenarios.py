@@ -17,6 +17,7 @@ import pathlib
 import signal
 import sys
 import tempfile
+import threading
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
@@ -320,12 +321,114 @@ def run_timeline(args):
         "png": os.path.getsize(os.path.join(logdir, "step2.png"))}))
 
 
+class _InterruptAt(keras.callbacks.Callback):
+    """Interrupts after a given number of batches of fit/evaluate/predict.
+
+    `how="sigint"` sends SIGINT to the main thread (Ctrl-C: Python raises it in
+    the main thread, not the thread running the steps), then waits up to
+    `wait` s in the callback for the interrupt to stop the loop here;
+    `how="raise"` raises ValueError from the callback itself.
+    """
+
+    def __init__(self, after, how, wait=10.0):
+        super().__init__()
+        self.after, self.how, self.wait = after, how, wait
+        self.seen = 0
+
+    def _batch_end(self):
+        self.seen += 1
+        if self.seen != self.after:
+            return
+        if self.how == "raise":
+            raise ValueError("callback failed")
+        # Ctrl-C, aimed at the main thread as a terminal's usually lands:
+        # sent to this thread, CPython 3.11 may see it only much later.
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+        deadline = time.monotonic() + self.wait
+        while time.monotonic() < deadline:
+            time.sleep(0.01)
+
+    def on_train_batch_end(self, batch, logs=None):
+        self._batch_end()
+
+    def on_test_batch_end(self, batch, logs=None):
+        self._batch_end()
+
+    def on_predict_batch_end(self, batch, logs=None):
+        self._batch_end()
+
+
+def _step_threads(wait=0.0):
+    """Names of threads still running a call, after waiting `wait` s for none.
+
+    Listed by `threading.enumerate`, not `is_alive`: a KeyboardInterrupt in
+    `Thread.join` marks a running thread as stopped (CPython 3.11).
+    """
+    deadline = time.monotonic() + wait
+    while True:
+        names = sorted(t.name for t in threading.enumerate()
+                       if t.name.startswith("keras_pipe-")
+                       and t.name != "keras_pipe-watch")
+        if not names or time.monotonic() >= deadline:
+            return names
+        time.sleep(0.05)
+
+
+def run_interrupt(args):
+    """Ctrl-C (and a failing callback) at step N, then K more steps."""
+    keras_pipe.connect(args.cluster, timeout=30.0)
+    devices = remote_devices(len(args.cluster["worker"]))
+    n, k, rows = 3, 3, 16
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=((n + k) * rows, 8)).astype("float32")
+    y = rng.integers(0, 3, size=((n + k) * rows,)).astype("int32")
+    fit = dict(batch_size=rows, epochs=1, shuffle=False, verbose=0)
+    reference = make_model(devices)
+    reference.fit(x, y, **fit)
+    expected = values(reference)
+    results = {}
+    for how, kind in (("sigint", KeyboardInterrupt), ("raise", ValueError)):
+        model = make_model(devices)
+        raised = None
+        try:
+            model.fit(x, y, callbacks=[_InterruptAt(n, how)], **fit)
+        except kind as exc:
+            raised = type(exc).__name__
+        at = int(model.optimizer.iterations.numpy())
+        threads = _step_threads()
+        _step_threads(wait=20.0)  # A step loop left running ends here.
+        later = int(model.optimizer.iterations.numpy())
+        model.fit(x[n * rows:], y[n * rows:], **fit)
+        results[how] = {"raised": raised, "iterations": at,
+                        "iterations_later": later,
+                        "threads_left": threads,
+                        "weights_max_diff": max_diff(values(model), expected)}
+    model = make_model(devices)
+    for action in ("evaluate", "predict"):
+        counter = _InterruptAt(2, "sigint")
+        raised = None
+        try:
+            if action == "evaluate":
+                model.evaluate(x, y, batch_size=rows, verbose=0,
+                               callbacks=[counter])
+            else:
+                model.predict(x, batch_size=rows, verbose=0,
+                              callbacks=[counter])
+        except KeyboardInterrupt:
+            raised = "KeyboardInterrupt"
+        threads = _step_threads()
+        _step_threads(wait=20.0)
+        results[action] = {"raised": raised, "batches": counter.seen,
+                           "threads_left": threads}
+    print(json.dumps(results))
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("scenario", choices=["remote", "resume", "hang",
                                              "listen", "restart",
                                              "stage_error", "timeline",
-                                             "threads"])
+                                             "threads", "interrupt"])
     parser.add_argument("--cluster", required=True,
                         type=lambda s: {"worker": s.split(",")})
     parser.add_argument("--kill-pid", type=int)
@@ -336,7 +439,8 @@ def main():
     {"remote": run_remote, "resume": run_resume, "hang": run_hang,
      "listen": run_listen, "restart": run_restart,
      "stage_error": run_stage_error,
-     "timeline": run_timeline, "threads": run_threads}[args.scenario](args)
+     "timeline": run_timeline, "threads": run_threads,
+     "interrupt": run_interrupt}[args.scenario](args)
 
 
 if __name__ == "__main__":
