@@ -27,6 +27,12 @@ def _search(model, batch_size=64, **kwargs):
                                measure=False, **kwargs)
 
 
+def _search_small(model, **kwargs):
+    """A smaller grid, for the tests of the budget."""
+    return _search(model, micro_batch_choices=(1, 4),
+                   schedules=("gpipe", "1f1b", "zbv"), **kwargs)
+
+
 def test_search_covers_every_registered_schedule_and_ranks_by_simulation():
     ranked = _search(_mlp())
     assert {c.schedule for c in ranked} == set(schedule.schedule_names())
@@ -77,20 +83,20 @@ def _boundary(graph, end, rows):
 
 def test_a_memory_budget_is_met_and_the_error_names_the_least_that_fits():
     model = _mlp(depth=8, width=256)
-    free = _search(model)[0]
+    free = _search_small(model)[0]
     with pytest.raises(ValueError, match=r"smallest budget that fits is "
                        r"\d+ bytes") as info:
-        _search(model, memory_budget=10_000)
+        _search_small(model, memory_budget=10_000)
     least = int(str(info.value).split("fits is ")[1].split(" ")[0])
     assert 10_000 < least < max(free.peak_memory)
     # The least is exact: it fits, one byte less does not.
-    ranked = _search(model, memory_budget=least)
+    ranked = _search_small(model, memory_budget=least)
     assert all(max(c.peak_memory) <= least for c in ranked)
     assert ranked[0].step_time >= free.step_time
     with pytest.raises(ValueError, match="smallest budget"):
-        _search(model, memory_budget=least - 1)
+        _search_small(model, memory_budget=least - 1)
     budget = (least + max(free.peak_memory)) // 2
-    ranked = _search(model, memory_budget=budget)
+    ranked = _search_small(model, memory_budget=budget)
     assert all(max(c.peak_memory) <= budget for c in ranked)
 
 
@@ -98,11 +104,11 @@ def test_a_tight_budget_trades_time_for_remat_or_micro_batches():
     # Activations dominate (8192 rows, narrow layers): the least budget
     # needs remat or more micro-batches than the fastest configuration.
     model = _mlp(depth=8, width=64)
-    free = _search(model, batch_size=8192)[0]
+    free = _search_small(model, batch_size=8192)[0]
     with pytest.raises(ValueError, match="smallest budget") as info:
-        _search(model, batch_size=8192, memory_budget=10_000)
+        _search_small(model, batch_size=8192, memory_budget=10_000)
     least = int(str(info.value).split("fits is ")[1].split(" ")[0])
-    tight = _search(model, batch_size=8192, memory_budget=least)[0]
+    tight = _search_small(model, batch_size=8192, memory_budget=least)[0]
     assert max(tight.peak_memory) <= least < max(free.peak_memory)
     assert (tight.remat != ["never"] * tight.num_stages
             or tight.num_micro_batches > free.num_micro_batches)
@@ -147,6 +153,7 @@ def test_plan_reports_the_choice_and_from_model_builds_exactly_it(devices):
     assert [len(s.calls) for s in pipe.stages] == p.sizes
 
 
+@pytest.mark.slow  # builds and trains a pipeline
 def test_from_model_auto_builds_the_plan(devices, monkeypatch, tmp_path):
     monkeypatch.setenv("KERAS_PIPE_CACHE", str(tmp_path / "costs.json"))
     model = _mlp(depth=2, width=16)
@@ -190,6 +197,7 @@ def test_flops_fallback_warns():
                                              rel=0.05)
 
 
+@pytest.mark.slow  # times a model's calls
 def test_measured_costs_are_cached(monkeypatch, tmp_path):
     monkeypatch.setenv("KERAS_PIPE_CACHE", str(tmp_path / "costs.json"))
     graph = graph_lib.read_graph(_mlp(depth=1, width=8))
