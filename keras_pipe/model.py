@@ -145,7 +145,11 @@ class PipelineModel(keras.Model):
                 (`input_shape={"token_ids": (None, 128)}` for inputs of
                 unknown length). Default to `None`.
             **kwargs: `PipelineModel` arguments (`schedule`) and
-                `keras.Model` arguments (`name`, ...).
+                `keras.Model` arguments (`name`, ...). `schedule="auto"`
+                builds the plan of `keras_pipe.plan(..., schedule="auto")`
+                (schedule, stages per device, `M`, cut, per-stage remat;
+                `devices` one per device, `batch_size` required); the
+                model keeps it as `.plan`.
 
         Returns:
             A `PipelineModel`.
@@ -162,6 +166,22 @@ class PipelineModel(keras.Model):
                     "from_model needs num_stages, or devices (one per "
                     "stage). Received: num_stages=None, devices=None")
             num_stages = len(devices)
+        if kwargs.get("schedule") == "auto":
+            from keras_pipe import planner  # noqa: PLC0415
+            chosen = planner.plan(
+                model, num_stages=num_stages, devices=devices,
+                batch_size=batch_size, memory_budget=memory_budget,
+                schedule="auto", input_shape=input_shape,
+                sample_inputs=sample_inputs)
+            pipe = cls.from_model(
+                model, num_stages=chosen.num_stages, devices=chosen.devices,
+                num_micro_batches=chosen.num_micro_batches,
+                remat=chosen.remat, balance=chosen.sizes,
+                batch_size=batch_size, input_shape=input_shape,
+                sample_inputs=sample_inputs,
+                **{**kwargs, "schedule": chosen.schedule})
+            pipe.plan = chosen
+            return pipe
         if memory_budget is not None:
             balance, num_micro_batches, remat = budget.pipeline_arguments(
                 model, num_stages, memory_budget, batch_size,

@@ -11,6 +11,7 @@ import math
 
 import tensorflow as tf
 
+from keras_pipe import autoplan
 from keras_pipe import budget as budget_lib
 from keras_pipe import partition as partition_lib
 from keras_pipe import schedule as schedule_lib
@@ -90,6 +91,14 @@ class Plan:
             whole: a layer with its own `call()` around other layers, which
             no cut can fall inside (nested Functional and Sequential models
             are opened instead).
+        schedule: the schedule's name.
+        devices: the device of each stage (`None` without `devices`).
+        stage_devices: per stage, its device index.
+        peak_memory: with `schedule="auto"`, the predicted peak of each
+            device (bytes), else `None`.
+        idle: with `schedule="auto"`, each device's simulated idle share.
+        runner_ups: with `schedule="auto"`, the next best
+            `keras_pipe.autoplan.Candidate`s, fastest first.
     """
 
     model_name: str
@@ -106,6 +115,12 @@ class Plan:
     suggestion: object
     budget: object = None
     opaque: list = dataclasses.field(default_factory=list)
+    schedule: str = "gpipe"
+    devices: list = None
+    stage_devices: list = None
+    peak_memory: list = None
+    idle: list = None
+    runner_ups: list = dataclasses.field(default_factory=list)
 
     def __str__(self):
         return _format(self)
@@ -145,7 +160,8 @@ def _weight_bytes(weights, optimizer_slots):
 def plan(model, num_stages=None, num_micro_batches=1, balance="params",
          remat="except_last", batch_size=None, devices=None,
          optimizer_slots=2, flops_per_second=None, memory_budget=None,
-         schedule="gpipe", input_shape=None, sample_inputs=None):
+         schedule="gpipe", input_shape=None, sample_inputs=None,
+         micro_batch_choices=(1, 2, 4, 8), measure=True):
     """Plans the pipeline `PipelineModel.from_model` would build, without it.
 
     ```python
@@ -184,8 +200,17 @@ def plan(model, num_stages=None, num_micro_batches=1, balance="params",
             predicted step time (`keras_pipe.budget.search`); `balance`,
             `num_micro_batches` and `remat` are then ignored and
             `batch_size` is required. Defaults to `None`.
-        schedule: `"gpipe"` or `"1f1b"`, for the memory budget. Defaults
-            to `"gpipe"`.
+        schedule: a registered schedule's name, for the memory budget, or
+            `"auto"`: the planner then picks the schedule, one or two
+            stages per device (for the schedules that place several),
+            `num_micro_batches` among `micro_batch_choices`, the cut and one
+            remat mode per stage that fit `memory_budget` (when given) and
+            minimise the step time simulated from measured costs
+            (`keras_pipe.autoplan`); `num_stages`, `balance`,
+            `num_micro_batches` and `remat` are then ignored, `batch_size`
+            is required, and the plan reports the schedule, each stage's
+            device, the predicted step time, the peak memory per device
+            and the runner-ups. Defaults to `"gpipe"`.
         input_shape: the input shapes to cost, batch axis first (its size
             is ignored: sizes are per micro-batch): one shape such as
             `(None, 128)`, a list with one per input, or a dict by input
@@ -194,6 +219,13 @@ def plan(model, num_stages=None, num_micro_batches=1, balance="params",
             a warning naming the input. Defaults to `None`.
         sample_inputs: a batch of inputs whose shapes to cost, instead of
             `input_shape`. Defaults to `None`.
+        micro_batch_choices: with `schedule="auto"`, the `M` values to
+            try. Defaults to `(1, 2, 4, 8)`.
+        measure: with `schedule="auto"`, time each layer call, a stage
+            call and a transfer on `devices` (cached,
+            `keras_pipe.profiling`); `False` costs from FLOPs at
+            `flops_per_second` (2e10 if not given), with a warning.
+            Defaults to `True`.
 
     Returns:
         A `Plan`.
@@ -219,6 +251,24 @@ def plan(model, num_stages=None, num_micro_batches=1, balance="params",
         raise TypeError(
             "devices must be a list of device strings, one per stage, e.g. "
             f"['/GPU:0', '/GPU:1']. Received: devices={devices!r}")
+    auto = None
+    if schedule == "auto":
+        ranked = autoplan.search(
+            model, devices=devices,
+            num_devices=None if devices else num_stages,
+            batch_size=batch_size, memory_budget=memory_budget,
+            micro_batch_choices=micro_batch_choices,
+            optimizer_slots=optimizer_slots, measure=measure,
+            **({"flops_per_second": flops_per_second}
+               if flops_per_second else {}),
+            input_shape=input_shape, sample_inputs=sample_inputs)
+        auto, memory_budget = ranked, None
+        best = ranked[0]
+        schedule, num_stages = best.schedule, best.num_stages
+        balance, num_micro_batches, remat = (
+            list(best.sizes), best.num_micro_batches, list(best.remat))
+        if devices is not None:
+            devices = autoplan.expand_devices(devices, best.stage_devices)
     if num_stages is None:
         if devices is None:
             raise ValueError(
@@ -291,9 +341,24 @@ def plan(model, num_stages=None, num_micro_batches=1, balance="params",
             f"{schedule_lib.bubble_fraction(4 * k, k):.0%}.")
     if choice is not None:
         step_time = choice.step_time
-    return Plan(model.name, k, m, micro, balance, remat, stages,
-                list(part.sizes), list(part.tied), bubble, step_time,
-                suggestion, choice, graph.opaque)
+    result = Plan(model.name, k, m, micro, balance, remat, stages,
+                  list(part.sizes), list(part.tied), bubble, step_time,
+                  suggestion, choice, graph.opaque,
+                  schedule=schedule if isinstance(schedule, str) else getattr(
+                      schedule, "__name__", str(schedule)),
+                  devices=list(devices) if devices is not None else None,
+                  stage_devices=None)
+    if auto is not None:
+        best = auto[0]
+        for stage, peak in zip(stages, best.stage_peak_memory):
+            stage.peak_memory_bytes = peak
+        result.step_time = best.step_time
+        result.stage_devices = list(best.stage_devices)
+        result.peak_memory = list(best.peak_memory)
+        result.idle = list(best.idle)
+        result.runner_ups = auto[1:]
+        result.suggestion = None
+    return result
 
 
 def _si(value, unit=""):
@@ -340,7 +405,22 @@ def _format(p):
         f"bubble fraction (K-1)/(M+K-1) = {k - 1}/{m + k - 1} = "
         f"{p.bubble_fraction:.1%}",
     ]
-    if p.step_time is not None:
+    if p.idle is not None:
+        where = p.devices or [f"device {d}" for d in p.stage_devices]
+        lines[0] = (f"Pipeline plan for {p.model_name!r} (schedule='auto'): "
+                    f"schedule={p.schedule!r}, {k} stages, {m} "
+                    f"micro-batches of {p.micro_batch_size} row(s), "
+                    f"remat={p.remat}")
+        lines.append("stage devices: " + ", ".join(
+            f"{j}: {d}" for j, d in enumerate(where)))
+        lines.append(
+            f"predicted step time: {p.step_time * 1e3:.2f} ms (simulated "
+            "from measured costs); peak memory per device: " + ", ".join(
+                _bytes(b) for b in p.peak_memory) + "; idle per device: "
+            + ", ".join(f"{i:.0%}" for i in p.idle))
+        for c in p.runner_ups[:5]:
+            lines.append(f"runner-up: {c}")
+    elif p.step_time is not None:
         lines.append(f"estimated step time: {p.step_time * 1e3:.2f} ms "
                      "((M+K-1) x slowest stage x forward+backward+remat)")
     else:

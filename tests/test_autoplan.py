@@ -1,0 +1,215 @@
+"""schedule="auto": the search, the plan it reports, the model it builds;
+measured costs and their cache."""
+
+import warnings
+
+import keras
+import numpy as np
+import pytest
+
+import keras_pipe
+from keras_pipe import autoplan, profiling, schedule, simulator
+from keras_pipe import graph as graph_lib
+
+
+def _mlp(depth=6, width=64):
+    x = keras.Input((32,))
+    h = x
+    for _ in range(depth):
+        h = keras.layers.Dense(width, activation="relu")(h)
+    return keras.Model(x, keras.layers.Dense(4)(h), name="auto_mlp")
+
+
+def _search(model, batch_size=64, **kwargs):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the FLOPs fallback's warning
+        return autoplan.search(model, num_devices=2, batch_size=batch_size,
+                               measure=False, **kwargs)
+
+
+def _search_small(model, **kwargs):
+    """A smaller grid, for the tests of the budget."""
+    return _search(model, micro_batch_choices=(1, 4),
+                   schedules=("gpipe", "1f1b", "zbv"), **kwargs)
+
+
+def test_search_covers_every_registered_schedule_and_ranks_by_simulation():
+    ranked = _search(_mlp())
+    assert {c.schedule for c in ranked} == set(schedule.schedule_names())
+    times = [c.step_time for c in ranked]
+    assert times == sorted(times)
+    # Stages per device: 1 and 2 for interleaved_1f1b, 2 for zbv, else 1.
+    layouts = {(c.schedule, c.num_stages) for c in ranked}
+    assert ("interleaved_1f1b", 2) in layouts
+    assert ("interleaved_1f1b", 4) in layouts
+    assert ("zbv", 4) in layouts and ("zbv", 2) not in layouts
+    assert {c.num_micro_batches for c in ranked} == {1, 2, 4, 8}
+    best = ranked[0]
+    assert sum(best.sizes) == len(graph_lib.read_graph(_mlp()).calls)
+    assert all(0 <= i < 1 for i in best.idle)
+
+
+def test_the_step_time_is_the_simulators_for_the_chosen_configuration():
+    model = _mlp()
+    best = _search(model)[0]
+    graph = graph_lib.read_graph(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        calls = profiling.flops_costs(graph, 64 // best.num_micro_batches)
+    ticks = schedule.get_schedule(best.schedule).build(
+        best.num_micro_batches, best.num_stages,
+        1 + max(best.stage_devices))
+    starts = np.cumsum([0] + best.sizes)
+    span = list(zip(starts[:-1], starts[1:]))
+    costs = simulator.Costs(
+        forward=[sum(calls.forward[a:e]) for a, e in span],
+        backward=[sum(calls.backward[a:e]) for a, e in span],
+        backward_input=[sum(calls.backward_input[a:e]) for a, e in span],
+        weight=[sum(calls.weight[a:e]) for a, e in span],
+        call=2e-4, latency=1e-3, bytes_per_second=5e9,
+        output_bytes=[_boundary(graph, e, 64 // best.num_micro_batches)
+                      for _, e in span])
+    expected = simulator.simulate(ticks, best.stage_devices, costs,
+                                  best.remat, best.num_micro_batches)
+    assert best.step_time == pytest.approx(expected.step_time, rel=1e-9)
+
+
+def _boundary(graph, end, rows):
+    from keras_pipe import memory  # noqa: PLC0415
+    profile = memory.Profile(graph, rows)
+    return profile.output_bytes if end == len(graph.calls) else \
+        profile.gap[end - 1]
+
+
+def test_a_memory_budget_is_met_and_the_error_names_the_least_that_fits():
+    model = _mlp(depth=8, width=256)
+    free = _search_small(model)[0]
+    with pytest.raises(ValueError, match=r"smallest budget that fits is "
+                       r"\d+ bytes") as info:
+        _search_small(model, memory_budget=10_000)
+    least = int(str(info.value).split("fits is ")[1].split(" ")[0])
+    assert 10_000 < least < max(free.peak_memory)
+    # The least is exact: it fits, one byte less does not.
+    ranked = _search_small(model, memory_budget=least)
+    assert all(max(c.peak_memory) <= least for c in ranked)
+    assert ranked[0].step_time >= free.step_time
+    with pytest.raises(ValueError, match="smallest budget"):
+        _search_small(model, memory_budget=least - 1)
+    budget = (least + max(free.peak_memory)) // 2
+    ranked = _search_small(model, memory_budget=budget)
+    assert all(max(c.peak_memory) <= budget for c in ranked)
+
+
+def test_a_tight_budget_trades_time_for_remat_or_micro_batches():
+    # Activations dominate (8192 rows, narrow layers): the least budget
+    # needs remat or more micro-batches than the fastest configuration.
+    model = _mlp(depth=8, width=64)
+    free = _search_small(model, batch_size=8192)[0]
+    with pytest.raises(ValueError, match="smallest budget") as info:
+        _search_small(model, batch_size=8192, memory_budget=10_000)
+    least = int(str(info.value).split("fits is ")[1].split(" ")[0])
+    tight = _search_small(model, batch_size=8192, memory_budget=least)[0]
+    assert max(tight.peak_memory) <= least < max(free.peak_memory)
+    assert (tight.remat != ["never"] * tight.num_stages
+            or tight.num_micro_batches > free.num_micro_batches)
+
+
+def test_a_registered_schedule_is_searched():
+    def backward_in_forward_order(num_micro_batches, num_stages,
+                                  num_devices=None):
+        m, k = num_micro_batches, num_stages
+        return schedule.ticks_from_orders(
+            [[schedule.Action("F", i, j) for i in range(m)] +
+             [schedule.Action("B", i, j) for i in range(m)]
+             for j in range(k)], k)
+
+    name = "test_autoplan_forward_order"
+    if name not in schedule.schedule_names():
+        schedule.register_schedule(name, backward_in_forward_order)
+    ranked = _search(_mlp(), schedules=[name, "gpipe"])
+    assert {c.schedule for c in ranked} == {name, "gpipe"}
+
+
+def test_plan_reports_the_choice_and_from_model_builds_exactly_it(devices):
+    model = _mlp()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        p = keras_pipe.plan(model, devices=devices[:2], batch_size=64,
+                            schedule="auto", measure=False)
+    assert p.schedule in schedule.schedule_names()
+    assert p.step_time == p.runner_ups[0].step_time or (
+        p.step_time < p.runner_ups[0].step_time)
+    assert len(p.devices) == p.num_stages == len(p.stage_devices)
+    assert len(p.peak_memory) == len(p.idle) == 2
+    text = str(p)
+    assert f"schedule={p.schedule!r}" in text and "runner-up" in text
+    # from_model measures by default; with the same (FLOPs) costs it builds
+    # the same plan: check that by building the plan's arguments directly.
+    pipe = keras_pipe.PipelineModel.from_model(
+        model, num_stages=p.num_stages, devices=p.devices,
+        num_micro_batches=p.num_micro_batches, remat=p.remat,
+        balance=p.sizes, schedule=p.schedule)
+    assert pipe.schedule == p.schedule
+    assert [len(s.calls) for s in pipe.stages] == p.sizes
+
+
+@pytest.mark.slow  # builds and trains a pipeline
+def test_from_model_auto_builds_the_plan(devices, monkeypatch, tmp_path):
+    monkeypatch.setenv("KERAS_PIPE_CACHE", str(tmp_path / "costs.json"))
+    model = _mlp(depth=2, width=16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        monkeypatch.setattr(
+            autoplan.profiling, "call_costs",
+            lambda graph, rows, device=None, shapes=None: (
+                profiling.flops_costs(graph, rows, 2e10, shapes)))
+        pipe = keras_pipe.PipelineModel.from_model(
+            model, devices=devices[:2], batch_size=16, schedule="auto")
+    p = pipe.plan
+    assert pipe.schedule == p.schedule
+    assert pipe.num_stages == p.num_stages
+    assert pipe.num_micro_batches == p.num_micro_batches
+    assert list(pipe.remat) == list(p.remat)
+    assert [len(s.calls) for s in pipe.stages] == p.sizes
+    assert list(pipe.devices) == list(p.devices)
+    pipe.compile(keras.optimizers.SGD(0.1), "mse")
+    x = np.ones((16, 32), "float32")
+    y = np.ones((16, 4), "float32")
+    assert np.isfinite(pipe.train_on_batch(x, y))
+
+
+def test_auto_needs_batch_size_and_devices():
+    with pytest.raises(ValueError, match="needs batch_size"):
+        autoplan.search(_mlp(), num_devices=2)
+    with pytest.raises(ValueError, match="needs devices"):
+        autoplan.search(_mlp(), batch_size=8)
+    with pytest.raises(ValueError, match="schedule must be one of"):
+        autoplan.search(_mlp(), num_devices=2, batch_size=8,
+                        schedules=["nope"])
+
+
+def test_flops_fallback_warns():
+    graph = graph_lib.read_graph(_mlp())
+    with pytest.warns(UserWarning, match="from FLOPs, not measured"):
+        costs = profiling.flops_costs(graph, 8)
+    assert not costs.measured
+    assert costs.forward[0] == pytest.approx(2 * 8 * (32 * 64 + 64) / 2e10,
+                                             rel=0.05)
+
+
+@pytest.mark.slow  # times a model's calls
+def test_measured_costs_are_cached(monkeypatch, tmp_path):
+    monkeypatch.setenv("KERAS_PIPE_CACHE", str(tmp_path / "costs.json"))
+    graph = graph_lib.read_graph(_mlp(depth=1, width=8))
+    first = profiling.call_costs(graph, 4, repeats=1, times=2)
+    assert first.measured and len(first.forward) == len(graph.calls)
+    assert all(v >= 0 for v in first.forward + first.backward_input
+               + first.weight)
+
+    def no_measuring(*args):
+        raise AssertionError("measured again instead of read from cache")
+
+    monkeypatch.setattr(profiling, "_per_run", no_measuring)
+    assert profiling.call_costs(graph, 4, repeats=1, times=2) == first
+    with pytest.raises(AssertionError, match="measured again"):
+        profiling.call_costs(graph, 8, repeats=1, times=2)  # other rows

@@ -1,0 +1,290 @@
+"""Predicted against measured step time, on 2 pinned worker processes.
+
+```
+python tools/validate_planner.py [--models mlp,resnet,transformer,gpt2,bert]
+                                 [--micro-batches 1,2,4,8] [--steps 8]
+                                 [--schedules gpipe,1f1b,...] [--out FILE]
+```
+
+Starts 2 `python -m keras_pipe.worker` processes on loopback, each pinned
+to its own core (`tools/benchmark.py`'s `Workers`), and a client process
+that, per model, runs `keras_pipe.autoplan.search` (costs measured on
+worker 0, transfers between the workers, cached) over every registered
+schedule, its stages per device and each `M`, then builds and trains each
+configuration it ranked (its cut and remat) with `from_model` and times it:
+the median step of one warm `fit` epoch, each step timed at its end inside
+the epoch (never a whole `fit` call: trap 11). It prints, per model, every
+configuration's predicted and measured step time and error, the median and
+largest |error|, and the pick's regret: the measured step of the predicted
+best against the best measured step of the grid.
+
+A measurement, not a test: the machine may be shared, the numbers are what
+it measured.
+"""
+
+import argparse
+import importlib.util
+import json
+import os
+import pathlib
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+BATCH = {"mlp": 64, "resnet": 32, "transformer": 32, "gpt2": 16, "bert": 16}
+SEQ, VOCAB = 32, 1000
+
+
+def _benchmark():
+    spec = importlib.util.spec_from_file_location(
+        "benchmark", ROOT / "tools" / "benchmark.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _models(keras):
+    """name -> () -> (model, x, y, loss, input_shape)."""
+    import numpy as np
+    rng = np.random.default_rng(0)
+
+    def mlp():
+        x = keras.Input((256,))
+        h = x
+        for _ in range(8):
+            h = keras.layers.Dense(256, activation="relu")(h)
+        model = keras.Model(x, keras.layers.Dense(16)(h), name="mlp")
+        b = BATCH["mlp"]
+        return (model, rng.normal(size=(b, 256)).astype("float32"),
+                rng.normal(size=(b, 16)).astype("float32"), "mse", None)
+
+    def resnet():
+        x = keras.Input((32, 32, 3))
+        h = keras.layers.Conv2D(32, 3, padding="same", activation="relu")(x)
+        for _ in range(4):
+            r = keras.layers.Conv2D(32, 3, padding="same",
+                                    activation="relu")(h)
+            r = keras.layers.Conv2D(32, 3, padding="same")(r)
+            r = keras.layers.BatchNormalization()(r)
+            h = keras.layers.Activation("relu")(keras.layers.Add()([h, r]))
+        h = keras.layers.GlobalAveragePooling2D()(h)
+        model = keras.Model(x, keras.layers.Dense(10)(h), name="resnet")
+        b = BATCH["resnet"]
+        return (model, rng.normal(size=(b, 32, 32, 3)).astype("float32"),
+                rng.normal(size=(b, 10)).astype("float32"), "mse", None)
+
+    def transformer():
+        dim = 64
+        x = keras.Input((SEQ, dim))
+        h = x
+        for _ in range(4):
+            a = keras.layers.MultiHeadAttention(4, 16)(h, h)
+            h = keras.layers.LayerNormalization()(keras.layers.Add()([h, a]))
+            f = keras.layers.Dense(4 * dim, activation="relu")(h)
+            f = keras.layers.Dense(dim)(f)
+            h = keras.layers.LayerNormalization()(keras.layers.Add()([h, f]))
+        h = keras.layers.GlobalAveragePooling1D()(h)
+        model = keras.Model(x, keras.layers.Dense(10)(h), name="transformer")
+        b = BATCH["transformer"]
+        return (model, rng.normal(size=(b, SEQ, dim)).astype("float32"),
+                rng.normal(size=(b, 10)).astype("float32"), "mse", None)
+
+    def tokens(b, segments=False):
+        x = {"token_ids": rng.integers(1, VOCAB, (b, SEQ)).astype("int32"),
+             "padding_mask": np.ones((b, SEQ), "int32")}
+        if segments:
+            x["segment_ids"] = np.zeros((b, SEQ), "int32")
+        return x
+
+    def gpt2():
+        import keras_hub
+        backbone = keras_hub.models.GPT2Backbone(
+            vocabulary_size=VOCAB, num_layers=4, num_heads=4, hidden_dim=64,
+            intermediate_dim=256, max_sequence_length=SEQ, dropout=0.0)
+        model = keras_hub.models.GPT2CausalLM(backbone=backbone,
+                                              preprocessor=None)
+        b = BATCH["gpt2"]
+        x = tokens(b)
+        return (model, x, rng.integers(0, VOCAB, (b, SEQ)),
+                keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                {name: (None, SEQ) for name in x})
+
+    def bert():
+        import keras_hub
+        backbone = keras_hub.models.BertBackbone(
+            vocabulary_size=VOCAB, num_layers=4, num_heads=4, hidden_dim=64,
+            intermediate_dim=256, max_sequence_length=SEQ, dropout=0.0)
+        model = keras_hub.models.BertTextClassifier(
+            backbone=backbone, num_classes=2, preprocessor=None, dropout=0.0)
+        b = BATCH["bert"]
+        x = tokens(b, segments=True)
+        return (model, x, np.arange(b) % 2,
+                keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                {name: (None, SEQ) for name in x})
+
+    return {"mlp": mlp, "resnet": resnet, "transformer": transformer,
+            "gpt2": gpt2, "bert": bert}
+
+
+def _repeat(x, times):
+    import numpy as np
+    if isinstance(x, dict):
+        return {k: _repeat(v, times) for k, v in x.items()}
+    return np.concatenate([x] * times)
+
+
+def child(p):
+    """The client: search, then build and time every ranked configuration."""
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    import keras
+
+    import keras_pipe
+    from keras_pipe import autoplan
+    bench = _benchmark()
+    devices = keras_pipe.connect({"worker": p["cluster"]}, timeout=60.0)
+    remote = [names[0] for _, names in sorted(devices.items())]
+    makers = _models(keras)
+    for name in p["models"]:
+        keras.utils.set_random_seed(0)
+        model, x, y, loss, shape = makers[name]()
+        batch = BATCH[name]
+        start = time.perf_counter()
+        ranked = autoplan.search(
+            model, devices=remote, batch_size=batch,
+            micro_batch_choices=p["micro_batches"],
+            schedules=p["schedules"], input_shape=shape)
+        search_seconds = time.perf_counter() - start
+        rows = []
+        for rank, c in enumerate(ranked):
+            keras.utils.set_random_seed(0)
+            model, x, y, loss, shape = makers[name]()
+            entry = {"model": name, "rank": rank, "schedule": c.schedule,
+                     "num_stages": c.num_stages, "M": c.num_micro_batches,
+                     "sizes": c.sizes, "remat": c.remat,
+                     "predicted": c.step_time}
+            try:
+                pipe = keras_pipe.PipelineModel.from_model(
+                    model, num_stages=c.num_stages,
+                    devices=autoplan.expand_devices(remote, c.stage_devices),
+                    num_micro_batches=c.num_micro_batches, remat=c.remat,
+                    balance=c.sizes, schedule=c.schedule, input_shape=shape)
+                pipe.compile(keras.optimizers.Adam(1e-4), loss)
+                xs, ys = _repeat(x, 3), _repeat(y, 3)
+                bench._fit_steps(keras, pipe, xs, ys, batch)  # trace, warm
+                xs, ys = _repeat(x, p["steps"]), _repeat(y, p["steps"])
+                steps = bench._fit_steps(keras, pipe, xs, ys, batch)
+                entry["measured"] = statistics.median(steps)
+                entry["error"] = entry["predicted"] / entry["measured"] - 1
+            except Exception as exc:  # noqa: BLE001 - reported, others go on
+                entry["failed"] = f"{type(exc).__name__}: {exc}"[:300]
+            rows.append(entry)
+            print(json.dumps(entry), flush=True)
+        print(json.dumps({"model": name, "search_seconds": search_seconds,
+                          "done": True}), flush=True)
+
+
+def _table(rows):
+    lines = ["| model | schedule | K | M | sizes | remat | predicted ms | "
+             "measured ms | error |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "measured" not in r:
+            lines.append(f"| {r['model']} | {r['schedule']} | "
+                         f"{r['num_stages']} | {r['M']} | {r['sizes']} | "
+                         f"{','.join(r['remat'])} | "
+                         f"{r['predicted'] * 1e3:.1f} | failed | |")
+            continue
+        lines.append(
+            f"| {r['model']} | {r['schedule']} | {r['num_stages']} | "
+            f"{r['M']} | {r['sizes']} | {','.join(sorted(set(r['remat'])))}"
+            f" | {r['predicted'] * 1e3:.1f} | {r['measured'] * 1e3:.1f} | "
+            f"{r['error']:+.0%} |")
+    return "\n".join(lines)
+
+
+def summary(rows):
+    """Per model: median and max |error|, the pick's regret (Markdown)."""
+    lines = ["| model | configs | median abs error | max abs error | pick | "
+             "pick measured ms | best measured | regret |",
+             "|---|---|---|---|---|---|---|---|"]
+    every = []
+    for name in dict.fromkeys(r["model"] for r in rows):
+        done = [r for r in rows if r["model"] == name and "measured" in r]
+        if not done:
+            continue
+        errors = [abs(r["error"]) for r in done]
+        every += errors
+        pick = min(done, key=lambda r: r["rank"])
+        best = min(done, key=lambda r: r["measured"])
+        lines.append(
+            f"| {name} | {len(done)} | {statistics.median(errors):.0%} | "
+            f"{max(errors):.0%} | {pick['schedule']} K={pick['num_stages']} "
+            f"M={pick['M']} | {pick['measured'] * 1e3:.1f} | "
+            f"{best['schedule']} K={best['num_stages']} M={best['M']} "
+            f"{best['measured'] * 1e3:.1f} ms | "
+            f"{pick['measured'] / best['measured'] - 1:+.0%} |")
+    if every:
+        lines.append(f"\nall models: median |error| "
+                     f"{statistics.median(every):.0%}, max {max(every):.0%} "
+                     f"over {len(every)} configurations")
+    return "\n".join(lines)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="mlp,resnet,transformer,gpt2,"
+                        "bert")
+    parser.add_argument("--micro-batches", default="1,2,4,8")
+    parser.add_argument("--schedules", default=None)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--out", default=None, help="JSON lines of results")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        child(json.loads(args.child))
+        return
+    bench = _benchmark()
+    from keras_pipe.worker import bind_shim_path
+    params = {"models": args.models.split(","),
+              "micro_batches": [int(m) for m in
+                                args.micro_batches.split(",")],
+              "schedules": args.schedules.split(",") if args.schedules
+              else None, "steps": args.steps}
+    rows = []
+    with tempfile.TemporaryDirectory() as logdir, \
+            bench.Workers(2, logdir) as workers:
+        params["cluster"] = workers.addresses
+        proc = subprocess.Popen(
+            [sys.executable, __file__, "--child", json.dumps(params)],
+            env=bench._env(bind_shim_path()), stdout=subprocess.PIPE,
+            text=True, cwd=ROOT)
+        out = open(args.out, "w") if args.out else None
+        for line in proc.stdout:
+            if not line.startswith("{"):
+                continue
+            entry = json.loads(line)
+            if out:
+                out.write(line)
+                out.flush()
+            if entry.get("done"):
+                print(f"{entry['model']}: search took "
+                      f"{entry['search_seconds']:.0f} s", flush=True)
+                continue
+            rows.append(entry)
+            print(f"{entry['model']:12s} {entry['schedule']:17s} "
+                  f"K={entry['num_stages']} M={entry['M']} predicted "
+                  f"{entry['predicted'] * 1e3:8.2f} ms measured " + (
+                      f"{entry['measured'] * 1e3:8.2f} ms error "
+                      f"{entry['error']:+.0%}" if "measured" in entry
+                      else entry.get("failed", "")), flush=True)
+        proc.wait()
+    print()
+    print(_table(rows))
+    print()
+    print(summary(rows))
+
+
+if __name__ == "__main__":
+    main()
