@@ -82,5 +82,9 @@ setup(
         "examples": ["tensorflow-datasets==4.9.*", "matplotlib>=3.8",
                      "keras-hub==0.32.*", "tensorflow-text==2.21.*",
                      "sacrebleu>=2.4,<3", "tensorboard==2.21.*"],
+        # `python -m tools.benchmarks`: its peer part runs torch pipelining
+        # (a CPU wheel: pip install torch==2.13.0 --index-url
+        # https://download.pytorch.org/whl/cpu). Never in `tests`.
+        "bench": ["torch==2.13.0", "matplotlib>=3.8"],
     },
 )
