@@ -8,7 +8,7 @@ import signal
 import sys
 import time
 
-from tools.benchmarks import harness, peer, peer_report
+from tools.benchmarks import harness, peer, peer_jobs, peer_report
 from tools.benchmarks.harness import (
     Workers,
     environment,
@@ -79,10 +79,11 @@ def settings(quick, schedules=SCHEDULES):
 
 
 def run_parts(parts, quick, outdir, log=print, schedules=SCHEDULES,
-              micro_batches=None):
+              micro_batches=None, jobs=None):
     """Runs the chosen parts, each in child processes; returns their JSON.
 
-    `micro_batches`, if given, replaces part (a)'s values of M.
+    `micro_batches`, if given, replaces part (a)'s values of M; `jobs`, if
+    given, the peer part's jobs.
     """
     s = settings(quick, schedules)
     if micro_batches:
@@ -92,7 +93,10 @@ def run_parts(parts, quick, outdir, log=print, schedules=SCHEDULES,
     if "peer" in parts:
         log("(peer) keras_pipe and torch.distributed.pipelining, 3 jobs")
         loads["peer"] = os.getloadavg()
-        results["peer"] = peer.run_peer(peer.settings(quick), log)
+        results["peer"] = peer.run_peer(
+            peer.settings(quick, jobs or peer_jobs.jobs()), log,
+            save=lambda r: write_part(outdir, "peer", r, {
+                "command": "(a partial result: the run goes on)"}, None))
     if "a" in parts:
         log("(a) throughput vs schedule and M on 2 pinned workers")
         loads["a"] = os.getloadavg()
@@ -181,6 +185,9 @@ def main(argv=None):
     parser.add_argument("--micro-batches", default="",
                         help="comma-separated values of M for part (a) "
                         "(default: 1,2,4,8,16; with --quick 2,4)")
+    parser.add_argument("--jobs", default="mlp,transformer,conv",
+                        help="comma-separated jobs of the peer part "
+                        "(default: mlp,transformer,conv)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--params", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -205,6 +212,12 @@ def main(argv=None):
     if micro_batches is None or any(n < 1 for n in micro_batches):
         parser.error("--micro-batches takes positive ints, e.g. 4,8. "
                      f"Received: {args.micro_batches!r}")
+    jobs = [n.strip() for n in args.jobs.split(",") if n.strip()]
+    unknown = [n for n in jobs if n not in peer_jobs.jobs()]
+    if unknown or not jobs:
+        parser.error(f"--jobs takes names among "
+                     f"{','.join(peer_jobs.jobs())}. Received: "
+                     f"{unknown or args.jobs!r}")
     # SIGTERM unwinds like Ctrl-C, so that the worker processes are killed.
     signal.signal(signal.SIGTERM, _terminate)
     outdir = pathlib.Path(args.out)
@@ -213,7 +226,7 @@ def main(argv=None):
     env["probe_start"] = run_child("probe", {"repeats": 30}, 300)
     start = time.perf_counter()
     results = run_parts(parts, args.quick, outdir, schedules=schedules,
-                        micro_batches=micro_batches)
+                        micro_batches=micro_batches, jobs=jobs)
     env["load_average_end"] = os.getloadavg()
     env["probe_end"] = run_child("probe", {"repeats": 30}, 300)
     host = probe_line(env)

@@ -166,8 +166,11 @@ def _torch_pipeline(p, cores, log):
         results[0], other=results[1])
 
 
-def run_peer(s, log=print):
-    """The peer part: per job, torch, keras_pipe, torch again."""
+def run_peer(s, log=print, save=None):
+    """The peer part: per job, torch, keras_pipe, torch again.
+
+    `save`, if given, is called with the result so far after each job.
+    """
     cores = sorted(os.sched_getaffinity(0))[:2]
     if len(cores) < 2:
         return {"error": f"the peer part needs 2 CPUs; this process may run "
@@ -179,7 +182,9 @@ def run_peer(s, log=print):
         entry = result["jobs"][name] = {
             "job": job, "description": peer_jobs.describe(job),
             "flops_per_step_formula": peer_jobs.flops_per_step(job),
-            "parameters_formula": peer_jobs.parameter_count(job)}
+            "parameters_formula": peer_jobs.parameter_count(job),
+            "load_average_at_start": os.getloadavg()}
+        start = time.perf_counter()
         common = {"job": job, "steps": s["steps"], "warm": s["warm"]}
         torch_configs = [(n, m) for n in s["torch_schedules"]
                          for m in s["micro_batches"]]
@@ -207,15 +212,20 @@ def run_peer(s, log=print):
             entry["keras_baseline_after"] = run_child(
                 "keras_baseline", dict(common, cpus=cores[:1]), timeout,
                 log=log)
+        entry["seconds"] = time.perf_counter() - start
+        log(f"    {entry['seconds']:.0f} s")
+        if save is not None:
+            save(result)
     return result
 
 
-def settings(quick):
+def settings(quick, jobs=("mlp", "transformer", "conv")):
     """The peer part's parameters; `quick`: small jobs, few steps."""
-    return {"quick": quick, "jobs": ["mlp", "transformer", "conv"],
+    return {"quick": quick, "jobs": list(jobs),
             "micro_batches": [2, 4] if quick else [2, 4, 8],
             "keras_schedules": (["gpipe", "1f1b", "zbv"] if quick
-                                else list(KERAS_SCHEDULES)),
+                                else [n for n in KERAS_SCHEDULES
+                                      if n != "zb_h1"]),
             "torch_schedules": (["gpipe", "1f1b", "zbv"] if quick
                                 else list(TORCH_SCHEDULES)),
             "steps": 4 if quick else 6, "warm": 2 if quick else 3,
