@@ -562,13 +562,17 @@ def _peer_entry():
     """A job of the peer part as `peer.run_peer` reports it (made up)."""
     def runs(schedule, k, seconds):
         return [{"schedule": schedule, "num_stages": k,
-                 "num_micro_batches": m, "step_seconds": s, "steps": [s]}
+                 "num_micro_batches": m, "step_seconds": s, "steps": [s],
+                 "worker_cpu_seconds_per_step": [0.1, 0.09],
+                 "client_cpu_seconds_per_step": 0.05,
+                 "cpu_seconds_per_step": 0.12}
                 for m, s in zip((2, 4), seconds)]
     return {
         "description": "MLP", "parameters_formula": 10,
         "flops_per_step_formula": 3e9,
         "keras_baseline_before": {"steps": [0.2, 0.2], "parameters": 10,
-                                  "flops_per_step": 3.1e9},
+                                  "flops_per_step": 3.1e9,
+                                  "cpu_seconds_per_step": 0.15},
         "keras_baseline_after": {"steps": [0.2]},
         "torch_baseline_before": {"steps": [0.3], "parameters": 10,
                                   "flops_per_step": 2.9e9},
@@ -610,7 +614,18 @@ def test_peer_goals_compare_best_with_best_and_1f1b_per_m():
     tables = peer_report.peer_tables({"jobs": {"mlp": _peer_entry()}})
     assert tables[1][2] == [["parameters", "10", "10", "10"],
                             ["GFLOPs per step", "3.10", "2.90", "3.00"]]
-    assert tables[2][2] == [["zbv M=2", "RuntimeError: no"]]
+    account = tables[2]
+    assert account[0].startswith("mlp: where the time goes")
+    # keras_pipe: each worker's and the client's CPU per step; torch: rank
+    # 0's, once per run (before and after keras_pipe).
+    assert account[2][0] == ["keras_pipe", "1f1b", 2, 2, "160", "200",
+                             "100/90", "50", "150", "0.62"]
+    assert [r[:4] for r in account[2] if r[0] != "keras_pipe"] == [
+        ["torch (after keras_pipe)", "1f1b", 2, 2],
+        ["torch (after keras_pipe)", "1f1b", 2, 4],
+        ["torch (before keras_pipe)", "1f1b", 2, 2],
+        ["torch (before keras_pipe)", "1f1b", 2, 4]]
+    assert tables[3][2] == [["zbv M=2", "RuntimeError: no"]]
 
 
 def test_peer_part_writes_its_json_markdown_and_png(tmp_path):

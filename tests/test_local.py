@@ -57,25 +57,37 @@ _SCRIPT = textwrap.dedent("""
     import os, sys, time
     import keras_pipe
     import tensorflow as tf
-    mode = sys.argv[1]
-    with keras_pipe.local_workers(num_workers=2) as devices:
-        from keras_pipe import local
-        print("DEVICES", ",".join(devices), flush=True)
-        with tf.device(devices[1]):
-            value = tf.reduce_sum(tf.ones([3, 4])).numpy()
-        print("VALUE", value, flush=True)
-        children = [int(p) for t in os.listdir("/proc/self/task")
-                    for p in open(f"/proc/self/task/{t}/children").read().split()]
-        pids = [p for p in children
-                if b"keras_pipe.worker" in open(f"/proc/{p}/cmdline", "rb").read()]
-        print("PIDS", ",".join(map(str, pids)), flush=True)
-        print("AFFINITY", ",".join(
-            str(sorted(os.sched_getaffinity(p))) for p in pids), flush=True)
-        if mode == "error":
-            raise RuntimeError("boom inside the block")
-        if mode == "sigint":
-            print("WAITING", flush=True)
-            time.sleep(120)
+
+    def alive(pid):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+        except FileNotFoundError:
+            return False
+
+    mode, pids = sys.argv[1], []
+    try:
+        with keras_pipe.local_workers(num_workers=2) as devices:
+            print("DEVICES", ",".join(devices), flush=True)
+            with tf.device(devices[1]):
+                value = tf.reduce_sum(tf.ones([3, 4])).numpy()
+            print("VALUE", value, flush=True)
+            children = [int(p) for t in os.listdir("/proc/self/task")
+                        for p in open(f"/proc/self/task/{t}/children").read().split()]
+            pids += [p for p in children if b"keras_pipe.worker" in
+                     open(f"/proc/{p}/cmdline", "rb").read()]
+            print("PIDS", ",".join(map(str, pids)), flush=True)
+            print("AFFINITY", ",".join(
+                str(sorted(os.sched_getaffinity(p))) for p in pids), flush=True)
+            if mode == "error":
+                raise RuntimeError("boom inside the block")
+            if mode == "sigint":
+                print("WAITING", flush=True)
+                time.sleep(120)
+    finally:
+        # Checked by this process while it still runs: the workers' parent-
+        # death signal has not fired, only the block's own stop counts.
+        print("LEFT", ",".join(str(p) for p in pids if alive(p)), flush=True)
     print("DONE", flush=True)
 """)
 
@@ -121,6 +133,7 @@ def test_workers_run_ops_and_none_is_left_running(mode):
     assert float(lines["VALUE"]) == 12.0
     pids = [int(p) for p in lines["PIDS"].split(",")]
     assert len(pids) == 2
+    assert lines["LEFT"] == ""  # stopped by the block, before exit
     # One core each, the first two this process may run on.
     cores = sorted(os.sched_getaffinity(0))[:2]
     assert sorted(lines["AFFINITY"].split(",")) == sorted(

@@ -79,11 +79,11 @@ def settings(quick, schedules=SCHEDULES):
 
 
 def run_parts(parts, quick, outdir, log=print, schedules=SCHEDULES,
-              micro_batches=None, jobs=None):
+              micro_batches=None, jobs=None, reduced=False):
     """Runs the chosen parts, each in child processes; returns their JSON.
 
     `micro_batches`, if given, replaces part (a)'s values of M; `jobs`, if
-    given, the peer part's jobs.
+    given, the peer part's jobs; `reduced`: the peer part's smaller grid.
     """
     s = settings(quick, schedules)
     if micro_batches:
@@ -94,7 +94,8 @@ def run_parts(parts, quick, outdir, log=print, schedules=SCHEDULES,
         log("(peer) keras_pipe and torch.distributed.pipelining, 3 jobs")
         loads["peer"] = os.getloadavg()
         results["peer"] = peer.run_peer(
-            peer.settings(quick, jobs or peer_jobs.jobs()), log,
+            dict(peer.settings(quick, jobs or peer_jobs.jobs()),
+                 **(peer.REDUCED if reduced else {})), log,
             save=lambda r: write_part(outdir, "peer", r, {
                 "command": "(a partial result: the run goes on)"}, None))
     if "a" in parts:
@@ -188,6 +189,9 @@ def main(argv=None):
     parser.add_argument("--jobs", default="mlp,transformer,conv",
                         help="comma-separated jobs of the peer part "
                         "(default: mlp,transformer,conv)")
+    parser.add_argument("--reduced", action="store_true",
+                        help="the peer part on M=2,4 and 4 schedules per "
+                        "system, 1 round, torch before keras_pipe only")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--params", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -226,7 +230,8 @@ def main(argv=None):
     env["probe_start"] = run_child("probe", {"repeats": 30}, 300)
     start = time.perf_counter()
     results = run_parts(parts, args.quick, outdir, schedules=schedules,
-                        micro_batches=micro_batches, jobs=jobs)
+                        micro_batches=micro_batches, jobs=jobs,
+                        reduced=args.reduced)
     env["load_average_end"] = os.getloadavg()
     env["probe_end"] = run_child("probe", {"repeats": 30}, 300)
     host = probe_line(env)

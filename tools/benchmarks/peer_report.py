@@ -90,6 +90,47 @@ def check_table(entry):
          fmt(_g(entry.get("flops_per_step_formula")), 2)]]
 
 
+def account_rows(entry):
+    """Rows: where each run's time goes, per (system, schedule, K, M).
+
+    The CPU seconds per step of each pipeline process (keras_pipe: both
+    workers and the client; torch: rank 0, the one that reports) against
+    its system's one-core process: over 1, the pipeline does more work
+    than the whole model on one core (smaller products per micro-batch,
+    transfers, the per-step call); the rest of a step that the CPU does
+    not fill is waiting (fill and drain, transfers in flight).
+    """
+    rows = []
+    for system, prefix, runs in (
+            ("keras_pipe", "keras", (entry.get("keras_pipeline") or {}).get(
+                "runs", [])),
+            ("torch", "torch", [dict(r, when=when) for when in (
+                "before", "after") for r in (entry.get(
+                    f"torch_pipeline_{when}") or {}).get("runs", [])])):
+        base = [entry.get(f"{prefix}_baseline_{w}") or {}
+                for w in ("before", "after")]
+        base_cpu = median([b.get("cpu_seconds_per_step") for b in base])
+        base_step = _pooled(*base)
+        for run in sorted(runs, key=lambda r: (
+                r.get("when", ""), r["num_stages"], r["schedule"],
+                r["num_micro_batches"])):
+            workers = run.get("worker_cpu_seconds_per_step") or [
+                run.get("cpu_seconds_per_step")]
+            step = run["step_seconds"]
+            rows.append([
+                system + (f" ({run['when']} keras_pipe)" if "when" in run
+                          else ""), run["schedule"], run["num_stages"],
+                run["num_micro_batches"], fmt(step * 1e3, 0),
+                fmt(base_step and base_step * 1e3, 0),
+                "/".join(fmt(c and c * 1e3, 0) for c in workers),
+                fmt((run.get("client_cpu_seconds_per_step") or 0) * 1e3
+                    if system == "keras_pipe" else None, 0),
+                fmt(base_cpu and base_cpu * 1e3, 0),
+                fmt(ratio(max((c for c in workers if c), default=None),
+                          step), 2)])
+    return rows
+
+
 def _g(flops):
     return None if flops is None else flops / 1e9
 
@@ -137,6 +178,13 @@ def peer_tables(results):
                        "FlopCounterMode, matmuls and convolutions only)",
                        ["", "keras_pipe", "torch", "from the shapes"],
                        check_table(entry)))
+        tables.append((
+            f"{name}: where the time goes (ms per step; CPU ms of each "
+            "pipeline process per step against the 1-core process's; busy: "
+            "the busier pipeline process's CPU / the step)",
+            ["system", "schedule", "K", "M", "step", "1-core step",
+             "CPU per process", "client CPU", "1-core CPU", "busy"],
+            account_rows(entry)))
         errors = [e for key in ("keras_pipeline", "torch_pipeline_before",
                                 "torch_pipeline_after")
                   for e in (entry.get(key) or {}).get("errors", [])]
