@@ -22,6 +22,7 @@ from keras_pipe import layers, schedule  # noqa: E402
 from keras_pipe.callbacks import BackupAndRestore  # noqa: E402
 from keras_pipe.cluster import connect  # noqa: E402
 from keras_pipe.layers import DeferredBatchNormalization  # noqa: E402
+from keras_pipe.local import local_workers  # noqa: E402
 from keras_pipe.model import PipelineModel  # noqa: E402
 from keras_pipe.placement import logical_cpu_devices  # noqa: E402
 from keras_pipe.planner import plan  # noqa: E402
@@ -29,7 +30,7 @@ from keras_pipe.saving import load_model  # noqa: E402
 from keras_pipe.verify import VerificationReport, verify  # noqa: E402
 
 __all__ = ["BackupAndRestore", "DeferredBatchNormalization", "PipelineModel",
-           "connect", "layers", "load_model",
-           "logical_cpu_devices", "plan", "schedule", "VerificationReport",
+           "VerificationReport", "connect", "layers", "load_model",
+           "local_workers", "logical_cpu_devices", "plan", "schedule",
            "verify"]
 __version__ = "0.1.0"

@@ -1,0 +1,149 @@
+"""keras_pipe.local_workers: pinned loopback workers started and stopped in one call.
+
+The argument checks are fast (nothing starts). The others start real worker
+processes in a child Python (connecting changes a process for good) and
+check that none is left running: after the block, after an error in it,
+and after a Ctrl-C (SIGINT) that arrives while the block runs.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+import keras_pipe
+from keras_pipe import local
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _enter(**kwargs):
+    with keras_pipe.local_workers(**kwargs):
+        pass
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    ({"num_workers": 0}, ValueError, "num_workers must be >= 1"),
+    ({"num_workers": 2.0}, TypeError, "num_workers must be an int"),
+    ({"num_workers": 10_000}, ValueError,
+     "num_workers=10000 needs one core each"),
+    ({"num_workers": 2, "cores": [0]}, ValueError,
+     r"cores must name one id per worker \(2 workers\)"),
+    ({"num_workers": 2, "cores": [0, 0]}, ValueError, "names an id twice"),
+    ({"num_workers": 1, "cores": [4096]}, ValueError,
+     r"cores names CPUs \[4096\] this process cannot run on"),
+    ({"num_workers": 1, "cores": "0"}, TypeError,
+     "cores must be a list of ints"),
+    ({"num_workers": 2, "gpus": [0]}, ValueError,
+     "gpus must name one id per worker"),
+    ({"timeout": 0}, ValueError, "timeout must be > 0"),
+    ({"intra_op_threads": 0}, ValueError, "intra_op_threads must be >= 1"),
+])
+def test_bad_arguments_are_refused_before_anything_starts(
+        kwargs, error, match, monkeypatch):
+    started = []
+    monkeypatch.setattr(local, "_start",
+                        lambda *a, **k: started.append(a))
+    with pytest.raises(error, match=match):
+        _enter(**kwargs)
+    assert not started
+
+
+_SCRIPT = textwrap.dedent("""
+    import os, sys, time
+    import keras_pipe
+    import tensorflow as tf
+
+    def alive(pid):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+        except FileNotFoundError:
+            return False
+
+    mode, pids = sys.argv[1], []
+    try:
+        with keras_pipe.local_workers(num_workers=2) as devices:
+            print("DEVICES", ",".join(devices), flush=True)
+            with tf.device(devices[1]):
+                value = tf.reduce_sum(tf.ones([3, 4])).numpy()
+            print("VALUE", value, flush=True)
+            children = [int(p) for t in os.listdir("/proc/self/task")
+                        for p in open(f"/proc/self/task/{t}/children").read().split()]
+            pids += [p for p in children if b"keras_pipe.worker" in
+                     open(f"/proc/{p}/cmdline", "rb").read()]
+            print("PIDS", ",".join(map(str, pids)), flush=True)
+            print("AFFINITY", ",".join(
+                str(sorted(os.sched_getaffinity(p))) for p in pids), flush=True)
+            if mode == "error":
+                raise RuntimeError("boom inside the block")
+            if mode == "sigint":
+                print("WAITING", flush=True)
+                time.sleep(120)
+    finally:
+        # Checked by this process while it still runs: the workers' parent-
+        # death signal has not fired, only the block's own stop counts.
+        print("LEFT", ",".join(str(p) for p in pids if alive(p)), flush=True)
+    print("DONE", flush=True)
+""")
+
+
+def _run(mode, interrupt=False):
+    """Runs the script; returns (output lines by tag, return code)."""
+    env = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="3")
+    proc = subprocess.Popen([sys.executable, "-c", _SCRIPT, mode], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    lines = {}
+    for line in proc.stdout:
+        tag, _, rest = line.strip().partition(" ")
+        lines[tag] = rest
+        if interrupt and tag == "WAITING":
+            proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=120)
+    return lines, proc.returncode, stderr
+
+
+def _alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _assert_gone(pids):
+    deadline = time.monotonic() + 10
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [p for p in pids if _alive(p)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["ok", "error", "sigint"])
+def test_workers_run_ops_and_none_is_left_running(mode):
+    lines, code, stderr = _run(mode, interrupt=mode == "sigint")
+    assert lines["DEVICES"] == (
+        "/job:worker/replica:0/task:0/device:CPU:0,"
+        "/job:worker/replica:0/task:1/device:CPU:0"), stderr
+    assert float(lines["VALUE"]) == 12.0
+    pids = [int(p) for p in lines["PIDS"].split(",")]
+    assert len(pids) == 2
+    assert lines["LEFT"] == ""  # stopped by the block, before exit
+    # One core each, the first two this process may run on.
+    cores = sorted(os.sched_getaffinity(0))[:2]
+    assert sorted(lines["AFFINITY"].split(",")) == sorted(
+        f"[{c}]" for c in cores)
+    _assert_gone(pids)
+    if mode == "ok":
+        assert code == 0 and "DONE" in lines
+    elif mode == "error":
+        assert code != 0 and "boom inside the block" in stderr
+        assert "DONE" not in lines
+    else:
+        assert code != 0 and "KeyboardInterrupt" in stderr
+        assert "DONE" not in lines
