@@ -400,13 +400,11 @@ def moments(actions, mode, num_micro_batches, first=False, last=False):
             passing = _unit("outputs") + _unit("inputs") + _unit(
                 "largest")
         else:
-            # Each weight gradient of the tape is added to its running sum
-            # as soon as it is made (dataflow; measured on workers:
-            # tools/worker_memory.py, docs/capacity.md); the micro-batch's
-            # kept activations are freed as its gradients are made.
+            # The tape returns every weight gradient, then they are added;
+            # the micro-batch's kept activations are freed as its
+            # gradients are made.
             recompute = zero
-            grads = _unit("trainable") + (
-                _unit("largest_variable") if sums.any() else zero)
+            grads = _unit("trainable", 2 if sums.any() else 1)
             passing = _unit("outputs") + _unit("largest")
         # The next stage may run ahead: gradients for the outputs of the
         # other micro-batches in flight can have arrived and be waiting.
