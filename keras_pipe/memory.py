@@ -412,10 +412,9 @@ def moments(actions, mode, num_micro_batches, first=False, last=False):
             boundary, kept + recompute, grads, fixed + passing + waiting]))
         held.pop(i, None)
         sums = _unit("trainable")
-    # The optimizer step: summed gradients and one update's temporary
-    # (each update frees its gradient as it runs).
+    # The optimizer step: summed gradients and the update's temporaries.
     result.append(np.stack([zero, zero, _unit("trainable"),
-                            fixed + _unit("largest_variable")]))
+                            fixed + _unit("largest_variable", 2)]))
     return np.unique(np.stack(result), axis=0)
 
 

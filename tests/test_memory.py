@@ -132,18 +132,3 @@ def test_cost_memory_accepts_a_remat_list():
                          num_micro_batches=4, remat=["never", "always"],
                          batch_size=32)
     assert sum(part.sizes) == 5
-
-
-def test_the_optimizer_step_holds_one_update_temporary():
-    # Each variable's update frees its gradient as it runs: measured on
-    # worker processes (docs/capacity.md) a stage at M=1 with SGD peaks at
-    # its weights + gradients (1.97x its weights); the model counted two
-    # temporaries of the largest variable on top (2.56x for that stage).
-    model = _mlp(width=256, depth=6)
-    part = partition.cut(model, 2, balance=[3, 4])
-    block = memory.Profile(part.graph, rows=8).block(0, 3)
-    peak = memory.predict(part, 8, 1, "never", optimizer_slots=0)[0]
-    assert peak.total >= block.weights + block.trainable + \
-        block.largest_variable
-    assert peak.total < block.weights + block.trainable + \
-        2 * block.largest_variable
