@@ -400,13 +400,11 @@ def moments(actions, mode, num_micro_batches, first=False, last=False):
             passing = _unit("outputs") + _unit("inputs") + _unit(
                 "largest")
         else:
-            # Each weight gradient of the tape is added to its running sum
-            # as soon as it is made (dataflow; measured on workers:
-            # tools/worker_memory.py, docs/capacity.md); the micro-batch's
-            # kept activations are freed as its gradients are made.
+            # The tape returns every weight gradient, then they are added;
+            # the micro-batch's kept activations are freed as its
+            # gradients are made.
             recompute = zero
-            grads = _unit("trainable") + (
-                _unit("largest_variable") if sums.any() else zero)
+            grads = _unit("trainable", 2 if sums.any() else 1)
             passing = _unit("outputs") + _unit("largest")
         # The next stage may run ahead: gradients for the outputs of the
         # other micro-batches in flight can have arrived and be waiting.
@@ -414,10 +412,9 @@ def moments(actions, mode, num_micro_batches, first=False, last=False):
             boundary, kept + recompute, grads, fixed + passing + waiting]))
         held.pop(i, None)
         sums = _unit("trainable")
-    # The optimizer step: summed gradients and one update's temporary
-    # (each update frees its gradient as it runs).
+    # The optimizer step: summed gradients and the update's temporaries.
     result.append(np.stack([zero, zero, _unit("trainable"),
-                            fixed + _unit("largest_variable")]))
+                            fixed + _unit("largest_variable", 2)]))
     return np.unique(np.stack(result), axis=0)
 
 

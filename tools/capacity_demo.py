@@ -1,6 +1,9 @@
 """Capacity in one number: the widest MLP one process trains, against two workers.
 
-    python tools/capacity_demo.py --out /tmp/capacity.json   # ~15 min
+    python tools/capacity_demo.py --out /tmp/capacity.json
+
+(each trial starts its processes and takes 1-3 minutes on 2 shared cores;
+the search and 5 repeats: 30+ minutes; narrow it with --low/--high)
 
 Every process that holds model memory (the unsplit process; each worker)
 runs under one resident-memory limit, `--limit-mib`, enforced by a

@@ -76,8 +76,7 @@ def child_unsplit(args):
     model = build_model(keras, args.width, args.depth)
     phases.append(("built", status()))
     model.compile(_optimizer(keras, args.optimizer),
-                  keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                  jit_compile=False if args.no_xla else "auto")
+                  keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     x, y = _data(np, args.steps)
     model.train_on_batch(x[:BATCH], y[:BATCH])
     phases.append(("first step", status()))
@@ -150,8 +149,7 @@ def measure(args):
               "--optimizer", args.optimizer, "--steps", str(args.steps),
               "--num-micro-batches", str(args.num_micro_batches),
               "--remat", args.remat] + (
-                  ["--malloc-defaults"] if args.malloc_defaults else []) + (
-                  ["--no-xla"] if args.no_xla else [])
+                  ["--malloc-defaults"] if args.malloc_defaults else [])
     unsplit = _run(["--child", "unsplit"] + common)
     cluster = [f"127.0.0.1:{_free_port()}" for _ in range(2)]
     workers = [subprocess.Popen(
@@ -210,9 +208,6 @@ def main(argv=None):
     parser.add_argument("--malloc-defaults", action="store_true",
                         help="glibc's malloc defaults in every process "
                         "(before keras_pipe.heap)")
-    parser.add_argument("--no-xla", action="store_true",
-                        help="the unsplit model with jit_compile=False "
-                        "(Keras' default on TF is XLA where it can)")
     parser.add_argument("--out", default=None)
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--cluster", default=None, help=argparse.SUPPRESS)
