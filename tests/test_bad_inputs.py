@@ -180,6 +180,10 @@ def test_plan_devices_must_be_a_list():
     with pytest.raises(TypeError, match=r"devices must be a list of device "
                        r"strings.*Received: devices='/GPU:0'"):
         keras_pipe.plan(_small_model(), devices="/GPU:0")
+    # Broke: an unknown schedule was ignored without memory_budget.
+    with pytest.raises(ValueError, match=r"schedule must be one of .*"
+                       r"Received: schedule='nope'"):
+        keras_pipe.plan(_small_model(), num_stages=2, schedule="nope")
 
 
 def _pipeline(devices):
