@@ -71,10 +71,14 @@ def test_wheel_ships_the_shim_and_starts_a_worker(tmp_path):
     subprocess.run([sys.executable, "-m", "venv", "--system-site-packages",
                     str(venv)], check=True, timeout=300)
     python = str(venv / "bin" / "python")
-    _see_running_packages(python)
+    # Without PYTHONPATH: a checkout on it (with its keras_pipe.egg-info)
+    # would satisfy the requirement, and pip would skip the wheel. The .pth
+    # file comes after the install for the same reason.
+    clean = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     subprocess.run([python, "-m", "pip", "install", "-q", "--no-deps",
                     "--no-index", str(wheel)], check=True,
-                   capture_output=True, timeout=300)
+                   capture_output=True, timeout=300, env=clean)
+    _see_running_packages(python)
     package = next((venv / "lib").glob("python*/site-packages/keras_pipe"))
     shim, = package.glob("_bind.cpython-*.so")
 
