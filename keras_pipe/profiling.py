@@ -167,6 +167,13 @@ def _fetch(outputs):
             return
 
 
+def _dense(gradients):
+    """The gradients that exist, an embedding's (IndexedSlices) as its
+    rows, which is what its backward pass makes."""
+    return [g.values if isinstance(g, tf.IndexedSlices) else g
+            for g in gradients if g is not None]
+
+
 def _functions(call, training):
     """Three tf.functions: forward; forward and input gradients; forward
     and all gradients. Stateless: the model's variables do not change."""
@@ -194,7 +201,7 @@ def _functions(call, training):
                     tape.watch(t)
             y = loss(forward(flat))
         sources = [t for t in flat if t.dtype.is_floating]
-        return [g for g in tape.gradient(y, sources) if g is not None] + [y]
+        return _dense(tape.gradient(y, sources)) + [y]
 
     def run_all(flat):
         with tf.GradientTape() as tape:
@@ -204,7 +211,7 @@ def _functions(call, training):
             y = loss(forward(flat))
         sources = [t for t in flat if t.dtype.is_floating] + [
             v.value for v in variables]
-        return [g for g in tape.gradient(y, sources) if g is not None] + [y]
+        return _dense(tape.gradient(y, sources)) + [y]
 
     return run_forward, run_input, run_all
 
