@@ -7,7 +7,7 @@ python tools/validate_planner.py [--models mlp,resnet,transformer,gpt2,bert]
 ```
 
 Starts 2 `python -m keras_pipe.worker` processes on loopback, each pinned
-to its own core (`tools/benchmark.py`'s `Workers`), and a client process
+to its own core (`tools/benchmarks/harness.py`'s `Workers`), and a client process
 that, per model, runs `keras_pipe.autoplan.search` (costs measured on
 worker 0, transfers between the workers, cached) over every registered
 schedule, its stages per device and each `M`, then builds and trains each
@@ -40,7 +40,7 @@ SEQ, VOCAB = 32, 1000
 
 def _benchmark():
     spec = importlib.util.spec_from_file_location(
-        "benchmark", ROOT / "tools" / "benchmark.py")
+        "harness", ROOT / "tools" / "benchmarks" / "harness.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
