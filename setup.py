@@ -1,6 +1,6 @@
 """The C-extension build of keras_pipe (the rest is in pyproject.toml).
 
-The bind shim (`keras_pipe/_bind.c`, see `keras_pipe/bind.py`) is compiled
+The bind shim (`keras_pipe/distributed/_bind.c`, see `keras_pipe/distributed/bind.py`) is compiled
 here, as an extension module of the package, so that it ships in the wheel;
 its SHA-256 is written next to it (`_bind.sha256`) and checked before it is
 loaded.
@@ -13,7 +13,7 @@ import sys
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
-_SHIM = "keras_pipe._bind"
+_SHIM = "keras_pipe.distributed._bind"
 
 
 def _record(path):
@@ -40,7 +40,7 @@ class BuildExt(build_ext):
         for ext in self.extensions:
             if ext.name == _SHIM:
                 _record(os.path.join(
-                    build_py.get_package_dir("keras_pipe"),
+                    build_py.get_package_dir("keras_pipe.distributed"),
                     os.path.basename(self.get_ext_filename(ext.name))))
 
     def get_outputs(self):
@@ -55,7 +55,7 @@ class BuildExt(build_ext):
 
 # The shim rewrites ELF relocations: Linux only. Elsewhere workers and
 # clients refuse to start unless told to listen on every interface.
-EXTENSIONS = [Extension(_SHIM, sources=["keras_pipe/_bind.c"],
+EXTENSIONS = [Extension(_SHIM, sources=["keras_pipe/distributed/_bind.c"],
                         libraries=["dl"])] \
     if sys.platform.startswith("linux") else []
 

@@ -15,9 +15,9 @@ import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import keras_pipe  # noqa: E402
-from keras_pipe import validation  # noqa: E402
+from keras_pipe import _validation  # noqa: E402
 
-REMAT_MODES = validation.REMAT_MODES
+REMAT_MODES = _validation.REMAT_MODES
 BALANCE_MODES = ("params", "flops", "time", "memory")
 
 
@@ -186,7 +186,7 @@ def describe(pipe, args, devices):
     print(pipe.summary_table())
     for j, names in enumerate(boundaries(pipe)):
         print(f"stage {j} -> {j + 1} sends the outputs of: {', '.join(names)}")
-    bubble = keras_pipe.schedule.bubble_fraction(args.num_micro_batches,
+    bubble = keras_pipe.engine.schedule.bubble_fraction(args.num_micro_batches,
                                                  args.num_stages)
     print(f"devices: {', '.join(devices)}; num_micro_batches="
           f"{args.num_micro_batches}, remat={args.remat!r}, bubble "

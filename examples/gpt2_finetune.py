@@ -37,10 +37,10 @@ def parse_args(argv=None):
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--steps", type=int, default=12)
     args = parser.parse_args(argv)
-    from keras_pipe import validation  # noqa: PLC0415 (before TF starts)
+    from keras_pipe import _validation  # noqa: PLC0415 (before TF starts)
     for name in ("num_stages", "num_micro_batches", "num_layers",
                  "hidden_dim", "num_heads", "vocab_size", "batch_size"):
-        validation.check_positive_int(name, getattr(args, name))
+        _validation.check_positive_int(name, getattr(args, name))
     if args.steps < 2 or args.seq_len < 2:
         parser.error("--steps and --seq-len must be >= 2 (the first step "
                      "is left out of the throughput)")

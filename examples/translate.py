@@ -6,7 +6,7 @@ blocks) on WMT'14 German-English (`--dataset`: `wmt14_translate/de-en`,
 keys), cut into `--num-stages` stages by
 `keras_pipe.PipelineModel.from_model` and trained with `model.fit`. A cut in
 the decoder carries the encoder output and its padding mask along with the
-decoder activations (`keras_pipe.partition` finds the live tensors).
+decoder activations (`keras_pipe.planning.partition` finds the live tensors).
 
 A WordPiece vocabulary is learnt from a sample of the training text
 (keras_hub, no pre-made vocabulary); sentences are padded to

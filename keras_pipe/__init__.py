@@ -1,6 +1,8 @@
 """keras_pipe: GPipe pipeline parallelism for Keras 3 on TensorFlow."""
 
+import importlib.abc as _abc
 import os
+import sys as _sys
 
 
 def _check_backend(backend):
@@ -18,15 +20,16 @@ import keras  # noqa: E402
 
 _check_backend(keras.backend.backend())
 
-from keras_pipe import layers, schedule  # noqa: E402
+from keras_pipe import layers  # noqa: E402
+from keras_pipe.engine import schedule  # noqa: E402
 from keras_pipe.callbacks import BackupAndRestore  # noqa: E402
-from keras_pipe.cluster import connect  # noqa: E402
+from keras_pipe.distributed.cluster import connect  # noqa: E402
 from keras_pipe.layers import DeferredBatchNormalization  # noqa: E402
-from keras_pipe.local import local_workers  # noqa: E402
+from keras_pipe.distributed.local import local_workers  # noqa: E402
 from keras_pipe.model import PipelineModel  # noqa: E402
-from keras_pipe.placement import logical_cpu_devices  # noqa: E402
-from keras_pipe.planner import plan  # noqa: E402
-from keras_pipe.saving import load_model  # noqa: E402
+from keras_pipe.engine.placement import logical_cpu_devices  # noqa: E402
+from keras_pipe.planning.planner import plan  # noqa: E402
+from keras_pipe.saving.files import load_model  # noqa: E402
 from keras_pipe.verify import VerificationReport, verify  # noqa: E402
 
 __all__ = ["BackupAndRestore", "DeferredBatchNormalization", "PipelineModel",
@@ -34,3 +37,28 @@ __all__ = ["BackupAndRestore", "DeferredBatchNormalization", "PipelineModel",
            "local_workers", "logical_cpu_devices", "plan", "schedule",
            "verify"]
 __version__ = "0.1.0"
+
+
+# `keras_pipe.schedule` stays importable under its public name; the other
+# modules that moved into sub-packages fail with their new place.
+_sys.modules.setdefault("keras_pipe.schedule", schedule)
+_MOVED = {'executor': 'engine.executor', 'stage': 'engine.stage', 'microbatch': 'engine.microbatch', 'tensors': 'engine.tensors', 'gradients': 'engine.gradients', 'weight_grad': 'engine.weight_grad', 'attached': 'engine.attached', 'losses': 'engine.losses', 'replicas': 'engine.replicas', 'building': 'engine.building', 'placement': 'engine.placement', 'colocation': 'engine.colocation', 'keyed_random': 'engine.keyed_random', 'graph': 'planning.graph', 'partition': 'planning.partition', 'budget': 'planning.budget', 'memory': 'planning.memory', 'planner': 'planning.planner', 'balance': 'planning.balance', 'autoplan': 'planning.autoplan', 'profiling': 'planning.profiling', 'simulator': 'planning.simulator', 'cluster': 'distributed.cluster', 'worker': 'distributed.worker', 'bind': 'distributed.bind', 'diagnosis': 'distributed.diagnosis', 'heap': 'distributed.heap', 'local': 'distributed.local', 'saving': 'saving.files', 'export': 'saving.export', 'internals': '_compat', 'validation': '_validation'}
+
+
+class _MovedModules(_abc.MetaPathFinder):
+    """Names the new place of a module that moved into a sub-package."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        del path, target
+        old = fullname[len("keras_pipe."):] if fullname.startswith(
+            "keras_pipe.") else None
+        if old in _MOVED:
+            raise ImportError(
+                f"{fullname} moved to keras_pipe.{_MOVED[old]} (keras_pipe "
+                "0.2 put its modules into sub-packages). Import the public "
+                "names from keras_pipe itself (keras_pipe.__all__), or "
+                f"import keras_pipe.{_MOVED[old]}.", name=fullname)
+        return None
+
+
+_sys.meta_path.insert(0, _MovedModules())

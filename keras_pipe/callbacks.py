@@ -7,7 +7,7 @@ have already seen part of it. For a pipeline trained for hours between
 preemptions this both wastes work and changes the result. This subclass
 records how many batches of the epoch were done, in the same file as the
 weights (written to a temporary file, fsynced, then renamed:
-`keras_pipe.saving.write_atomically`, so a crash never leaves weights and
+`keras_pipe.saving.files.write_atomically`, so a crash never leaves weights and
 position out of step), and on restart skips those batches: the
 data they would have used is drawn and dropped, and training goes on from
 the next one. With a data order that depends on the epoch only (a fixed
@@ -22,7 +22,8 @@ import shutil
 import h5py
 import keras
 
-from keras_pipe import internals, saving
+from keras_pipe import _compat
+from keras_pipe.saving import files as saving
 from keras_pipe.timeline import Timeline  # noqa: F401  (re-exported)
 
 __all__ = ["BackupAndRestore", "Timeline"]
@@ -90,7 +91,7 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
         epoch, steps = position["epoch"], position["steps"]
         if steps and steps == (self.params or {}).get("steps"):
             epoch, steps = epoch + 1, 0  # Saved after the epoch's last batch.
-        internals.set_initial_epoch(self.model, epoch)
+        _compat.set_initial_epoch(self.model, epoch)
         self._current_epoch = epoch
         self._skip = steps
 
@@ -122,7 +123,7 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
             self._train_function = None
         # Keras leaves the resumed epoch on the model; a later fit would
         # start there.
-        internals.set_initial_epoch(self.model, None)
+        _compat.set_initial_epoch(self.model, None)
         super().on_train_end(logs)
 
     # ---------------------------------------------------------------- save

@@ -16,14 +16,15 @@ import sys
 
 def parse_args(argv):
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    from keras_pipe import schedule, validation  # noqa: PLC0415 (TF import)
+    from keras_pipe.engine import schedule  # noqa: PLC0415 (TF import)
+    from keras_pipe import _validation  # noqa: PLC0415 (TF import)
 
     parser = argparse.ArgumentParser(
         prog="python -m keras_pipe.demo", description=__doc__.split("\n")[0])
     parser.add_argument("--num-stages", type=int, default=4)
     parser.add_argument("--num-micro-batches", type=int, default=8)
     parser.add_argument("--remat", default="except_last",
-                        choices=validation.REMAT_MODES)
+                        choices=_validation.REMAT_MODES)
     parser.add_argument("--schedule", default="gpipe",
                         choices=[n for n in schedule.schedule_names()
                                  if n in ("gpipe", "1f1b", "zb_h1", "zb_h2")])
@@ -91,12 +92,12 @@ def main(argv=None):
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         metrics=["accuracy"])
     print(model.summary_table())
-    bubble = keras_pipe.schedule.bubble_fraction(args.num_micro_batches,
+    bubble = keras_pipe.engine.schedule.bubble_fraction(args.num_micro_batches,
                                                  args.num_stages)
     print(f"\n{args.schedule} schedule, {args.num_micro_batches} "
           f"micro-batches on {args.num_stages} stages (GPipe's bubble "
           f"{bubble:.0%}):")
-    print(keras_pipe.schedule.format_schedule(model.clock_ticks()))
+    print(keras_pipe.engine.schedule.format_schedule(model.clock_ticks()))
     print(f"\nremat={args.remat!r}; training on {split} samples, "
           f"batch size {args.batch_size}\n")
     model.fit(train, epochs=args.epochs, validation_data=test, shuffle=False,

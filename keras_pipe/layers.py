@@ -28,7 +28,7 @@ lose the variance to cancellation in float32 when the mean is large.
 import keras
 from keras import ops
 
-from keras_pipe import internals
+from keras_pipe import _compat
 
 __all__ = ["DeferredBatchNormalization", "defer_batch_norm"]
 
@@ -200,7 +200,7 @@ def defer_batch_norm(model):
         raise ValueError(
             f"Model {model.name!r} is not built: build it (call it on data, "
             "or give it an Input) before defer_batch_norm.")
-    renorm = [layer.name for layer in internals.flatten_layers(model)
+    renorm = [layer.name for layer in _compat.flatten_layers(model)
               if isinstance(layer, keras.layers.BatchNormalization)
               and layer.renorm]
     if renorm:
@@ -217,7 +217,7 @@ def defer_batch_norm(model):
         config.pop("renorm_clipping", None)
         config.pop("renorm_momentum", None)
         deferred = DeferredBatchNormalization.from_config(config)
-        deferred.build(internals.build_shapes(layer)["input_shape"])
+        deferred.build(_compat.build_shapes(layer)["input_shape"])
         for name in ("gamma", "beta", "moving_mean", "moving_variance"):
             source = getattr(layer, name, None)
             if source is not None:

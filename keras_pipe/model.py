@@ -3,13 +3,18 @@
 import keras
 import tensorflow as tf
 
-from keras_pipe import building, cluster, internals, placement, saving, validation
-from keras_pipe import executor as executor_lib
-from keras_pipe import export as export_lib
-from keras_pipe import losses as losses_lib
+from keras_pipe.engine import building
+from keras_pipe.distributed import cluster
+from keras_pipe import _compat
+from keras_pipe.engine import placement
+from keras_pipe.saving import files as saving
+from keras_pipe import _validation
+from keras_pipe.engine import executor as executor_lib
+from keras_pipe.saving import export as export_lib
+from keras_pipe.engine import losses as losses_lib
 from keras_pipe import reporting
-from keras_pipe import replicas as replicas_lib
-from keras_pipe.stage import Stage
+from keras_pipe.engine import replicas as replicas_lib
+from keras_pipe.engine.stage import Stage
 
 __all__ = ["PipelineModel"]
 
@@ -25,7 +30,7 @@ class PipelineModel(keras.Model):
 
     Each stage lives on its own device. A mini-batch is cut into
     `num_micro_batches` micro-batches that flow through the stages back to
-    back, following `keras_pipe.schedule.gpipe`, inside one `tf.function`
+    back, following `keras_pipe.engine.schedule.gpipe`, inside one `tf.function`
     training step; gradients are summed over micro-batches and the
     optimizer steps once per mini-batch, so training is the same as
     training the unsplit model on one device for every layer without batch
@@ -92,7 +97,7 @@ class PipelineModel(keras.Model):
         self._num_micro_batches = num_micro_batches
         self._remat = list(remat) if isinstance(remat, (list, tuple)) \
             else remat
-        self._remat_modes = validation.check_remat(remat, len(stages))
+        self._remat_modes = _validation.check_remat(remat, len(stages))
         self._schedule = schedule
         self._runners = [Stage(s, d, position=(j, len(stages)))
                          for j, (s, d) in enumerate(zip(stages, resolved))]
@@ -114,7 +119,7 @@ class PipelineModel(keras.Model):
         """Cuts a built Sequential or Functional model into a pipeline.
 
         The stages reuse `model`'s layers (weights shared, not copied); see
-        `keras_pipe.partition` for how cuts carry skip connections, several
+        `keras_pipe.planning.partition` for how cuts carry skip connections, several
         inputs and outputs, and tied layers. `keras_pipe.plan` shows the cut
         without building the pipeline.
 
@@ -137,11 +142,11 @@ class PipelineModel(keras.Model):
             memory_budget: bytes per device (or a list, one per stage):
                 the cut, `num_micro_batches` and per-stage `remat` are then
                 chosen by `keras_pipe.plan` to fit it (see
-                `keras_pipe.budget`), and those arguments are ignored.
+                `keras_pipe.planning.budget`), and those arguments are ignored.
                 Defaults to `None`.
             batch_size, input_shape, sample_inputs: the sizes the cost-based
                 balances (and `memory_budget`, which needs `batch_size`)
-                cost, as in `keras_pipe.partition.split_model`
+                cost, as in `keras_pipe.planning.partition.split_model`
                 (`input_shape={"token_ids": (None, 128)}` for inputs of
                 unknown length). Default to `None`.
             **kwargs: `PipelineModel` arguments (`schedule`) and
@@ -155,11 +160,12 @@ class PipelineModel(keras.Model):
             A `PipelineModel`.
 
         Raises:
-            TypeError, ValueError: see `keras_pipe.partition.split_model`
+            TypeError, ValueError: see `keras_pipe.planning.partition.split_model`
                 and `PipelineModel`.
         """
         # Imported here: the core does not depend on partitioning.
-        from keras_pipe import budget, partition  # noqa: PLC0415
+        from keras_pipe.planning import budget  # noqa: PLC0415
+        from keras_pipe.planning import partition  # noqa: PLC0415
         if num_stages is None:
             if not devices:
                 raise ValueError(
@@ -167,7 +173,7 @@ class PipelineModel(keras.Model):
                     "stage). Received: num_stages=None, devices=None")
             num_stages = len(devices)
         if kwargs.get("schedule") == "auto":
-            from keras_pipe import planner  # noqa: PLC0415
+            from keras_pipe.planning import planner  # noqa: PLC0415
             chosen = planner.plan(
                 model, num_stages=num_stages, devices=devices,
                 batch_size=batch_size, memory_budget=memory_budget,
@@ -218,7 +224,7 @@ class PipelineModel(keras.Model):
 
     @property
     def schedule(self):
-        """The schedule's name (see `keras_pipe.schedule.schedule_names`)."""
+        """The schedule's name (see `keras_pipe.engine.schedule.schedule_names`)."""
         return self._schedule
 
     @property
@@ -231,11 +237,11 @@ class PipelineModel(keras.Model):
         return getattr(source, "output_names", None)
 
     def clock_ticks(self, num_micro_batches=None):
-        """The clock ticks this model follows (see `keras_pipe.schedule`).
+        """The clock ticks this model follows (see `keras_pipe.engine.schedule`).
 
         Without remat, the executor also defers the weight gradients of each
         run of backward passes to one call after it
-        (`keras_pipe.schedule.defer_weight_runs`).
+        (`keras_pipe.engine.schedule.defer_weight_runs`).
         """
         return self._executor.ticks(num_micro_batches or
                                     self.num_micro_batches)
@@ -279,7 +285,7 @@ class PipelineModel(keras.Model):
             self._stage_layers, self._resolved_devices))
 
     # ----------------------------------------------------------------- saving
-    # The logic lives in keras_pipe/saving.py and keras_pipe/export.py.
+    # The logic lives in keras_pipe/saving/files.py and keras_pipe/saving/export.py.
 
     @property
     def layers(self):
@@ -331,7 +337,7 @@ class PipelineModel(keras.Model):
 
     def export(self, filepath, format="tf_saved_model", verbose=None,
                input_signature=None, pipelined=False, **kwargs):
-        """Exports the model for serving; see `keras_pipe.export.export`."""
+        """Exports the model for serving; see `keras_pipe.saving.export.export`."""
         return export_lib.export(self, filepath, format=format,
                                  verbose=verbose,
                                  input_signature=input_signature,
@@ -362,7 +368,7 @@ class PipelineModel(keras.Model):
         """
         optimizer = getattr(self, "optimizer", None)
         if self.built and optimizer is not None and not optimizer.built:
-            with internals.eager_scope():
+            with _compat.eager_scope():
                 optimizer.build(self.trainable_variables)
 
     def _remember_input_spec(self, inputs):
@@ -442,7 +448,7 @@ class PipelineModel(keras.Model):
         return getattr(self, "_xla_updates", False)
 
     # --------------------------------------------------------------- execute
-    # `keras_pipe.executor` runs the schedule; this is the Keras side.
+    # `keras_pipe.engine.executor` runs the schedule; this is the Keras side.
 
     @_not_autograph
     def call(self, inputs, training=False):
@@ -483,7 +489,7 @@ class PipelineModel(keras.Model):
         if compile_loss is not None and not compile_loss.built:
             spec = self.compute_output_spec(keras.tree.map_structure(
                 lambda t: keras.KerasTensor(t.shape, t.dtype.name), x))
-            with internals.eager_scope():
+            with _compat.eager_scope():
                 compile_loss.build(y, spec)
 
     @_not_autograph
@@ -528,7 +534,7 @@ class PipelineModel(keras.Model):
         Replica `r` runs stage `j` on `devices[r * K + j]` on its shard of
         each global batch (`M` micro-batches of `R * M`); gradients are
         summed over replicas on each variable's device before the one
-        optimizer step (see `keras_pipe.replicas`). The first `K` devices
+        optimizer step (see `keras_pipe.engine.replicas`). The first `K` devices
         must be the model's own. `replicate(model.devices)` undoes it.
 
         ```python
@@ -538,7 +544,7 @@ class PipelineModel(keras.Model):
         ```
 
         Raises:
-            TypeError, ValueError: see `keras_pipe.replicas.make_runners`.
+            TypeError, ValueError: see `keras_pipe.engine.replicas.make_runners`.
         """
         self._executor.replicas = replicas_lib.make_runners(
             self._runners, devices)
@@ -546,7 +552,7 @@ class PipelineModel(keras.Model):
         self.predict_function = None
 
     # A worker lost mid-call ends it with an error naming the task
-    # (`keras_pipe.cluster.run`); a plain call when every stage is local.
+    # (`keras_pipe.distributed.cluster.run`); a plain call when every stage is local.
 
     def fit(self, *args, **kwargs):
         # TensorBoard(write_graph=True) gets the model config as Keras

@@ -15,7 +15,7 @@ import warnings
 import keras
 import tensorflow as tf
 
-from keras_pipe import saving
+from keras_pipe.saving import files as saving
 
 __all__ = ["ModelConfigWriter", "batch_norm_stages", "layer_table",
            "warn_batch_norm", "with_config_writers"]

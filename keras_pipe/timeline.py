@@ -18,8 +18,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from keras_pipe import schedule as schedule_lib
-from keras_pipe.building import device_indices
+from keras_pipe.engine import schedule as schedule_lib
+from keras_pipe.engine.building import device_indices
 
 __all__ = ["Timeline", "Recorder", "bubble_of", "render_png",
            "to_chrome_trace"]

@@ -2,7 +2,7 @@
 
 Keras' crossentropies compute from the logits behind a softmax or sigmoid
 output, and masks (`Embedding(mask_zero=True)`) reach later layers and the
-loss as tensor attributes (`keras_pipe.attached`). Before they were carried
+loss as tensor attributes (`keras_pipe.engine.attached`). Before they were carried
 across stages, one micro-batch with a softmax head gave "No gradients
 provided for any variable", 1F1B-like schedules silently dropped the
 gradient of the micro-batches run in place (weights off by 0.07 after one

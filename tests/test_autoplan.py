@@ -8,8 +8,11 @@ import numpy as np
 import pytest
 
 import keras_pipe
-from keras_pipe import autoplan, profiling, schedule, simulator
-from keras_pipe import graph as graph_lib
+from keras_pipe.planning import autoplan
+from keras_pipe.planning import profiling
+from keras_pipe.engine import schedule
+from keras_pipe.planning import simulator
+from keras_pipe.planning import graph as graph_lib
 
 
 def _mlp(depth=6, width=64):
@@ -75,7 +78,7 @@ def test_the_step_time_is_the_simulators_for_the_chosen_configuration():
 
 
 def _boundary(graph, end, rows):
-    from keras_pipe import memory  # noqa: PLC0415
+    from keras_pipe.planning import memory  # noqa: PLC0415
     profile = memory.Profile(graph, rows)
     return profile.output_bytes if end == len(graph.calls) else \
         profile.gap[end - 1]

@@ -14,7 +14,7 @@ import keras
 import pytest
 
 import keras_pipe
-from keras_pipe import worker as worker_lib
+from keras_pipe.distributed import worker as worker_lib
 from tests.support.ports import free_port
 
 NOT_HERE = "192.0.2.1"  # TEST-NET-1: documentation only, on no machine.
@@ -89,7 +89,7 @@ def test_negative_thread_count_exits_cleanly_not_abort():
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
     env.pop("TF_CONFIG", None)
     result = subprocess.run(
-        [sys.executable, "-m", "keras_pipe.worker", "--task", "0",
+        [sys.executable, "-m", "keras_pipe.distributed.worker", "--task", "0",
          "--cluster", _cluster(), "--intra-op-threads", "-3"],
         env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2, (result.returncode, result.stderr[-2000:])

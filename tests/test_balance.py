@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from keras import layers
 
-from keras_pipe.balance import block_partition, cost
-from keras_pipe.graph import read_graph
+from keras_pipe.planning.balance import block_partition, cost
+from keras_pipe.planning.graph import read_graph
 
 
 def _block_sums(costs, sizes):

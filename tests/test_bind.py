@@ -1,4 +1,4 @@
-"""keras_pipe.bind: TF's gRPC port on one address; connect() refuses otherwise."""
+"""keras_pipe.distributed.bind: TF's gRPC port on one address; connect() refuses otherwise."""
 
 import socket
 
@@ -6,8 +6,8 @@ import pytest
 from tensorflow.python.eager import context
 
 import keras_pipe
-from keras_pipe import bind as bind_lib
-from keras_pipe import cluster as cluster_lib
+from keras_pipe.distributed import bind as bind_lib
+from keras_pipe.distributed import cluster as cluster_lib
 from tests.support.ports import free_port
 
 pytestmark = pytest.mark.slow  # the fast tier: `-m "not slow"`

@@ -14,8 +14,8 @@ import tensorflow as tf
 from tensorflow.python.eager import context
 
 import keras_pipe
-from keras_pipe import cluster as cluster_lib
-from keras_pipe import worker as worker_lib
+from keras_pipe.distributed import cluster as cluster_lib
+from keras_pipe.distributed import worker as worker_lib
 from tests.support.ports import free_port
 
 pytestmark = pytest.mark.slow  # the fast tier: `-m "not slow"`
@@ -80,7 +80,7 @@ class Cluster:
         log = open(self.tmp_path / f"worker{task}-{len(self.all_procs)}.log",
                    "w")
         proc = subprocess.Popen(
-            [sys.executable, "-m", "keras_pipe.worker", "--task", str(task),
+            [sys.executable, "-m", "keras_pipe.distributed.worker", "--task", str(task),
              "--cluster", self.spec, "--intra-op-threads", "1",
              "--inter-op-threads", "4"],
             env=_env(), stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)

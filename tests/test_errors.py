@@ -6,7 +6,7 @@ import pytest
 import tensorflow as tf
 
 import keras_pipe
-from keras_pipe import diagnosis
+from keras_pipe.distributed import diagnosis
 
 pytestmark = pytest.mark.slow  # the fast tier: `-m "not slow"`
 

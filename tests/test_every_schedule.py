@@ -1,6 +1,6 @@
 """Every registered schedule, under every remat mode, steps like the unsplit model.
 
-The matrix is `schedule.schedule_names()` x `validation.REMAT_MODES`, read
+The matrix is `schedule.schedule_names()` x `_validation.REMAT_MODES`, read
 when the tests are collected: registering a schedule adds it here (the
 schedule the tests register themselves included). Each schedule runs on the
 device layout it asks for (`placement`, `stages_per_device`): 3 stages on 3
@@ -12,7 +12,8 @@ the order of sums changes).
 
 import pytest
 
-from keras_pipe import schedule, validation
+from keras_pipe.engine import schedule
+from keras_pipe import _validation
 from tests.support import (
     helpers,
     schedules,  # noqa: F401  (registers its schedule)
@@ -39,7 +40,7 @@ def test_the_matrix_covers_every_registered_schedule():
             "zbv"} <= set(schedule.schedule_names())
 
 
-@pytest.mark.parametrize("remat", validation.REMAT_MODES)
+@pytest.mark.parametrize("remat", _validation.REMAT_MODES)
 @pytest.mark.parametrize("name", schedule.schedule_names())
 def test_schedule_steps_like_the_unsplit_model(devices, name, remat):
     layout = device_layout(name)

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from keras_pipe import schedule
+from keras_pipe.engine import schedule
 from tests.support import helpers
 from tests.support.schedules import backward_in_forward_order
 from tests.test_transparency import check_one_step, compile_both

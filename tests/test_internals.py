@@ -1,4 +1,4 @@
-"""One test per hook into Keras/TF internals (`keras_pipe.internals`).
+"""One test per hook into Keras/TF internals (`keras_pipe._compat`).
 
 If a Keras or TF upgrade changes one of them, the test naming it fails.
 """
@@ -8,17 +8,19 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from keras_pipe import colocation, internals, keyed_random
+from keras_pipe.engine import colocation
+from keras_pipe import _compat
+from keras_pipe.engine import keyed_random
 
 
 def test_version_check_names_the_supported_series():
-    internals.check_versions({"keras": "3.15.2", "tensorflow": "2.21.0"})
+    _compat.check_versions({"keras": "3.15.2", "tensorflow": "2.21.0"})
     with pytest.raises(ImportError, match=r"supports Keras 3\.15\.x and "
                        r"TensorFlow 2\.21\.x; found keras 3\.16\.0.*"
                        r"'keras==3\.15\.\*'"):
-        internals.check_versions({"keras": "3.16.0", "tensorflow": "2.21.0"})
+        _compat.check_versions({"keras": "3.16.0", "tensorflow": "2.21.0"})
     with pytest.raises(ImportError, match="found tensorflow 2.210"):
-        internals.check_versions({"keras": "3.15.0", "tensorflow": "2.210"})
+        _compat.check_versions({"keras": "3.15.0", "tensorflow": "2.210"})
 
 
 def test_eager_scope_leaves_and_restores_keras_scopes():
@@ -26,7 +28,7 @@ def test_eager_scope_leaves_and_restores_keras_scopes():
         assert keras.backend.is_keras_tensor is not None
         from keras.src.backend.common.stateless_scope import in_stateless_scope  # noqa: PLC0415
         assert in_stateless_scope()
-        with internals.eager_scope():
+        with _compat.eager_scope():
             assert not in_stateless_scope()
             assert tf.executing_eagerly()
         assert in_stateless_scope()
@@ -37,7 +39,7 @@ def test_reinitialize_variable_moves_it_and_keeps_its_identity(devices):
         variable = keras.Variable(np.arange(3, dtype="float32"), name="v")
     path = variable.path
     with tf.device(devices[1]):
-        internals.reinitialize_variable(variable, tf.constant([5.0, 6, 7]))
+        _compat.reinitialize_variable(variable, tf.constant([5.0, 6, 7]))
     assert variable.value.device.endswith("CPU:1")
     assert variable.path == path
     np.testing.assert_array_equal(variable.numpy(), [5.0, 6, 7])
@@ -50,7 +52,7 @@ def test_replaced_losses_swaps_each_loss_and_restores_them():
     compile_loss = model._compile_loss
     compile_loss.build(y, p)
     before = float(compile_loss(y, p))
-    with internals.replaced_losses(
+    with _compat.replaced_losses(
             compile_loss, lambda n, loss: lambda *a, **k: 42.0) as count:
         assert count == 1
         assert float(compile_loss(y, p)) == 42.0
@@ -60,20 +62,20 @@ def test_replaced_losses_swaps_each_loss_and_restores_them():
 def test_loss_helpers_reduce_like_keras():
     values = tf.constant([[1.0, 2.0], [3.0, 4.0]])
     weights = tf.constant([[1.0], [0.0]])  # row weights
-    total = internals.reduce_weighted_values(values, weights,
+    total = _compat.reduce_weighted_values(values, weights,
                                              reduction="sum")
     assert float(total) == 3.0
-    assert float(internals.scale_loss_for_distribution(total)) == 3.0
-    assert internals.get_keras_mask(values) is None
+    assert float(_compat.scale_loss_for_distribution(total)) == 3.0
+    assert _compat.get_keras_mask(values) is None
 
 
 def test_mask_hooks_are_the_ones_keras_layers_use():
     x = tf.constant([[3, 0], [1, 2]])
     embedded = keras.layers.Embedding(4, 2, mask_zero=True)(x)
-    mask = internals.get_keras_mask(embedded)
+    mask = _compat.get_keras_mask(embedded)
     assert mask.numpy().tolist() == [[True, False], [True, True]]
     values = tf.identity(embedded)
-    internals.set_keras_mask(values, mask)
+    _compat.set_keras_mask(values, mask)
     # A layer that reads masks sees it: the padded step is skipped.
     summed = keras.layers.GlobalAveragePooling1D()(values)
     np.testing.assert_allclose(summed[0], embedded[0, 0], rtol=1e-6)
@@ -144,7 +146,7 @@ def test_colocated_update_reads_step_scalars_once_per_device(
     """Keras reads the learning rate and `iterations` in every variable's
     update: on workers each read was a transfer. Now one copy per device,
     and the updates are Keras' own, bitwise."""
-    from keras_pipe import placement  # noqa: PLC0415
+    from keras_pipe.engine import placement  # noqa: PLC0415
 
     values = [np.full((3,), k + 1.0, "float32") for k in range(4)]
     grads = [tf.constant(np.full((3,), 0.5 * k - 1.0, "float32"))
@@ -199,7 +201,7 @@ def _xla_calls(function):
 def test_xla_updates_compile_one_function_per_device(devices, make_optimizer):
     """With `xla_updates`, each device's updates are one XLA function on that
     device; the result is Keras' own update up to XLA's fused rounding."""
-    from keras_pipe import placement  # noqa: PLC0415
+    from keras_pipe.engine import placement  # noqa: PLC0415
 
     values = [np.linspace(-1.0, 1.0, 6, dtype="float32") * (k + 1)
               for k in range(4)]
@@ -229,7 +231,7 @@ def test_xla_updates_fall_back_with_a_warning_for_a_foreign_variable(
     """Nadam reads its `u_product` (on the default device) in every update:
     the update of a variable on another device cannot be one XLA function
     there, so it runs un-compiled, said with a warning."""
-    from keras_pipe import placement  # noqa: PLC0415
+    from keras_pipe.engine import placement  # noqa: PLC0415
 
     with tf.device(devices[1]):
         variable = keras.Variable(np.ones(3, "float32"), name="far")
@@ -263,7 +265,7 @@ def test_set_initial_epoch_is_what_fit_reads():
 
     class Skip(keras.callbacks.Callback):
         def on_train_begin(self, logs=None):
-            internals.set_initial_epoch(self.model, 2)
+            _compat.set_initial_epoch(self.model, 2)
 
     x = np.zeros((4, 2), "float32")
     model.fit(x, x[:, :1], epochs=3, verbose=0, callbacks=[Skip(), Record()])
@@ -271,23 +273,23 @@ def test_set_initial_epoch_is_what_fit_reads():
 
 
 def test_keras_global_state_round_trips():
-    state = internals.keras_global_state()
+    state = _compat.keras_global_state()
     assert isinstance(state, dict)
-    internals.set_keras_global_attribute("keras_pipe_probe", 1)
-    assert internals.keras_global_state()["keras_pipe_probe"] == 1
-    internals.set_keras_global_attribute("keras_pipe_probe", None)
+    _compat.set_keras_global_attribute("keras_pipe_probe", 1)
+    assert _compat.keras_global_state()["keras_pipe_probe"] == 1
+    _compat.set_keras_global_attribute("keras_pipe_probe", None)
 
 
 def test_graph_hooks_exist_with_the_expected_shapes():
     inputs = keras.Input((3,))
     model = keras.Model(inputs, keras.layers.Dense(2)(inputs))
-    assert isinstance(model, internals.Functional)
-    assert internals.unpack_singleton([5]) == 5
-    assert internals.to_snake_case("DenseLayer") == "dense_layer"
-    assert callable(internals.operation_fn(model.layers[-1], training=False))
-    with internals.no_automatic_tracking():
+    assert isinstance(model, _compat.Functional)
+    assert _compat.unpack_singleton([5]) == 5
+    assert _compat.to_snake_case("DenseLayer") == "dense_layer"
+    assert callable(_compat.operation_fn(model.layers[-1], training=False))
+    with _compat.no_automatic_tracking():
         pass
-    assert internals.cancellation.CancellationManager() is not None
+    assert _compat.cancellation.CancellationManager() is not None
 
 
 @pytest.mark.parametrize("draw", ["uniform", "normal", "dropout"])

@@ -16,7 +16,7 @@ import time
 import pytest
 
 import keras_pipe
-from keras_pipe import local
+from keras_pipe.distributed import local
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -74,7 +74,7 @@ _SCRIPT = textwrap.dedent("""
             print("VALUE", value, flush=True)
             children = [int(p) for t in os.listdir("/proc/self/task")
                         for p in open(f"/proc/self/task/{t}/children").read().split()]
-            pids += [p for p in children if b"keras_pipe.worker" in
+            pids += [p for p in children if b"keras_pipe.distributed.worker" in
                      open(f"/proc/{p}/cmdline", "rb").read()]
             print("PIDS", ",".join(map(str, pids)), flush=True)
             print("AFFINITY", ",".join(

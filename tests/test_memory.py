@@ -4,7 +4,9 @@ import keras
 import numpy as np
 import pytest
 
-from keras_pipe import memory, partition, schedule
+from keras_pipe.planning import memory
+from keras_pipe.planning import partition
+from keras_pipe.engine import schedule
 
 
 def _mlp(width=64, depth=4):
@@ -118,8 +120,8 @@ def test_moments_are_linear_in_the_sizes():
 def test_cost_memory_accepts_a_remat_list():
     # Before: cost.memory refused a list ("remat must be one of ..."), so
     # balance="memory" failed with per-stage remat.
-    from keras_pipe.balance import cost
-    from keras_pipe.graph import read_graph
+    from keras_pipe.planning.balance import cost
+    from keras_pipe.planning.graph import read_graph
     graph = read_graph(_mlp(width=64, depth=4))
     assert cost.memory(graph, 8, 4, ["always", "always"]) == cost.memory(
         graph, 8, 4, "always")

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from keras_pipe import microbatch
+from keras_pipe.engine import microbatch
 
 
 @pytest.mark.parametrize("batch,m,sizes", [

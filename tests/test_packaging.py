@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from keras_pipe import bind as bind_lib
-from keras_pipe import cluster as cluster_lib
+from keras_pipe.distributed import bind as bind_lib
+from keras_pipe.distributed import cluster as cluster_lib
 from tests.support.ports import free_port
 
 pytestmark = pytest.mark.slow  # the fast tier: `-m "not slow"`
@@ -25,7 +25,7 @@ def _start_worker(python, cwd, log):
                  "TF_CONFIG"):
         env.pop(name, None)
     proc = subprocess.Popen(
-        [python, "-m", "keras_pipe.worker", "--task", "0", "--cluster",
+        [python, "-m", "keras_pipe.distributed.worker", "--task", "0", "--cluster",
          address], cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT)
     return proc, address
 
@@ -65,8 +65,8 @@ def test_wheel_ships_the_shim_and_starts_a_worker(tmp_path):
     names = subprocess.run(
         [sys.executable, "-m", "zipfile", "-l", str(wheel)], check=True,
         capture_output=True, text=True).stdout
-    assert "keras_pipe/_bind.sha256" in names, names
-    assert "keras_pipe/_bind.cpython-" in names, names
+    assert "keras_pipe/distributed/_bind.sha256" in names, names
+    assert "keras_pipe/distributed/_bind.cpython-" in names, names
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--system-site-packages",
                     str(venv)], check=True, timeout=300)
@@ -104,5 +104,5 @@ def test_wheel_ships_the_shim_and_starts_a_worker(tmp_path):
         proc, _ = _start_worker(python, tmp_path, log)
     assert proc.wait(timeout=120) == 1
     out = (tmp_path / "tampered.log").read_text()
-    assert "keras_pipe.worker: The bind shim" in out, out
+    assert "keras_pipe.distributed.worker: The bind shim" in out, out
     assert "SHA-256" in out and "Reinstall keras_pipe" in out, out

@@ -15,8 +15,10 @@ import tensorflow as tf
 from keras import layers, ops
 
 import keras_pipe
-from keras_pipe import partition, placement, schedule
-from keras_pipe.graph import read_graph
+from keras_pipe.planning import partition
+from keras_pipe.engine import placement
+from keras_pipe.engine import schedule
+from keras_pipe.planning.graph import read_graph
 
 pytestmark = pytest.mark.slow  # the fast tier: `-m "not slow"`
 
@@ -241,7 +243,7 @@ def test_mobilenetv2_trains_like_original(devices):
     # in the original model, so the step (moving statistics included) is
     # the same; with several micro-batches it would differ by design.
     # Its softmax head as built: the crossentropy reads the logits behind
-    # it in both models (keras_pipe/attached.py). atol=1e-5:
+    # it in both models (keras_pipe/engine/attached.py). atol=1e-5:
     # the first convolution's gradient crosses ~50 BatchNormalizations of 8
     # rows; the original's own eager and tf.function steps differ by 3e-2
     # there. The reference is the original's tf.function step: the stages'
@@ -333,7 +335,7 @@ def test_plan_table_and_data():
     model = _unet()
     p = keras_pipe.plan(model, num_stages=3, num_micro_batches=4,
                         batch_size=8)
-    assert isinstance(p, keras_pipe.planner.Plan)
+    assert isinstance(p, keras_pipe.planning.planner.Plan)
     assert p.bubble_fraction == schedule.bubble_fraction(4, 3)
     assert p.micro_batch_size == 2
     assert sum(p.sizes) == len(read_graph(model).calls)

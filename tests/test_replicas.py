@@ -6,7 +6,7 @@ import pytest
 import tensorflow as tf
 
 import keras_pipe
-from keras_pipe import replicas
+from keras_pipe.engine import replicas
 from tests.support.data import random_data
 
 pytestmark = pytest.mark.slow  # the fast tier: `-m "not slow"`

@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 
 import keras_pipe
-from keras_pipe import colocation, saving
+from keras_pipe.engine import colocation
+from keras_pipe.saving import files as saving
 from tests.support.data import random_data
 
 pytestmark = pytest.mark.slow  # the fast tier: `-m "not slow"`

@@ -8,7 +8,7 @@ import pytest
 import tensorflow as tf
 
 import keras_pipe
-from keras_pipe import schedule
+from keras_pipe.engine import schedule
 
 
 def _forwards(ticks):
@@ -320,8 +320,8 @@ def test_check_ticks_names_the_first_offending_action_and_rule(ticks, error):
 
 @pytest.mark.parametrize("ticks, error", [
     (None, "must build a list of ticks .* Received: None of type NoneType"),
-    ([A("F", 0, 0)], "tick 0 must be a list of keras_pipe.schedule.Action"),
-    ([[("F", 0, 0)]], "tick 0 must be a list of keras_pipe.schedule.Action"),
+    ([A("F", 0, 0)], "tick 0 must be a list of keras_pipe.engine.schedule.Action"),
+    ([[("F", 0, 0)]], "tick 0 must be a list of keras_pipe.engine.schedule.Action"),
 ])
 def test_check_ticks_wants_lists_of_actions(ticks, error):
     with pytest.raises(TypeError, match=error):

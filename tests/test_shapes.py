@@ -11,10 +11,10 @@ import pytest
 from keras import layers
 
 import keras_pipe
-from keras_pipe import partition
-from keras_pipe.balance import cost
-from keras_pipe.balance.shapes import infer_shapes
-from keras_pipe.graph import read_graph
+from keras_pipe.planning import partition
+from keras_pipe.planning.balance import cost
+from keras_pipe.planning.balance.shapes import infer_shapes
+from keras_pipe.planning.graph import read_graph
 
 SEQ, VOCAB, WIDTH = 32, 20, 8
 

@@ -2,8 +2,8 @@
 
 import pytest
 
-from keras_pipe import schedule
-from keras_pipe import simulator
+from keras_pipe.engine import schedule
+from keras_pipe.planning import simulator
 
 
 def _layout(name, num_micro_batches, num_devices=2):

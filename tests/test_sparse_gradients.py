@@ -21,7 +21,7 @@ import tensorflow as tf
 from keras import ops
 
 import keras_pipe
-from keras_pipe import gradients
+from keras_pipe.engine import gradients
 
 SEQ, WIDTH, VOCAB, CLASSES, BATCH = 5, 4, 11, 3, 8
 

@@ -81,7 +81,7 @@ def _cycle(graph):
 
 def test_no_import_cycle_among_modules():
     graph = _graph()
-    assert "keras_pipe.executor" in graph
+    assert "keras_pipe.engine.executor" in graph
     assert _cycle(graph) is None, " -> ".join(_cycle(graph))
 
 
@@ -132,18 +132,18 @@ def test_private_use_finder_finds_one():
         "keras_pipe.x uses saving._graph_of"]
 
 
-@pytest.mark.parametrize("core", ["keras_pipe.executor", "keras_pipe.stage",
-                                  "keras_pipe.schedule", "keras_pipe.model"])
+@pytest.mark.parametrize("core", ["keras_pipe.engine.executor", "keras_pipe.engine.stage",
+                                  "keras_pipe.engine.schedule", "keras_pipe.model"])
 def test_core_does_not_import_the_timeline(core):
     assert "keras_pipe.timeline" not in _graph()[core]
 
 
 def test_internals_are_imported_in_one_module_only():
-    # Every keras.src / tensorflow.python import lives in internals.py, which
+    # Every keras.src / tensorflow.python import lives in _compat.py, which
     # checks the Keras and TF versions it was written for.
     bad = []
     for name, tree in _modules().items():
-        if name == "keras_pipe.internals":
+        if name == "keras_pipe._compat":
             continue
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom) and node.module:
@@ -159,10 +159,10 @@ def test_internals_are_imported_in_one_module_only():
 
 def _foreign_private_attributes(modules):
     """Private attributes read or written on anything but `self`, `cls` or
-    `super()`, outside `keras_pipe.internals`."""
+    `super()`, outside `keras_pipe._compat`."""
     bad = []
     for name, tree in modules.items():
-        if name == "keras_pipe.internals":
+        if name == "keras_pipe._compat":
             continue
         for node in ast.walk(tree):
             if not (isinstance(node, ast.Attribute)
@@ -181,7 +181,7 @@ def _foreign_private_attributes(modules):
 
 def test_private_attributes_are_reached_through_internals_only():
     # Every private attribute of a Keras or TF object (and of another
-    # module's object) is read or written through keras_pipe.internals.
+    # module's object) is read or written through keras_pipe._compat.
     bad = _foreign_private_attributes(_modules())
     assert not bad, bad
 
@@ -191,3 +191,54 @@ def test_foreign_private_attribute_finder_finds_one():
                      "    super()._c()\n")
     assert _foreign_private_attributes({"keras_pipe.x": tree}) == [
         "keras_pipe.x:2 ._b"]
+
+
+# Which sub-packages each part of the package may import (besides the
+# private top-level modules `_compat` and `_validation`).
+ALLOWED = {
+    "keras_pipe.engine": {"keras_pipe.engine"},
+    "keras_pipe.planning": {"keras_pipe.engine", "keras_pipe.planning"},
+    "keras_pipe.distributed": {"keras_pipe.engine", "keras_pipe.distributed"},
+    # saving rebuilds cut models: it reads the partition's stages
+    "keras_pipe.saving": {"keras_pipe.engine", "keras_pipe.planning",
+                          "keras_pipe.saving"},
+}
+SHARED = {"keras_pipe._compat", "keras_pipe._validation"}
+
+
+def _layering_violations(graph):
+    bad = []
+    for module, targets in graph.items():
+        part = next((p for p in ALLOWED if module == p
+                     or module.startswith(p + ".")), None)
+        if part is None:
+            continue
+        for target in sorted(targets):
+            if target in SHARED:
+                continue
+            if not any(target == p or target.startswith(p + ".")
+                       for p in ALLOWED[part]):
+                bad.append(f"{module} imports {target}")
+    return bad
+
+
+def test_layering_of_the_sub_packages():
+    # The engine imports nothing from planning, the distributed runtime or
+    # saving; those import the engine, never each other or the Keras glue.
+    graph = _graph()
+    assert "keras_pipe.engine.executor" in graph
+    bad = _layering_violations(graph)
+    assert not bad, bad
+
+
+def test_layering_check_finds_an_engine_module_importing_planning():
+    graph = dict(_graph())
+    graph["keras_pipe.engine.executor"] = set(
+        graph["keras_pipe.engine.executor"]) | {"keras_pipe.planning.planner"}
+    assert _layering_violations(graph) == [
+        "keras_pipe.engine.executor imports keras_pipe.planning.planner"]
+
+
+def test_at_most_twelve_modules_at_the_top_level():
+    top = [m for m in _modules() if m.count(".") == 1]
+    assert len(top) <= 12, sorted(top)

@@ -10,7 +10,7 @@ import pytest
 import tensorflow as tf
 
 import keras_pipe
-from keras_pipe import colocation
+from keras_pipe.engine import colocation
 from tests.support import helpers
 
 RTOL, ATOL = 1e-5, 1e-6

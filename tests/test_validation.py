@@ -91,7 +91,7 @@ def test_read_back_what_was_given(devices):
     assert model.remat == "never"
     assert model.schedule == "1f1b"
     assert model.num_stages == 3
-    assert model.clock_ticks() == keras_pipe.schedule.one_f_one_b(5, 3)
+    assert model.clock_ticks() == keras_pipe.engine.schedule.one_f_one_b(5, 3)
     model.build((None, 2))
     again = keras_pipe.PipelineModel.from_config(model.get_config())
     assert (again.num_micro_batches, again.remat, again.schedule) == (

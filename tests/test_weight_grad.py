@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from keras_pipe import gradients, weight_grad
-from keras_pipe import stage as stage_lib
+from keras_pipe.engine import gradients
+from keras_pipe.engine import weight_grad
+from keras_pipe.engine import stage as stage_lib
 
 SIZES = (3, 5, 2, 4)
 RTOL, ATOL = 1e-5, 1e-6

@@ -7,7 +7,7 @@ unsplit process's and with its stage's weights. With glibc's defaults a
 worker's ~100 threads kept freed buffers (values received at build, each
 micro-batch's gradients) resident in their malloc arenas: worker 0 peaked
 at 624 MiB above idle, 1.07x the unsplit process (586 MiB) and 3.6x its
-stage's weights (175 MiB). With `keras_pipe.heap` (the workers' default)
+stage's weights (175 MiB). With `keras_pipe.distributed.heap` (the workers' default)
 it peaked at 359 MiB: 0.74x the unsplit process (485 MiB, which returns
 freed buffers too) and 2.05x its weights (weights, summed gradients, the
 gradient being added).

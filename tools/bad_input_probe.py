@@ -48,7 +48,7 @@ def _cases(tmp):
     import numpy as np
 
     import keras_pipe
-    from keras_pipe import schedule as sch
+    from keras_pipe.engine import schedule as sch
 
     devices = keras_pipe.logical_cpu_devices(2)
     cases = []

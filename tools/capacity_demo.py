@@ -21,8 +21,8 @@ at the next one (the kill then comes up to one poll late).
 The model: `DEPTH` x Dense(width, relu) + Dense(10) on 1024 inputs, batch
 64, SGD, 3 steps (`train_on_batch`). For a width:
 * unsplit: plain Keras in one process (its own default: XLA), watched;
-* pipelined: two watched workers (`python -m keras_pipe.worker`, which
-  returns freed buffers to the OS: `keras_pipe.heap`) and an unwatched
+* pipelined: two watched workers (`python -m keras_pipe.distributed.worker`, which
+  returns freed buffers to the OS: `keras_pipe.distributed.heap`) and an unwatched
   client that holds no stage; `keras_pipe.plan(memory_budget=limit - an
   idle worker's resident size, optimizer_slots=0)` chooses the cut, M and
   per-stage remat; the client builds the model (it holds its initial
@@ -145,7 +145,7 @@ def _train(keras, np, model, optimizer):
 
 
 def child_unsplit(args):
-    from keras_pipe import heap
+    from keras_pipe.distributed import heap
     heap.return_freed_memory()  # as the workers do: a like-for-like process
     import keras
     import numpy as np
@@ -176,7 +176,7 @@ def child_client(args):
     import numpy as np
 
     import keras_pipe
-    from keras_pipe import partition
+    from keras_pipe.planning import partition
     cluster = args.cluster.split(",")
     keras_pipe.connect({"worker": cluster}, timeout=60.0)
     devices = _remote(cluster)
@@ -241,7 +241,7 @@ def run_pipelined(width, limit, budget=None, optimizer="sgd", idle=False):
     try:
         for t in range(2):
             w = subprocess.Popen(
-                [sys.executable, "-m", "keras_pipe.worker", "--task", str(t),
+                [sys.executable, "-m", "keras_pipe.distributed.worker", "--task", str(t),
                  "--cluster", ",".join(cluster), "--intra-op-threads", "1"],
                 env=_env(), stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL)

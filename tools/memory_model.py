@@ -1,4 +1,4 @@
-"""Predicted vs measured peak memory per stage (validates keras_pipe.memory).
+"""Predicted vs measured peak memory per stage (validates keras_pipe.planning.memory).
 
     python tools/memory_model.py --out docs/memory_model.json  # ~6 min
     python tools/memory_model.py --predict docs/memory_model.json
@@ -91,7 +91,8 @@ def measure_model(name, num_stages, num_micro_batches, known=None):
     import keras
     import numpy as np
 
-    from keras_pipe import memory, partition
+    from keras_pipe.planning import memory
+    from keras_pipe.planning import partition
     keras.utils.set_random_seed(0)
     model, batch, data, labels = build_model(keras, name)
     part = partition.cut(model, num_stages, balance="flops")

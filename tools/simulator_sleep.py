@@ -12,7 +12,7 @@ at once (sleeps need no CPU, so trap 7, one shared thread pool, does not
 blur them). Stages per device: one, or two where the schedule places
 several (interleaved_1f1b in a loop, zbv in a V). The step's time, the best
 of `--repeats` warm `train_on_batch` calls, is printed against
-`keras_pipe.simulator.simulate` of the same ticks with the sleeps as costs
+`keras_pipe.planning.simulator.simulate` of the same ticks with the sleeps as costs
 and a per-call cost measured on the same pipeline with zero sleeps.
 
 A timing run, not a test: the suite asserts the simulator exactly on
@@ -30,8 +30,8 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 import numpy as np  # noqa: E402
 
 import keras_pipe  # noqa: E402
-from keras_pipe import schedule as schedule_lib  # noqa: E402
-from keras_pipe import simulator  # noqa: E402
+from keras_pipe.engine import schedule as schedule_lib  # noqa: E402
+from keras_pipe.planning import simulator  # noqa: E402
 
 DEVICES = keras_pipe.logical_cpu_devices(4, inter_op_threads=32)
 

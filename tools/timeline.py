@@ -38,7 +38,7 @@ def main(argv=None):
 
     import keras_pipe
     from keras_pipe import demo
-    from keras_pipe import schedule as schedule_lib
+    from keras_pipe.engine import schedule as schedule_lib
 
     entry = schedule_lib.get_schedule(args.schedule)
     num_devices = args.num_devices

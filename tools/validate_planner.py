@@ -6,9 +6,9 @@ python tools/validate_planner.py [--models mlp,resnet,transformer,gpt2,bert]
                                  [--schedules gpipe,1f1b,...] [--out FILE]
 ```
 
-Starts 2 `python -m keras_pipe.worker` processes on loopback, each pinned
+Starts 2 `python -m keras_pipe.distributed.worker` processes on loopback, each pinned
 to its own core (`tools/benchmarks/harness.py`'s `Workers`), and a client process
-that, per model, runs `keras_pipe.autoplan.search` (costs measured on
+that, per model, runs `keras_pipe.planning.autoplan.search` (costs measured on
 worker 0, transfers between the workers, cached) over every registered
 schedule, its stages per device and each `M`, then builds and trains each
 configuration it ranked (its cut and remat) with `from_model` and times it:
@@ -142,7 +142,7 @@ def child(p):
     import keras
 
     import keras_pipe
-    from keras_pipe import autoplan
+    from keras_pipe.planning import autoplan
     bench = _benchmark()
     devices = keras_pipe.connect({"worker": p["cluster"]}, timeout=60.0)
     remote = [names[0] for _, names in sorted(devices.items())]
@@ -246,7 +246,7 @@ def main():
         child(json.loads(args.child))
         return
     bench = _benchmark()
-    from keras_pipe.worker import bind_shim_path
+    from keras_pipe.distributed.worker import bind_shim_path
     params = {"models": args.models.split(","),
               "micro_batches": [int(m) for m in
                                 args.micro_batches.split(",")],

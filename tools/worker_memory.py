@@ -3,7 +3,7 @@
     python tools/worker_memory.py                 # the issue's MLP, SGD
     python tools/worker_memory.py --optimizer adam --num-micro-batches 4
 
-Starts two loopback workers (`python -m keras_pipe.worker`) and a client
+Starts two loopback workers (`python -m keras_pipe.distributed.worker`) and a client
 process that connects, runs one op on each worker, then builds the model
 (7 x Dense(WIDTH), batch 64), cuts it with `from_model(num_stages=2,
 balance="params")`, compiles and trains. After each phase the client reads
@@ -11,7 +11,7 @@ each worker's `VmRSS` and `VmHWM` (resident now, resident peak) from
 `/proc/<pid>/status`; everything is net of the idle worker after the first
 op. The unsplit model is measured the same way in its own process (net of
 the process after one op). Every process returns freed buffers to the OS
-(`keras_pipe.heap`) unless `--malloc-defaults`. Prints one table and, with `--out`, JSON.
+(`keras_pipe.distributed.heap`) unless `--malloc-defaults`. Prints one table and, with `--out`, JSON.
 """
 
 import argparse
@@ -65,7 +65,7 @@ def _optimizer(keras, name):
 
 def child_unsplit(args):
     if not args.malloc_defaults:
-        from keras_pipe import heap
+        from keras_pipe.distributed import heap
         heap.return_freed_memory()
     import keras
     import numpy as np
@@ -153,7 +153,7 @@ def measure(args):
     unsplit = _run(["--child", "unsplit"] + common)
     cluster = [f"127.0.0.1:{_free_port()}" for _ in range(2)]
     workers = [subprocess.Popen(
-        [sys.executable, "-m", "keras_pipe.worker", "--task", str(t),
+        [sys.executable, "-m", "keras_pipe.distributed.worker", "--task", str(t),
          "--cluster", ",".join(cluster), "--intra-op-threads", "1"]
         + (["--keep-malloc-defaults"] if args.malloc_defaults else []),
         env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -207,7 +207,7 @@ def main(argv=None):
     parser.add_argument("--remat", default="never")
     parser.add_argument("--malloc-defaults", action="store_true",
                         help="glibc's malloc defaults in every process "
-                        "(before keras_pipe.heap)")
+                        "(before keras_pipe.distributed.heap)")
     parser.add_argument("--out", default=None)
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--cluster", default=None, help=argparse.SUPPRESS)

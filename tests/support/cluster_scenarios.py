@@ -27,7 +27,7 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 import keras_pipe  # noqa: E402
-from keras_pipe.cluster import WorkerUnavailableError  # noqa: E402
+from keras_pipe.distributed.cluster import WorkerUnavailableError  # noqa: E402
 from tests.support.data import random_data  # noqa: E402
 
 LOCAL = "/job:localhost/replica:0/task:0/device:CPU:0"
@@ -187,7 +187,7 @@ def run_resume(args):
 
 def own_listeners():
     """`[host]` of every TCP socket of this process in the LISTEN state."""
-    from keras_pipe.bind import listening_sockets
+    from keras_pipe.distributed.bind import listening_sockets
     inodes = set()
     for fd in os.listdir("/proc/self/fd"):
         try:

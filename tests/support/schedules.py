@@ -1,6 +1,6 @@
 """A schedule the tests register, as a user would: one function, one call."""
 
-from keras_pipe import schedule
+from keras_pipe.engine import schedule
 
 NAME = "test_gpipe_forward_order"
 

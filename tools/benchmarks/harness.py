@@ -468,7 +468,7 @@ def _free_port():
 
 
 class Workers:
-    """`python -m keras_pipe.worker` processes, one pinned core each."""
+    """`python -m keras_pipe.distributed.worker` processes, one pinned core each."""
 
     def __init__(self, num_tasks, logdir, inter_op_threads=2):
         self.addresses = [f"127.0.0.1:{_free_port()}"
@@ -490,7 +490,7 @@ class Workers:
         for task in range(len(self.addresses)):
             log = open(self.logdir / f"worker{task}.log", "w")
             self.procs.append(subprocess.Popen(
-                [sys.executable, "-m", "keras_pipe.worker", "--task",
+                [sys.executable, "-m", "keras_pipe.distributed.worker", "--task",
                  str(task), "--cluster", ",".join(self.addresses),
                  "--intra-op-threads", "1", "--inter-op-threads",
                  str(self.inter_op_threads), "--cpu-affinity",

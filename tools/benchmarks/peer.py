@@ -136,7 +136,7 @@ def child_keras_pipeline(p):
 
 
 def _worker_pids():
-    """The pids of this process's `keras_pipe.worker` children."""
+    """The pids of this process's `keras_pipe.distributed.worker` children."""
     children = []
     for task in os.listdir("/proc/self/task"):
         with open(f"/proc/self/task/{task}/children") as f:
@@ -145,7 +145,7 @@ def _worker_pids():
     for pid in children:
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if b"keras_pipe.worker" in f.read():
+                if b"keras_pipe.distributed.worker" in f.read():
                     pids.append(pid)
         except OSError:
             continue

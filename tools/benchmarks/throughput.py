@@ -105,7 +105,7 @@ class _BarePipeline:
     def __init__(self, tf, keras, devices, p, x, y, xla_updates=False):
         import numpy as np
 
-        from keras_pipe import placement
+        from keras_pipe.engine import placement
         self.tf, self.devices = tf, devices
         rng = np.random.default_rng(0)
         width, per = p["width"], p["layers"] // 2
@@ -335,7 +335,7 @@ def child_throughput(p):
               "steps_per_execution": [], "no_xla_updates": [],
               "errors": errors, "devices": remote, "xla_updates": xla,
               "bare_optimizer": "keras.optimizers.Adam, colocated by "
-              "keras_pipe.placement.colocate_optimizer" + (
+              "keras_pipe.engine.placement.colocate_optimizer" + (
                   ", each worker's update one XLA function" if xla else ""),
               "steps_per_execution_setting": p["steps_per_execution"],
               "transfers": transfers}
@@ -461,7 +461,7 @@ def child_kernel(p):
 
 def run_throughput(p, outdir, log):
     """Part (a): 1-core baseline, 2 pinned workers + client, baseline again."""
-    from keras_pipe.worker import bind_shim_path  # imports TF, here only
+    from keras_pipe.distributed.worker import bind_shim_path  # imports TF, here only
     shim = bind_shim_path()
     core = sorted(os.sched_getaffinity(0))[0]
     base = {k: p[k] for k in ("layers", "width", "batch", "steps", "rounds")}

@@ -1,0 +1,274 @@
+"""Keras and TensorFlow internals, behind one door.
+
+keras_pipe needs a few things that Keras and TensorFlow do not offer as
+public API. Every `keras.src` / `tensorflow.python` import and every patch
+of a Keras object is here, so that a Keras or TF upgrade breaks one module,
+loudly: the versions it was written for are checked at import, and
+`tests/test_internals.py` has a test per hook.
+
+Written for Keras 3.15.x and TensorFlow 2.21.x. Code copied from Keras
+(gradient clipping, the loss-scale optimizer's unscaling) is Keras 3.15.0's,
+with only the device placement changed, and says so where it stands.
+"""
+
+import contextlib
+
+import keras
+import tensorflow as tf
+
+SUPPORTED = {"keras": "3.15", "tensorflow": "2.21"}
+
+
+def check_versions(versions):
+    """Raises ImportError unless each version is in the supported series.
+
+    Args:
+        versions: `{"keras": "3.15.0", "tensorflow": "2.21.0"}`.
+    """
+    bad = [f"{name} {version}" for name, version in versions.items()
+           if not (version == SUPPORTED[name]
+                   or version.startswith(SUPPORTED[name] + "."))]
+    if bad:
+        raise ImportError(
+            f"keras_pipe supports Keras {SUPPORTED['keras']}.x and TensorFlow "
+            f"{SUPPORTED['tensorflow']}.x; found {', '.join(bad)}. Install "
+            f"'keras=={SUPPORTED['keras']}.*' and "
+            f"'tensorflow=={SUPPORTED['tensorflow']}.*' (see setup.py).")
+
+
+check_versions({"keras": keras.__version__, "tensorflow": tf.__version__})
+
+# Imported after the check: on another version these may not exist.
+from keras.src.backend import get_keras_mask, set_keras_mask  # noqa: E402
+from keras.src.backend.common import global_state  # noqa: E402
+from keras.src.backend.tensorflow import random as tf_random  # noqa: E402
+from keras.src.losses import loss as _loss_lib  # noqa: E402
+from keras.src.models.functional import (  # noqa: E402
+    Functional,
+    operation_fn,
+    unpack_singleton,
+)
+from keras.src.random.seed_generator import SeedGenerator, draw_seed  # noqa: E402
+from keras.src.saving.keras_saveable import KerasSaveable  # noqa: E402
+from keras.src.utils import io_utils as _io_utils  # noqa: E402
+from keras.src.utils import naming as _naming  # noqa: E402
+from keras.src.utils import tracking as _tracking  # noqa: E402
+from tensorflow.python.eager import cancellation  # noqa: E402
+from tensorflow.python.eager import context as _tf_context  # noqa: E402
+
+# Keras' Functional graph: the class, how it calls one operation, and how
+# it unwraps a single output (`keras_pipe.planning.graph`, `keras_pipe.saving.files`).
+# `KerasSaveable`: the base of objects Keras saving walks (seed states).
+# `cancellation`: TF's cancellation manager (`keras_pipe.distributed.cluster`).
+to_snake_case = _naming.to_snake_case
+ask_to_proceed_with_overwrite = _io_utils.ask_to_proceed_with_overwrite
+no_automatic_tracking = _tracking.DotNotTrackScope
+get_server_def = _tf_context.get_server_def
+
+
+def set_initial_epoch(model, epoch):
+    """Makes `fit` start at `epoch` (what Keras' BackupAndRestore sets)."""
+    model._initial_epoch = epoch
+
+
+def keras_global_state():
+    """Keras' global state (scopes, seed generator) as a dict."""
+    return dict(vars(global_state.GLOBAL_STATE_TRACKER))
+
+
+def set_keras_global_attribute(name, value):
+    """Sets one attribute of Keras' global state (in another thread)."""
+    global_state.set_global_attribute(name, value)
+
+__all__ = ["Functional", "KerasSaveable", "SUPPORTED", "SeedGenerator",
+           "draw_seed", "tf_random",
+           "ask_to_proceed_with_overwrite", "cancellation", "check_versions",
+           "eager_scope", "get_keras_mask",
+           "get_server_def", "keras_global_state", "no_automatic_tracking",
+           "operation_fn", "reduce_weighted_values",
+           "reinitialize_variable", "replaced_losses",
+           "scale_loss_for_distribution",
+           "set_initial_epoch", "set_keras_global_attribute", "set_keras_mask",
+           "to_snake_case", "unpack_singleton"]
+
+reduce_weighted_values = _loss_lib.reduce_weighted_values
+scale_loss_for_distribution = _loss_lib.scale_loss_for_distribution
+
+
+@contextlib.contextmanager
+def eager_scope():
+    """Leaves Keras' symbolic/stateless scopes and any FuncGraph.
+
+    Keras builds a model inside `backend.compute_output_spec`, where new
+    variables are deferred and later created outside any `tf.device` scope.
+    Stages must be built eagerly under their device instead.
+    """
+    names = ("stateless_scope", "symbolic_scope")
+    saved = {n: global_state.get_global_attribute(n) for n in names}
+    for n in names:
+        global_state.set_global_attribute(n, None)
+    try:
+        with tf.init_scope():
+            yield
+    finally:
+        for n, value in saved.items():
+            global_state.set_global_attribute(n, value)
+
+
+def reinitialize_variable(variable, value):
+    """Re-creates the tf.Variable behind a Keras variable, in the device scope.
+
+    `_initialize` is the one place where Keras' TF backend creates the
+    underlying `tf.Variable`; the Keras variable, its name and path stay.
+    """
+    variable._initialize(value)
+
+
+@contextlib.contextmanager
+def replaced_losses(compile_loss, make):
+    """Replaces each loss of a `CompileLoss` by `make(n, loss)` meanwhile.
+
+    Keras still matches outputs, targets, per-output sample weights and
+    loss weights; the losses it calls are ours for the length of the block.
+    """
+    originals = compile_loss._flat_losses
+    compile_loss._flat_losses = [
+        entry._replace(loss=make(n, entry.loss))
+        for n, entry in enumerate(originals)]
+    try:
+        yield len(originals)
+    finally:
+        compile_loss._flat_losses = originals
+
+
+@contextlib.contextmanager
+def _swapped(obj, name, value):
+    """`obj.name = value` while the block runs, bypassing Keras tracking."""
+    saved = obj.__dict__[name]
+    object.__setattr__(obj, name, value)
+    try:
+        yield
+    finally:
+        object.__setattr__(obj, name, saved)
+
+
+# ------------------------------------------- private attributes, by name
+# Every read or write of a private attribute of a Keras object goes through
+# one of these (`tests/test_structure.py` checks it).
+
+
+def flatten_layers(layer, include_self=True, recursive=True):
+    """`layer` and its sub-layers, as Keras walks them."""
+    return layer._flatten_layers(include_self=include_self,
+                                 recursive=recursive)
+
+
+def keras_logits(tensor):
+    """The logits Keras keeps beside a softmax/sigmoid output, or None."""
+    return getattr(tensor, "_keras_logits", None)
+
+
+def set_keras_logits(tensor, logits):
+    """Attaches `logits` to `tensor` as Keras' activations do."""
+    tensor._keras_logits = logits
+
+
+def sequential_graph(model):
+    """The Functional graph behind a Sequential model (None without Input)."""
+    return model._functional
+
+
+def run_through_graph(functional, inputs, operation_fn):
+    """Runs a Functional graph, calling `operation_fn(op)` for each op."""
+    return functional._run_through_graph(inputs, operation_fn=operation_fn)
+
+
+def standardize_inputs(functional, inputs):
+    """Flattens and converts model inputs as `Functional.call` does."""
+    return functional._standardize_inputs(inputs)
+
+
+def inputs_struct(functional):
+    """The nested structure of a Functional model's inputs."""
+    return functional._inputs_struct
+
+
+def outputs_struct(functional):
+    """The nested structure of a Functional model's outputs."""
+    return functional._outputs_struct
+
+
+def nodes_by_depth(functional):
+    """`{depth: [Node]}` of a Functional graph."""
+    return functional._nodes_by_depth
+
+
+def build_shapes(layer):
+    """The shapes `layer.build` was called with, as Keras records them."""
+    return layer._build_shapes_dict
+
+
+def object_type(layer):
+    """Keras' saving name of `layer`'s kind ("Functional", "Sequential")."""
+    return layer._obj_type()
+
+
+def seed_generators(layer):
+    """The `SeedGenerator`s `layer` itself tracks."""
+    return layer._seed_generators
+
+
+def own_variables(layer):
+    """The variables `layer` tracks itself, trainable first."""
+    return layer._trainable_variables + layer._non_trainable_variables
+
+
+def compute_loss(model, **kwargs):
+    """Keras' `Trainer._compute_loss` (the compiled loss, loss metrics)."""
+    return model._compute_loss(**kwargs)
+
+
+def optimizer_hook(optimizer, name):
+    """One of the per-step hooks of a Keras optimizer, by private name."""
+    return getattr(optimizer, name)
+
+
+def set_optimizer_hooks(optimizer, **hooks):
+    """Replaces per-step hooks of `optimizer` (on the object, not its class)."""
+    for name, hook in hooks.items():
+        setattr(optimizer, name, hook)
+
+
+def optimizer_iterations(optimizer):
+    """The optimizer's step counter variable."""
+    return optimizer._iterations
+
+
+def swapped_iterations(optimizer, value):
+    """The optimizer reads `value` as its step counter meanwhile."""
+    return _swapped(optimizer, "_iterations", value)
+
+
+def optimizer_variables(optimizer):
+    """The trainable variables the optimizer was built for."""
+    return optimizer._trainable_variables
+
+
+def overwrites_with_gradient(optimizer, variable):
+    """Whether `variable` is overwritten with its gradient (not updated)."""
+    return optimizer._overwrite_variable_with_gradient(variable)
+
+
+def clip_by_norm(optimizer, gradient):
+    """Keras' clip of one gradient to the optimizer's `clipnorm`."""
+    return optimizer._clip_by_norm(gradient)
+
+
+def cast_seed(seed):
+    """A drawn seed as Keras' TF random backend casts it."""
+    return tf_random._cast_seed(seed)
+
+
+def concrete_noise_shape(inputs, noise_shape):
+    """Dropout's noise shape with None entries filled from `inputs`."""
+    return tf_random._get_concrete_noise_shape(inputs, noise_shape)

@@ -1,6 +1,0 @@
-"""Balancing pipeline stages: cost models and the optimal block partition."""
-
-from keras_pipe.balance import cost
-from keras_pipe.balance.blockpartition import block_partition
-
-__all__ = ["block_partition", "cost"]

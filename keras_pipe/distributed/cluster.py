@@ -1,0 +1,697 @@
+"""Remote workers: connect to a TensorFlow cluster, fail fast when a worker is gone.
+
+Stages run on remote devices through TensorFlow's own distributed runtime
+(`tf.distribute.Server` workers, `tf.config.experimental_connect_to_cluster`):
+after `connect`, a device such as `/job:worker/replica:0/task:1/device:CPU:0`
+is an ordinary stage device, and the whole training step stays one
+`tf.function` whose cross-worker edges TF turns into gRPC transfers.
+
+Why a wrapper around `experimental_connect_to_cluster`: TF connects lazily,
+so a worker that is down makes the *first* use of the cluster (listing
+devices, creating a variable) block with no deadline. `connect` first probes
+every task with a gRPC channel-readiness check under a deadline and names
+the tasks it cannot reach. `fit`/`evaluate`/`predict` of a model with remote
+stages go through `run`, which probes those workers once a second; when one
+stops answering, the call ends with a `WorkerUnavailableError` naming the
+lost task instead of waiting forever (TF waits with no deadline on a worker
+that hangs, and reports a killed one as an anonymous `UnavailableError`).
+
+Security: TF's gRPC runtime has no authentication and no encryption; anyone
+who can reach a worker's port, or the client's own port that `connect`
+opens, can run arbitrary ops in that process. Use a trusted network.
+`python -m keras_pipe.distributed.worker` and `connect` listen on loopback by default
+(`keras_pipe.distributed.bind`).
+"""
+
+import ctypes
+import ipaddress
+import json
+import os
+import re
+import socket
+import threading
+import time
+import warnings
+
+import tensorflow as tf
+
+from keras_pipe.distributed import bind as bind_lib
+from keras_pipe.distributed import diagnosis
+from keras_pipe import _compat
+from keras_pipe import _validation
+
+__all__ = ["WorkerRestartedError", "WorkerUnavailableError", "check_addresses",
+           "cluster_spec",
+           "connect", "probe", "run"]
+
+
+class WorkerUnavailableError(ConnectionError):
+    """A task of the cluster cannot be reached (down, or lost during a call).
+
+    Attributes:
+        tasks: `{task name: address}` of the unreachable tasks, e.g.
+            `{"/job:worker/replica:0/task:1": "127.0.0.1:2223"}`.
+    """
+
+    def __init__(self, message, tasks):
+        super().__init__(message)
+        self.tasks = dict(tasks)
+
+
+class WorkerRestartedError(WorkerUnavailableError):
+    """A task answers, but it is a new process: the state placed there is gone.
+
+    TF reports it as an `AbortedError` ("different device incarnation",
+    "Unable to find a context_id") before `connect()` is called again, and
+    as an `InvalidArgumentError` ("Unable to find the relevant tensor
+    remote_handle") for a model built before the restart.
+
+    Attributes:
+        tasks: `{task name: address}` of the restarted tasks.
+    """
+
+
+# What TF says when a worker process was replaced after `connect`.
+_RESTART_SIGNS = ("device incarnation", "was probably restarted",
+                  "Unable to find a context_id", "worker was restarted",
+                  "relevant tensor remote_handle")
+_TASK = re.compile(r"/job:[\w.-]+/replica:\d+/task:\d+")
+
+
+def cluster_spec(cluster=None):
+    """Reads a cluster given as a ClusterSpec, a dict or a TF_CONFIG.
+
+    Args:
+        cluster: a `tf.train.ClusterSpec`; a dict `{job: [address, ...]}`
+            (or `{job: {index: address}}`); a TF_CONFIG dict or JSON string
+            (`{"cluster": {...}, "task": {...}}`). Defaults to `None`: the
+            `TF_CONFIG` environment variable.
+
+    Returns:
+        A `tf.train.ClusterSpec`.
+
+    Raises:
+        TypeError: for another kind of object.
+        ValueError: for an empty cluster or a malformed TF_CONFIG.
+    """
+    if cluster is None:
+        cluster = os.environ.get("TF_CONFIG")
+        if not cluster:
+            raise ValueError(
+                "cluster=None reads the TF_CONFIG environment variable, which "
+                "is unset. Pass a ClusterSpec or a dict such as "
+                "{'worker': ['127.0.0.1:2222', '127.0.0.1:2223']}.")
+    if isinstance(cluster, str):
+        try:
+            cluster = json.loads(cluster)
+        except json.JSONDecodeError as exc:
+            raise ValueError(
+                f"A cluster string must be a TF_CONFIG JSON document. "
+                f"Received: {cluster!r}") from exc
+    if isinstance(cluster, tf.train.ClusterSpec):
+        spec = cluster
+    elif isinstance(cluster, dict):
+        spec = tf.train.ClusterSpec(cluster.get("cluster", cluster))
+    else:
+        raise TypeError(
+            "cluster must be a tf.train.ClusterSpec, a dict {job: [address, "
+            "...]} or a TF_CONFIG. Received: "
+            f"{cluster!r} of type {type(cluster).__name__}")
+    if not any(spec.task_indices(job) for job in spec.jobs):
+        raise ValueError(f"The cluster has no task. Received: {cluster!r}")
+    return spec
+
+
+def check_addresses(spec):
+    """Checks every task address of `spec`: `host:port`, each used once.
+
+    Raises:
+        ValueError: naming each malformed or repeated address and its task
+            (TF would wait for the whole timeout on the first, and fail
+            with "Context id already exists" on the second).
+    """
+    problems, seen = [], {}
+    for name, address in _tasks(spec).items():
+        host, colon, port = str(address).rpartition(":")
+        if not colon or not host or not port.isdigit() or not (
+                0 < int(port) < 65536):
+            problems.append(
+                f"{name}: {address!r} is not host:port with a port in "
+                "1..65535 (e.g. '127.0.0.1:2222')")
+        elif address in seen:
+            problems.append(f"{name}: {address!r} is also the address of "
+                            f"{seen[address]} (each task needs its own)")
+        seen.setdefault(address, name)
+    if problems:
+        raise ValueError("Bad cluster addresses: " + "; ".join(problems)
+                         + ". Fix the cluster spec.")
+
+
+def _tasks(spec):
+    """`{"/job:j/replica:0/task:t": address}` for every task of `spec`."""
+    return {f"/job:{job}/replica:0/task:{t}": spec.task_address(job, t)
+            for job in spec.jobs for t in spec.task_indices(job)}
+
+
+def probe(address, timeout=1.0):
+    """Whether a gRPC server answers at `address` within `timeout` seconds.
+
+    A TCP connect alone is not enough: the kernel accepts connections for
+    a stopped (hung) process. This waits for the HTTP/2 handshake.
+    """
+    import grpc  # A TensorFlow dependency.
+
+    channel = grpc.insecure_channel(address)
+    try:
+        grpc.channel_ready_future(channel).result(timeout=timeout)
+        return True
+    except grpc.FutureTimeoutError:
+        return False
+    finally:
+        channel.close()
+
+
+# No server implements it: a live gRPC server answers UNIMPLEMENTED at once.
+_PING = "/keras_pipe.Watch/Ping"
+
+
+class _KeptProbe:
+    """`probe` over one kept channel per address: cheap enough to repeat.
+
+    A new channel per probe costs the client ~7 ms of CPU and the worker
+    ~2 ms (TCP connect, HTTP/2 handshake, grpc's own polling thread); once
+    a second per worker that is 2-3% of a busy client's CPU next to the
+    stages it shares cores with. Here each probe is one call of a method
+    no server implements on a channel kept open: a live server answers
+    UNIMPLEMENTED (~0.5 ms of client CPU, ~0.25 ms of the worker's), a
+    stopped (hung) one lets the deadline pass, a dead one fails to connect.
+    After a failure the channel is dropped, so the next probe connects
+    afresh instead of waiting out grpc's reconnection backoff.
+    """
+
+    def __init__(self):
+        self.channels = {}
+
+    def __call__(self, address, timeout):
+        import grpc  # A TensorFlow dependency.
+
+        channel = self.channels.get(address)
+        if channel is None:
+            channel = self.channels[address] = grpc.insecure_channel(address)
+        try:
+            channel.unary_unary(_PING)(b"", timeout=timeout)
+        except grpc.RpcError as error:
+            if error.code() != grpc.StatusCode.UNIMPLEMENTED:
+                self.channels.pop(address).close()
+                return False
+        return True
+
+    def close(self):
+        for channel in self.channels.values():
+            channel.close()
+        self.channels.clear()
+
+
+def _unreachable(tasks, timeout):
+    """The subset of `tasks` that does not answer before `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    pending = dict(tasks)
+    while pending:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            break
+        results = {}
+        threads = [threading.Thread(
+            # The threads are joined inside this iteration.
+            target=lambda n=name, a=address: results.__setitem__(  # noqa: B023
+                n, probe(a, min(left, 1.0))), daemon=True)  # noqa: B023
+            for name, address in pending.items()]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        pending = {n: a for n, a in pending.items() if not results.get(n)}
+        if pending:
+            time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
+    return pending
+
+
+def _why_down(tasks):
+    """What a TCP connect to each task shows, e.g. 'task:1: connection refused'."""
+    reasons = []
+    for name, address in tasks.items():
+        host, _, port = address.rpartition(":")
+        try:
+            with socket.create_connection((host.strip("[]"), int(port)),
+                                          timeout=1.0):
+                why = ("accepts TCP connections but gives no gRPC answer: "
+                       "hung, or not a TF server")
+        except ConnectionRefusedError:
+            why = "connection refused: nothing listens on that port"
+        except (OSError, ValueError) as exc:
+            why = f"no connection: {exc}"
+        reasons.append(f"{name.rsplit('/', 1)[-1]}: {why}")
+    return "; ".join(reasons)
+
+
+def _describe_tasks(tasks):
+    return ", ".join(f"{name} at {address}" for name, address in tasks.items())
+
+
+def connect(cluster=None, timeout=30.0, job_name="localhost",
+            bind="127.0.0.1", inter_op_threads=None):
+    """Connects this process to a cluster of TF workers and lists their devices.
+
+    Every task must answer within `timeout` seconds, else nothing is
+    connected and the error names the tasks that did not. Afterwards stage
+    devices may name remote devices.
+
+    Connecting starts a TF gRPC server in this process too (workers send
+    results back through it). TF's gRPC runtime has no authentication, so
+    that server listens on `bind` only, loopback by default: workers on
+    other hosts need `bind` set to this host's address on their network.
+    Listening on every interface takes `bind="0.0.0.0"`.
+
+    ```python
+    devices = keras_pipe.connect(
+        {"worker": ["127.0.0.1:2222", "127.0.0.1:2223"]})
+    # {'/job:worker/replica:0/task:0': ['/job:worker/replica:0/task:0/device:CPU:0'],
+    #  '/job:worker/replica:0/task:1': ['/job:worker/replica:0/task:1/device:CPU:0']}
+    model = keras_pipe.PipelineModel(
+        stages, devices=[devices[t][0] for t in devices])
+    ```
+
+    Args:
+        cluster: a `tf.train.ClusterSpec`, a dict `{job: [address, ...]}` or
+            a TF_CONFIG (dict or JSON string). Defaults to `None`: the
+            `TF_CONFIG` environment variable.
+        timeout: seconds to wait for every task to answer, and then for
+            the device listing. Defaults to `30.0`.
+        job_name: the job name of this (client) process; TF adds it to the
+            cluster on a free local port unless the cluster names it.
+            Defaults to `"localhost"`.
+        bind: the only IP address of this machine the client's TF server
+            listens on; workers reach the client there. `"0.0.0.0"` (or
+            `"::"`) opts in to every interface (trusted networks only).
+            Defaults to `"127.0.0.1"`.
+        inter_op_threads: the inter-op thread pool of the contexts the
+            workers run this client's functions in (and of this client):
+            TF sizes those from the client's setting, not from the worker's
+            `--inter-op-threads`. A worker needs 2 or more, or a transfer
+            to the next stage waits until its device ran out of work (TF's
+            executor queues the `_Send` behind the next call on the only
+            thread). Defaults to `None`: the client's setting if one was
+            made, else `max(4, os.cpu_count())`. Set it before TF runs any
+            op in this process.
+
+    Returns:
+        `{task name: [device names]}` for every task of the cluster, task
+        names like `"/job:worker/replica:0/task:1"`.
+
+    Raises:
+        TypeError, ValueError: for a malformed `cluster` or `timeout`.
+        WorkerUnavailableError: if a task does not answer within `timeout`
+            seconds; the message names each such task and its address.
+        RuntimeError: if the client's server cannot be kept on `bind`
+            (the message says how to opt in to every interface), or if
+            `inter_op_threads` differs from the setting of a TF runtime
+            already started in this process.
+    """
+    if inter_op_threads is not None:
+        _validation.check_positive_int("inter_op_threads", inter_op_threads)
+    if not isinstance(job_name, str) or not re.fullmatch(r"[A-Za-z0-9_]+",
+                                                         job_name):
+        raise TypeError(
+            f"job_name must be a string of letters, digits or '_', e.g. "
+            f"'localhost'. Received: job_name={job_name!r}")
+    _validation.check_positive_number("timeout", timeout)
+    spec = cluster_spec(cluster)
+    check_addresses(spec)
+    bind = bind_lib.check_address(bind)
+    _check_client_address(spec, job_name, bind)
+    tasks = {n: a for n, a in _tasks(spec).items()
+             if not n.startswith(f"/job:{job_name}/")}
+    down = _unreachable(tasks, timeout)
+    if down:
+        raise WorkerUnavailableError(
+            f"Cannot reach {_describe_tasks(down)} within {timeout:g} s "
+            f"({_why_down(down)}). "
+            "Start the worker (python -m keras_pipe.distributed.worker --task N "
+            "--cluster ...), check its address, or raise `timeout`.", down)
+    full_spec = _with_local_job(spec, job_name, bind)
+    _set_inter_op_threads(inter_op_threads)
+    _pin_client(bind)
+    tf.config.experimental_connect_to_cluster(full_spec, job_name=job_name)
+    _check_client_listener(full_spec, job_name, bind)
+    listing = {}
+    thread = threading.Thread(
+        target=lambda: listing.update(
+            names=[d.name for d in tf.config.list_logical_devices()]),
+        daemon=True)
+    thread.start()
+    thread.join(timeout)
+    if "names" not in listing:
+        down = _unreachable(tasks, 1.0) or tasks
+        raise WorkerUnavailableError(
+            f"Connected, but listing the devices of {_describe_tasks(down)} "
+            f"did not finish within {timeout:g} s.", down)
+    return {name: [d for d in listing["names"]
+                   if d.startswith(name + "/")] for name in tasks}
+
+
+def _set_inter_op_threads(threads):
+    """Sets the inter-op pool size the workers' contexts inherit."""
+    current = tf.config.threading.get_inter_op_parallelism_threads()
+    default = max(4, os.cpu_count() or 1)
+    if threads is None:
+        if current:
+            return  # the user's own setting
+        threads = default
+    if threads == current:
+        return
+    try:
+        tf.config.threading.set_inter_op_parallelism_threads(threads)
+    except RuntimeError as exc:
+        if current == 0 and threads == default:
+            warnings.warn(
+                "keras_pipe.connect() came after TF started in this process, "
+                "so the workers' contexts keep TF's default inter-op pool "
+                "(each worker's core count; one thread on a single-core "
+                "worker, where transfers between stages wait for the "
+                "worker's other work). Call connect() before running any TF "
+                "op, or tf.config.threading.set_inter_op_parallelism_threads"
+                "(4) first.", RuntimeWarning, stacklevel=3)
+            return
+        raise RuntimeError(
+            f"inter_op_threads={threads} cannot be set: TF already started "
+            f"in this process with {current or 'its default'} inter-op "
+            "threads. Call keras_pipe.connect() before running any TF op.") \
+            from exc
+
+
+def _check_client_address(spec, job_name, bind):
+    """Raises if the cluster names this client at an IP other than `bind`."""
+    if job_name not in spec.jobs or bind in bind_lib.WILDCARDS:
+        return
+    address = spec.task_address(job_name, spec.task_indices(job_name)[0])
+    host = address.rpartition(":")[0].strip("[]")
+    try:
+        host = str(ipaddress.ip_address(host))
+    except ValueError:
+        return  # A host name: the workers resolve it.
+    if host != bind:
+        raise ValueError(
+            f"The cluster names this client ({job_name!r}) at {address!r}, "
+            f"but bind={bind!r}: workers would call back to {host!r}, where "
+            f"nothing listens. Pass bind={host!r}.")
+
+
+def _pin_client(bind):
+    """Keeps the client's TF server on `bind`, or raises saying how to opt out."""
+    try:
+        bind_lib.pin(bind)
+    except RuntimeError as exc:
+        raise RuntimeError(
+            f"keras_pipe.connect() would leave this process's TF gRPC server "
+            f"(no authentication) listening on every interface, because it "
+            f"cannot be kept on {bind!r}: {exc} To listen on every "
+            "interface anyway (trusted network only), pass "
+            "keras_pipe.connect(..., bind='0.0.0.0').") from exc
+
+
+def _check_client_listener(spec, job_name, bind):
+    """Raises if the client's port listens on a wildcard address."""
+    if bind in bind_lib.WILDCARDS or job_name not in spec.jobs:
+        return
+    port = int(spec.task_address(job_name, 0).rsplit(":", 1)[1])
+    hosts = bind_lib.listening_hosts(port)
+    if any(h in bind_lib.WILDCARDS for h in hosts):
+        raise RuntimeError(
+            f"This process's TF gRPC server listens on {hosts} port {port}, "
+            f"not only on {bind!r}; TF cannot stop it: end this process. "
+            "To listen on every interface on purpose, pass "
+            "keras_pipe.connect(..., bind='0.0.0.0').")
+
+
+def _with_local_job(spec, job_name, bind="127.0.0.1"):
+    """Adds this process's job to `spec`, at the same address as before.
+
+    Left to TF, every connect puts the local job on a new port, while the
+    local server keeps its first one: after a reconnect (a worker was
+    restarted) the workers would call back to a port nobody listens on.
+    """
+    if job_name in spec.jobs:
+        return spec
+    address = None
+    server_def = _compat.get_server_def()
+    if server_def is not None and server_def.job_name == job_name:
+        for job in server_def.cluster.job:
+            if job.name == job_name:
+                address = job.tasks.get(server_def.task_index)
+    if address is None:
+        host = "127.0.0.1" if bind in bind_lib.WILDCARDS else bind
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        with socket.socket(family) as s:
+            s.bind((host, 0))
+            address = bind_lib.format_address(host, s.getsockname()[1])
+    return tf.train.ClusterSpec({**spec.as_dict(), job_name: [address]})
+
+
+def _remote_tasks(devices):
+    """`{task: address}` of the cluster tasks that `devices` live on."""
+    server_def = _compat.get_server_def()
+    if server_def is None:
+        return {}
+    local = f"/job:{server_def.job_name}/replica:0/task:{server_def.task_index}"
+    addresses = {}
+    for job in server_def.cluster.job:
+        for index, address in job.tasks.items():
+            addresses[f"/job:{job.name}/replica:0/task:{index}"] = address
+    found = {}
+    for device in devices:
+        spec = tf.DeviceSpec.from_string(device)
+        if spec.job is None:
+            continue
+        name = f"/job:{spec.job}/replica:0/task:{spec.task or 0}"
+        if name != local and name in addresses:
+            found[name] = addresses[name]
+    return found
+
+
+class _Watch:
+    """Probes tasks in a thread; on a loss, cancels the calls it guards."""
+
+    active = False  # One watchdog at a time: nested calls share it.
+
+    def __init__(self, tasks, interval, misses):
+        self.tasks = tasks
+        self.interval = interval
+        self.misses = misses
+        self.lost = {}
+        self.lost_at = None
+        self.manager = _compat.cancellation.CancellationManager()
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True,
+                                       name="keras_pipe-watch")
+
+    def _run(self):
+        failures = dict.fromkeys(self.tasks, 0)
+        alive = _KeptProbe()
+        try:
+            while not self.stop.wait(self.interval):
+                for name, address in self.tasks.items():
+                    ok = alive(address, self.interval)
+                    failures[name] = 0 if ok else failures[name] + 1
+                    if failures[name] >= self.misses:
+                        self.lost[name] = address
+                if self.lost:
+                    self.lost_at = time.monotonic()
+                    self.manager.start_cancel()
+                    return
+        finally:
+            alive.close()
+
+
+def run(devices, action, function, *args, interval=1.0, misses=2,
+        grace=5.0, **kwargs):
+    """Calls `function(*args, **kwargs)`, ended early if a worker is lost.
+
+    Without remote devices (or inside another `run`) this is a plain call.
+    Otherwise the call runs in a helper thread while a watchdog probes every
+    task holding one of `devices` each `interval` seconds. After `misses`
+    failed probes in a row the task is lost: the watchdog cancels the TF
+    calls (a `CancellationManager`), and if the call still has not returned
+    `grace` seconds later (TF does not cancel a remote call waiting on a
+    hung worker) it is left blocked in its thread and this function raises.
+    A TF error raised by the call while a task is unreachable (TF raises one
+    by itself when a killed worker's connection closes) is translated the
+    same way, and one saying that a task was restarted since `connect`
+    becomes a `WorkerRestartedError`. So a lost worker ends the call within about
+    `interval * (misses + 1) + grace` seconds. Keras' thread-local state
+    (dtype policy, seed generator) is copied into the helper thread.
+
+    Args:
+        devices: device names, e.g. a model's stage devices.
+        action: what runs, for the error message (`"fit"`).
+        function: the call, e.g. `keras.Model.fit` bound to a model.
+        *args, **kwargs: its arguments.
+        interval: seconds between probes (and probe deadline). Defaults to
+            `1.0`.
+        misses: failed probes in a row that mark a task lost. Defaults to
+            `2`.
+        grace: seconds a cancelled call gets to return. Defaults to `5.0`.
+
+    Returns:
+        What `function` returns.
+
+    A TF error of the call that only reports a cancellation is replaced by
+    the error a stage raised, of its original type, naming the stage and
+    its device (`keras_pipe.distributed.diagnosis`).
+
+    Raises:
+        WorkerUnavailableError: naming each lost task and its address.
+        WorkerRestartedError: naming each restarted task and its address.
+    """
+    tasks = _remote_tasks(devices)
+    if _Watch.active:
+        return function(*args, **kwargs)
+    if not tasks:
+        try:
+            return function(*args, **kwargs)
+        except tf.errors.OpError as error:
+            _raise_stage_error(function, action, args, kwargs, error)
+            raise
+    watchdog = _Watch(tasks, interval, misses)
+    keras_state = _compat.keras_global_state()
+    outcome = {}
+    # Set when `call` ends. Not `Thread.is_alive`: a KeyboardInterrupt in
+    # `Thread.join` marks a running thread as stopped (CPython 3.11).
+    done = threading.Event()
+
+    def call():
+        try:
+            for name, value in keras_state.items():
+                _compat.set_keras_global_attribute(name, value)
+            with _compat.cancellation.CancellationManagerContext(watchdog.manager):
+                outcome["value"] = function(*args, **kwargs)
+        except BaseException as exc:  # Re-raised in the calling thread.
+            outcome["error"] = exc
+        finally:
+            done.set()
+
+    caller = threading.Thread(target=call, daemon=True,
+                              name=f"keras_pipe-{action}")
+    _Watch.active = True
+    try:
+        watchdog.thread.start()
+        caller.start()
+        try:
+            _wait(done, watchdog, grace)
+        except BaseException as interrupt:  # Ctrl-C reaches this thread only.
+            _stop_caller(caller, done, watchdog, grace, interrupt)
+            raise
+    finally:
+        watchdog.stop.set()
+        _Watch.active = False
+    error = outcome.get("error")
+    if not done.is_set() or isinstance(error, tf.errors.OpError):
+        lost = dict(watchdog.lost) or _unreachable(tasks, interval * misses)
+        if lost:
+            detail = (_first_line(error) if error is not None else
+                      f"no answer {grace:g} s after cancelling; the call is "
+                      "left blocked in a daemon thread")
+            raise WorkerUnavailableError(
+                f"Lost {_describe_tasks(lost)} during {action}. Restart the "
+                f"worker, call keras_pipe.connect() again and {_REBUILD} "
+                f"({detail})", lost) from error
+        restarted = _restarted(error, tasks)
+        if restarted:
+            raise WorkerRestartedError(
+                f"{_describe_tasks(restarted)} was restarted after "
+                f"keras_pipe.connect(), and the model's variables there are "
+                f"gone ({action} cannot run). Call keras_pipe.connect() "
+                f"again if not done yet, then {_REBUILD} "
+                f"({_first_line(error)})", restarted) from error
+    if isinstance(error, tf.errors.OpError):
+        _raise_stage_error(function, action, args, kwargs, error)
+    if error is not None:
+        raise error
+    return outcome["value"]
+
+
+def _wait(done, watchdog, grace):
+    """Waits for `done`; returns early `grace` s after a task was lost."""
+    while not done.wait(0.1):
+        if (watchdog.lost_at is not None
+                and time.monotonic() - watchdog.lost_at > grace):
+            return
+
+
+def _raise_in_thread(ident, kind):
+    """Raises exception class `kind` in thread `ident` (CPython's async exc)."""
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(ident),
+                                               ctypes.py_object(kind))
+
+
+def _stop_caller(caller, done, watchdog, grace, interrupt):
+    """Ends the call running in `caller` at its next step; then returns.
+
+    Python delivers a signal (Ctrl-C) to the main thread only: without this
+    the step loop in `caller` ran on after `fit` had raised (trap 12). The
+    interrupt is re-raised in `caller` as soon as it runs Python code again,
+    so the step in progress (one TF call) finishes and no further step
+    starts: the model keeps the weights of its last completed step, as a
+    Ctrl-C of a local `fit` does. Waits for `caller` to end (bounded by the
+    watchdog as above); a second interrupt stops waiting.
+    """
+    if done.is_set():
+        return
+    _raise_in_thread(caller.ident, type(interrupt))
+    try:
+        _wait(done, watchdog, grace)
+    except BaseException as again:  # A second Ctrl-C: stop waiting.
+        interrupt.add_note(
+            f"keras_pipe: stopped waiting for {caller.name} to end after a "
+            f"second interrupt ({type(again).__name__}); the step it was "
+            "running may still finish in the background.")
+
+
+_REBUILD = (
+    "rebuild the model: create it again with the same code (its variables "
+    "lived on the lost worker) and restore its weights: with "
+    "keras_pipe.BackupAndRestore in fit's callbacks, the same fit() call "
+    "resumes at the exact batch of the last backup; or load_weights() from "
+    "a checkpoint.")
+
+
+def _first_line(error):
+    """`Type: first line of the message` of a TF error."""
+    text = getattr(error, "message", None) or str(error)
+    lines = [l for l in text.strip().splitlines()
+             if l.strip() and not l.startswith(("Graph execution error",
+                                                "Detected at node",
+                                                "<stack traces"))]
+    return f"{type(error).__name__}: {lines[0].strip() if lines else ''}"
+
+
+def _restarted(error, tasks):
+    """The tasks of `tasks` that `error` says were restarted, else {}."""
+    text = str(error)
+    if not isinstance(error, tf.errors.OpError) or not any(
+            sign in text for sign in _RESTART_SIGNS):
+        return {}
+    named = {name: tasks[name] for name in _TASK.findall(text)
+             if name in tasks}
+    return named or dict(tasks)
+
+
+def _raise_stage_error(function, action, args, kwargs, error):
+    """Raises the stage's own error for a TF error of a model's call.
+
+    `function` is a bound method of the model (`super().fit`); see
+    `keras_pipe.distributed.diagnosis`. Returns if there is nothing better to raise.
+    """
+    model = getattr(function, "__self__", None)
+    explained = diagnosis.explain(model, action, args, kwargs, error)
+    if explained is not error:
+        raise explained from error

@@ -1,0 +1,233 @@
+"""Pinned worker processes on this machine, started and stopped in one call.
+
+Logical CPU devices (`keras_pipe.logical_cpu_devices`) share one process's
+thread pool: they show placement and schedule, not speed. The speed-up of a
+pipeline on one multi-core (or multi-GPU) machine needs each stage in its
+own process on its own core (or GPU). `local_workers` starts those
+processes (`python -m keras_pipe.distributed.worker`, listening on loopback only, each
+pinned to its core or given its one GPU), connects this process to them
+(`keras_pipe.connect`) and stops them when the `with` block ends, on an
+error or a `KeyboardInterrupt` too. A worker also ends if this process dies
+without unwinding (Linux: it is started with a parent-death signal).
+"""
+
+import contextlib
+import ctypes
+import os
+import pathlib
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+from keras_pipe import _validation
+
+__all__ = ["local_workers"]
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent():
+    """In the child before exec: SIGKILL it when its parent thread ends."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _check_ids(name, values, num_workers, available=None):
+    """`values` as a list of `num_workers` ints (>= 0), checked."""
+    if not isinstance(values, (list, tuple)) or any(
+            isinstance(v, bool) or not isinstance(v, int) or v < 0
+            for v in values):
+        raise TypeError(f"{name} must be a list of ints >= 0, one per "
+                        f"worker. Received: {name}={values!r}")
+    if len(values) != num_workers:
+        raise ValueError(
+            f"{name} must name one id per worker ({num_workers} workers). "
+            f"Received: {name}={list(values)}")
+    if len(set(values)) != len(values):
+        raise ValueError(f"{name} names an id twice; each worker needs its "
+                         f"own. Received: {name}={list(values)}")
+    if available is not None:
+        bad = sorted(set(values) - set(available))
+        if bad:
+            raise ValueError(
+                f"{name} names CPUs {bad} this process cannot run on; "
+                f"available: {sorted(available)}. Received: "
+                f"{name}={list(values)}")
+    return list(values)
+
+
+def _check_args(num_workers, cores, gpus, intra_op_threads,
+                inter_op_threads, timeout):
+    """Checks `local_workers`' arguments; returns (cores, gpus)."""
+    _validation.check_positive_int("num_workers", num_workers)
+    _validation.check_positive_int("intra_op_threads", intra_op_threads)
+    _validation.check_positive_int("inter_op_threads", inter_op_threads)
+    _validation.check_positive_number("timeout", timeout)
+    available = sorted(os.sched_getaffinity(0))
+    if gpus is not None:
+        gpus = _check_ids("gpus", gpus, num_workers)
+    if cores is None and gpus is None:
+        if num_workers > len(available):
+            raise ValueError(
+                f"num_workers={num_workers} needs one core each, but this "
+                f"process may run on {len(available)} CPUs {available}. "
+                f"Pass num_workers <= {len(available)}, or gpus=[...] for "
+                "one GPU per worker.")
+        cores = available[:num_workers]
+    elif cores is not None:
+        cores = _check_ids("cores", cores, num_workers, available)
+    return cores, gpus
+
+
+@contextlib.contextmanager
+def local_workers(num_workers=2, cores=None, gpus=None, intra_op_threads=1,
+                  inter_op_threads=2, timeout=120.0):
+    """Starts pinned worker processes on this machine and connects to them.
+
+    Each worker is a `python -m keras_pipe.distributed.worker` process that listens on
+    127.0.0.1 only, pinned to its own CPU core (or given its own GPU).
+    This process connects to them (`keras_pipe.connect`), and the `with`
+    block receives one device per worker to place stages on. When the block
+    ends, normally, by an error or by a `KeyboardInterrupt`, every worker
+    is stopped and waited for: nothing is left running. The workers also
+    end if this process is killed (Linux parent-death signal; they end when
+    the thread that started them ends, so enter the block in a thread that
+    outlives it).
+
+    Call it before TensorFlow runs any op in this process (as
+    `keras_pipe.connect`), and build the model inside the block: its
+    variables live in the workers and go with them.
+
+    ```python
+    import keras
+    import keras_pipe
+
+    with keras_pipe.local_workers(num_workers=2) as devices:
+        stages = [keras.Sequential([keras.layers.Dense(64, activation="relu")]),
+                  keras.Sequential([keras.layers.Dense(1)])]
+        model = keras_pipe.PipelineModel(stages, devices=devices,
+                                         num_micro_batches=4)
+        model.compile("adam", "mse")
+        model.fit(x, y, batch_size=64)
+    ```
+
+    Args:
+        num_workers: how many worker processes, one device each. Defaults
+            to `2`.
+        cores: the CPU id of each worker, one per worker. Defaults to
+            `None`: the first `num_workers` CPUs this process may run on
+            (the worker processes are then not pinned when `gpus` is set).
+        gpus: the GPU index of each worker, one per worker; each worker
+            then sees that GPU only (`CUDA_VISIBLE_DEVICES`) and the device
+            is its `GPU:0`. Defaults to `None`: CPU devices.
+        intra_op_threads: each worker's intra-op thread pool. Defaults to
+            `1` (one core per worker).
+        inter_op_threads: the inter-op pool of the contexts the workers
+            run this process's functions in (see `keras_pipe.connect`);
+            2 or more, so that a transfer to the next stage does not wait
+            for the worker's other work. Defaults to `2`.
+        timeout: seconds for the workers to start and then to answer.
+            Defaults to `120.0`.
+
+    Returns:
+        A context manager whose value is the list of the workers' devices,
+        e.g. `["/job:worker/replica:0/task:0/device:CPU:0",
+        "/job:worker/replica:0/task:1/device:CPU:0"]`.
+
+    Raises:
+        TypeError: for a count that is not an int, or `cores`/`gpus` that
+            are not lists of ints.
+        ValueError: for a count < 1, more workers than available CPUs,
+            `cores`/`gpus` of the wrong length, with an id twice or naming
+            a CPU this process cannot run on.
+        RuntimeError: if a worker exits or does not start within `timeout`
+            seconds (the message holds the end of its log).
+        keras_pipe.distributed.cluster.WorkerUnavailableError: if a started worker does
+            not answer.
+    """
+    cores, gpus = _check_args(num_workers, cores, gpus, intra_op_threads,
+                              inter_op_threads, timeout)
+    addresses = [f"127.0.0.1:{_free_port()}" for _ in range(num_workers)]
+    logdir = tempfile.TemporaryDirectory(prefix="keras_pipe_workers_")
+    procs = []
+    try:
+        for task in range(num_workers):
+            procs.append(_start(task, addresses, cores, gpus,
+                                intra_op_threads, inter_op_threads,
+                                pathlib.Path(logdir.name)))
+        _wait_serving(procs, pathlib.Path(logdir.name), timeout)
+        from keras_pipe.distributed.cluster import connect  # imports TF
+        listing = connect({"worker": addresses}, timeout=timeout,
+                          inter_op_threads=inter_op_threads)
+        kind = "CPU" if gpus is None else "GPU"
+        devices = []
+        for task in range(num_workers):
+            name = f"/job:worker/replica:0/task:{task}"
+            wanted = f"{name}/device:{kind}:0"
+            if wanted not in listing.get(name, []):
+                raise RuntimeError(
+                    f"Worker task {task} has no {kind}:0; its devices: "
+                    f"{listing.get(name)}. Pass gpus=None for CPU workers.")
+            devices.append(wanted)
+        yield devices
+    finally:
+        _stop(procs)
+        logdir.cleanup()
+
+
+def _start(task, addresses, cores, gpus, intra, inter, logdir):
+    """Starts worker `task`, its output to `logdir/worker{task}.log`."""
+    env = dict(os.environ)
+    env.pop("TF_CONFIG", None)
+    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    command = [sys.executable, "-m", "keras_pipe.distributed.worker", "--task",
+               str(task), "--cluster", ",".join(addresses),
+               "--intra-op-threads", str(intra), "--inter-op-threads",
+               str(inter)]
+    if cores is not None:
+        command += ["--cpu-affinity", str(cores[task])]
+    if gpus is not None:
+        env["CUDA_VISIBLE_DEVICES"] = str(gpus[task])
+    else:
+        env["CUDA_VISIBLE_DEVICES"] = ""  # a CPU worker takes no GPU
+    with open(logdir / f"worker{task}.log", "w") as log:
+        return subprocess.Popen(
+            command, env=env, stdout=log, stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent,
+            # Not in the terminal's process group: Ctrl-C reaches this
+            # process only, which then stops the workers itself.
+            start_new_session=True)
+
+
+def _wait_serving(procs, logdir, timeout):
+    """Waits until every worker says it serves; raises with its log if not."""
+    deadline = time.monotonic() + timeout
+    for task, proc in enumerate(procs):
+        path = logdir / f"worker{task}.log"
+        while "serving" not in path.read_text():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                what = (f"exited with code {proc.returncode}"
+                        if proc.poll() is not None else
+                        f"did not start within {timeout:g} s")
+                raise RuntimeError(
+                    f"keras_pipe worker task {task} {what}. Its log:\n"
+                    f"{path.read_text()[-2000:]}")
+            time.sleep(0.1)
+
+
+def _stop(procs):
+    """Kills every worker, then waits for each: none is left running."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+    for proc in procs:
+        proc.wait()

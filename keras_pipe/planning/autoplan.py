@@ -1,0 +1,335 @@
+"""`schedule="auto"`: the configuration with the least simulated step time.
+
+The choices a user otherwise makes by hand -- the schedule, one or two
+stages per device, `num_micro_batches`, the cut and each stage's remat mode
+-- are made together: for every registered schedule (built-in or
+registered by the user), every stages-per-device count it allows and every
+`M`, the cut is the one that minimises the slowest stage's measured work
+(`keras_pipe.planning.profiling`) among the cuts whose stages fit `memory_budget`
+under the fastest remat mode that fits (`keras_pipe.planning.memory`); then the
+whole step is simulated (`keras_pipe.planning.simulator`) with those costs, transfer
+times and a stage call's fixed cost, and the configurations are ranked by
+the simulated step time.
+"""
+
+import dataclasses
+import math
+
+import numpy as np
+
+from keras_pipe.planning import budget as budget_lib
+from keras_pipe.planning import graph as graph_lib
+from keras_pipe.planning import memory as memory_lib
+from keras_pipe.planning import partition as partition_lib
+from keras_pipe.engine import placement
+from keras_pipe.planning import profiling
+from keras_pipe.engine import schedule as schedule_lib
+from keras_pipe.planning import simulator
+from keras_pipe import _validation
+from keras_pipe.planning.balance import shapes as shapes_lib
+
+__all__ = ["Candidate", "search"]
+
+_MODES = ("never", "except_last", "always")  # fastest first
+
+
+@dataclasses.dataclass
+class Candidate:
+    """One configuration and its simulated step.
+
+    Attributes:
+        schedule: the schedule's registered name.
+        num_stages: `K`.
+        stage_devices: per stage, its device index.
+        num_micro_batches: `M`.
+        sizes: layer calls per stage.
+        remat: one remat mode per stage.
+        step_time: simulated seconds per training step.
+        idle: per device, the simulated idle share of the step.
+        peak_memory: per device, the predicted peak (bytes; the sum of its
+            stages' peaks).
+        stage_peak_memory: per stage, its predicted peak (bytes).
+    """
+
+    schedule: str
+    num_stages: int
+    stage_devices: list
+    num_micro_batches: int
+    sizes: list
+    remat: list
+    step_time: float
+    idle: list
+    peak_memory: list
+    stage_peak_memory: list
+
+    def __str__(self):
+        return (f"schedule={self.schedule!r} num_stages={self.num_stages} "
+                f"M={self.num_micro_batches} sizes={self.sizes} "
+                f"remat={self.remat}: {self.step_time * 1e3:.2f} ms")
+
+
+def layouts(num_devices):
+    """`(name, stage_devices)` of every registered schedule on `num_devices`
+    devices: one stage per device, and two where the schedule places several
+    on a device (`placement`), or the count it needs."""
+    result = []
+    for name in schedule_lib.schedule_names():
+        entry = schedule_lib.get_schedule(name)
+        if entry.stages_per_device:
+            counts = [entry.stages_per_device]
+        elif entry.placement:
+            counts = [1, 2]
+        else:
+            counts = [1]
+        for v in counts:
+            k = v * num_devices
+            result.append((name, schedule_lib.stage_placement(
+                k, num_devices, entry.placement or "loop")))
+    return result
+
+
+def _budgets(memory_budget, num_devices):
+    if memory_budget is None:
+        return None
+    if isinstance(memory_budget, (list, tuple)):
+        if len(memory_budget) != num_devices:
+            raise ValueError(
+                f"memory_budget as a list needs one budget per device: got "
+                f"{len(memory_budget)} for {num_devices} devices. Received: "
+                f"memory_budget={list(memory_budget)}")
+        return [_validation.check_positive_number(f"memory_budget[{d}]", b)
+                for d, b in enumerate(memory_budget)]
+    _validation.check_positive_number("memory_budget", memory_budget)
+    return [memory_budget] * num_devices
+
+
+def _prefix(values):
+    return np.concatenate([[0.0], np.cumsum(np.asarray(values, float))])
+
+
+def _block(prefix):
+    return prefix[None, :] - prefix[:, None]
+
+
+class _Measured:
+    """Costs per micro-batch size, measured (or from FLOPs) once each."""
+
+    def __init__(self, graph, shapes, devices, measure, flops_per_second):
+        self.graph, self.shapes = graph, shapes
+        self.device = devices[0] if devices else None
+        self.measure = measure
+        self.flops_per_second = flops_per_second
+        self._calls = {}
+        if measure:
+            self.call_seconds = profiling.stage_call_seconds(self.device)
+            distinct = list(dict.fromkeys(devices or []))
+            self.link = (profiling.link(distinct[0], distinct[1])
+                         if len(distinct) > 1 else profiling.Link(0.0, 1e12))
+        else:
+            self.call_seconds = 2e-4
+            self.link = profiling.Link(1e-3, 5e9)
+
+    def calls(self, rows):
+        if rows not in self._calls:
+            if self.measure:
+                self._calls[rows] = profiling.call_costs(
+                    self.graph, rows, self.device, self.shapes)
+            else:
+                self._calls[rows] = profiling.flops_costs(
+                    self.graph, rows, self.flops_per_second, self.shapes)
+        return self._calls[rows]
+
+
+def _least_peak(actions, m, j, k, grid, weights, trainable,
+                optimizer_slots):
+    """Per block, the stage's least peak over the remat modes."""
+    fixed = weights + optimizer_slots * trainable
+    return np.min([fixed + (grid @ memory_lib.moments(
+        actions, mode, m, j == 0, j == k - 1).sum(axis=1).T).max(axis=-1)
+        for mode in _MODES], axis=0)
+
+
+def _candidate(name, stage_devices, m, batch_size, graph, measured,
+               budgets, optimizer_slots, allowed):
+    """The best cut and remat of one (schedule, layout, M), simulated; or,
+    when nothing fits, the least device budget that would (bytes); None if
+    the schedule cannot run this layout."""
+    k, n = len(stage_devices), len(graph.calls)
+    num_devices = 1 + max(stage_devices)
+    build = schedule_lib.get_schedule(name).build
+    try:
+        ticks = build(m, k, num_devices)
+    except ValueError:
+        return None
+    rows = -(-batch_size // m)
+    costs = measured.calls(rows)
+    f = _block(_prefix(costs.forward))
+    bi = _block(_prefix(costs.backward_input))
+    w = _block(_prefix(costs.weight))
+    profile = memory_lib.Profile(graph, rows)
+    grid, weights, trainable = budget_lib._grid(profile, n)
+    actions = memory_lib.stage_actions(lambda mm, kk: ticks, m, k)
+    per_device = [stage_devices.count(d) for d in range(num_devices)]
+    modes = _MODES if budgets else ("never",)
+    times, chosen, peaks = [], [], []
+    for j in range(k):
+        time_j = np.full((n + 1, n + 1), np.inf)
+        mode_j = np.full((n + 1, n + 1), -1)
+        peak_j = np.full((n + 1, n + 1), np.inf)
+        fixed = weights + optimizer_slots * trainable
+        for index, mode in enumerate(modes):
+            forms = memory_lib.moments(actions[j], mode, m, j == 0,
+                                       j == k - 1).sum(axis=1)
+            peak = fixed + (grid @ forms.T).max(axis=-1)
+            recomputed = {"never": 0, "except_last": m - 1,
+                          "always": m}[mode]
+            work = m * (f + bi + w) + recomputed * f
+            fits = ~np.isfinite(time_j)
+            if budgets:
+                share = budgets[stage_devices[j]] / per_device[
+                    stage_devices[j]]
+                fits &= peak <= share
+            time_j = np.where(fits, work, time_j)
+            mode_j = np.where(fits, index, mode_j)
+            peak_j = np.where(fits, peak, peak_j)
+        times.append(time_j)
+        chosen.append(mode_j)
+        peaks.append(peak_j)
+    # Stages sharing a device add up there; balancing each stage's own work
+    # is what a schedule placing several per device expects.
+    _, sizes = budget_lib._min_max_cut(times, allowed, k)
+    if sizes is None:
+        # What the least-memory cut needs on its fullest stage's device.
+        need, _ = budget_lib._min_max_cut(
+            [_least_peak(actions[j], m, j, k, grid, weights, trainable,
+                         optimizer_slots) * per_device[stage_devices[j]]
+             for j in range(k)], allowed, k)
+        return need
+    remat, stage_peaks, spans, start = [], [], [], 0
+    for j, size in enumerate(sizes):
+        remat.append(modes[int(chosen[j][start, start + size])])
+        stage_peaks.append(float(peaks[j][start, start + size]))
+        spans.append((start, start + size))
+        start += size
+    out_bytes = [profile.output_bytes if e == n else profile.gap[e - 1]
+                 for _, e in spans]
+    sim_costs = simulator.Costs(
+        forward=[float(f[a, e]) for a, e in spans],
+        backward=[float(bi[a, e] + w[a, e]) for a, e in spans],
+        backward_input=[float(bi[a, e]) for a, e in spans],
+        weight=[float(w[a, e]) for a, e in spans],
+        call=measured.call_seconds, output_bytes=out_bytes,
+        latency=measured.link.latency,
+        bytes_per_second=measured.link.bytes_per_second)
+    result = simulator.simulate(ticks, stage_devices, sim_costs, remat, m)
+    device_peaks = [0.0] * num_devices
+    for j, d in enumerate(stage_devices):
+        device_peaks[d] += stage_peaks[j]
+    return Candidate(name, k, list(stage_devices), m, sizes, remat,
+                     result.step_time, result.idle,
+                     [int(p) for p in device_peaks],
+                     [int(p) for p in stage_peaks])
+
+
+def search(model, devices=None, num_devices=None, batch_size=None,
+           memory_budget=None, micro_batch_choices=(1, 2, 4, 8),
+           schedules=None, optimizer_slots=2, measure=True,
+           flops_per_second=2e10, input_shape=None, sample_inputs=None):
+    """Every configuration that fits, fastest simulated step first.
+
+    ```python
+    ranked = keras_pipe.planning.autoplan.search(model, devices=devices,
+                                        batch_size=256)
+    ranked[0]          # the pick; ranked[1:] the runner-ups
+    ```
+
+    Args:
+        model: a built `keras.Sequential` or Functional `keras.Model`.
+        devices: the devices (one per device, not per stage); costs are
+            measured on the first, transfers between the first two.
+            Defaults to `None`.
+        num_devices: `D` when `devices` is not given. Defaults to `None`.
+        batch_size: rows per mini-batch (required).
+        memory_budget: bytes per device, or a list of one per device.
+            Defaults to `None` (no limit: every stage `remat="never"`).
+        micro_batch_choices: the `M` values to try. Defaults to
+            `(1, 2, 4, 8)`.
+        schedules: the schedule names to try. Defaults to `None` (every
+            registered schedule).
+        optimizer_slots: optimizer variables per weight (Adam 2, SGD 0).
+            Defaults to `2`.
+        measure: time the calls on `devices[0]`; `False` costs them from
+            FLOPs at `flops_per_second` (with a warning). Defaults to
+            `True`.
+        flops_per_second: the FLOP rate of the FLOPs fallback. Defaults
+            to `2e10`.
+        input_shape, sample_inputs: as in `keras_pipe.plan`. Default to
+            `None`.
+
+    Returns:
+        A list of `Candidate`s, fastest first.
+
+    Raises:
+        ValueError: without `batch_size`, without `devices` and
+            `num_devices`, for an unknown schedule name, and when no
+            configuration fits `memory_budget` (naming the smallest peak
+            any reached).
+    """
+    if batch_size is None:
+        raise ValueError(
+            'schedule="auto" needs batch_size: the costs and the memory '
+            "depend on the rows per micro-batch. Received: batch_size=None")
+    _validation.check_positive_int("batch_size", batch_size)
+    if devices is not None:
+        devices = placement.resolve_devices(list(devices))
+        num_devices = len(dict.fromkeys(devices))
+    if num_devices is None:
+        raise ValueError(
+            'schedule="auto" needs devices=[...] (or num_devices). '
+            "Received: devices=None, num_devices=None")
+    _validation.check_positive_int("num_devices", num_devices)
+    for name in schedules or ():
+        schedule_lib.get_schedule(name)
+    budgets = _budgets(memory_budget, num_devices)
+    graph = graph_lib.read_graph(model)
+    shapes = shapes_lib.infer_shapes(graph, input_shape, sample_inputs,
+                                     what='schedule="auto"')
+    allowed = np.array(partition_lib.allowed_cuts(graph), bool)
+    measured = _Measured(graph, shapes, list(dict.fromkeys(devices or [])),
+                         measure, flops_per_second)
+    ranked, needs = [], []
+    ms = sorted({min(_validation.check_positive_int("micro_batch_choices",
+                                                   m), batch_size)
+                 for m in micro_batch_choices})
+    for name, stage_devices in layouts(num_devices):
+        if schedules is not None and name not in schedules:
+            continue
+        if len(stage_devices) > len(graph.calls) or (
+                int(allowed.sum()) < len(stage_devices) - 1):
+            continue
+        for m in ms:
+            found = _candidate(name, stage_devices, m, batch_size, graph,
+                               measured, budgets, optimizer_slots, allowed)
+            if isinstance(found, Candidate):
+                ranked.append(found)
+            elif found is not None:
+                needs.append(found)
+    if not ranked:
+        least = f" {int(np.ceil(min(needs)))} bytes" if needs else ""
+        raise ValueError(
+            f"No schedule, stages per device, num_micro_batches in {ms}, "
+            f"cut and remat of {model.name!r} fits memory_budget="
+            f"{memory_budget} on {num_devices} devices with batch_size="
+            f"{batch_size}: the smallest budget that fits is{least} per "
+            "device. Raise memory_budget to at least that, lower "
+            "batch_size, or use more devices.")
+    ranked.sort(key=lambda c: (c.step_time, c.num_stages,
+                               c.num_micro_batches))
+    return ranked
+
+
+def expand_devices(devices, stage_devices):
+    """The device string of each stage: `devices[stage_devices[j]]`."""
+    distinct = list(dict.fromkeys(devices))
+    return [distinct[d] for d in stage_devices]
+

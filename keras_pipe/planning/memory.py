@@ -1,0 +1,511 @@
+"""Predicted peak memory of a training step, per stage (per device).
+
+Why a model and not a measurement: the planner (`keras_pipe.planning.budget`) has to
+compare thousands of cuts, micro-batch counts and remat modes before
+anything is built. The model follows what the executor holds
+(`keras_pipe.remat`, `keras_pipe.model`):
+
+* the stage's variables, the optimizer's slots, and one running-sum buffer
+  per trainable variable (made by the first backward pass, alive to the
+  optimizer step), plus one micro-batch's weight gradients while a backward
+  pass runs;
+* per micro-batch in flight (forward done, backward not yet): its boundary
+  input when it is rematerialized, its boundary input and the activations
+  the tape keeps when it is not (per layer type, as measured for Keras
+  3.15 on TF 2.21);
+* while a backward pass runs: the recomputed activations (remat: the
+  tensors some gradient op needs), the incoming and outgoing gradients,
+  the largest activation gradients, and the output gradients of the other
+  micro-batches in flight, which a next stage running ahead may have sent;
+* stage 0 also holds the mini-batch, the last stage the merged outputs and
+  their loss gradient;
+* in a run of backward passes without remat (GPipe's backward phase,
+  1F1B's drain; `schedule.defer_weight_runs`), each micro-batch keeps its
+  activations (the mixing ops' inputs) and the mixing ops' output
+  gradients (the outputs of the calls with weights, `Block.mixing`) until
+  the run's one weight-gradient call, which concatenates them op by op.
+
+Validated per stage against TF's allocator peak by `tools/memory_model.py`
+(README, "Fitting a memory budget").
+
+How many micro-batches a stage holds comes from the schedule's clock ticks
+(`stage_actions`), not from a formula per schedule: a new schedule plugs in
+by name or as a function `(num_micro_batches, num_stages) -> ticks`.
+"""
+
+import dataclasses
+import math
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from keras_pipe.engine import schedule as schedule_lib
+from keras_pipe import _validation
+from keras_pipe.planning.balance import cost as cost_lib
+
+__all__ = ["Block", "FEATURES", "Profile", "StageMemory", "features",
+           "in_flight", "moments", "predict", "stage_actions",
+           "stage_memory"]
+
+# Activations whose gradient needs only the output (the tape keeps nothing
+# more than the layer's output): other activations also keep their input.
+_OUTPUT_ONLY = ("linear", "relu", "tanh", "sigmoid", "softmax", "relu6",
+                "elu", "exponential")
+
+
+def _ticks(schedule, num_micro_batches, num_stages):
+    if callable(schedule):
+        return schedule(num_micro_batches, num_stages)
+    return schedule_lib.get_schedule(schedule).build(
+        num_micro_batches, num_stages, num_stages)
+
+
+def stage_actions(schedule, num_micro_batches, num_stages):
+    """Per stage, its passes `("F", i)` / `("B", i)` in the order they run.
+
+    A split backward pass (`"W"` actions, zero-bubble schedules) holds the
+    micro-batch until its `"W"`, which is listed as `("W", i)` (its `"B"`
+    is not listed).
+
+    ```python
+    >>> stage_actions("1f1b", 2, 2)[1]
+    [('F', 0), ('B', 0), ('F', 1), ('B', 1)]
+    ```
+    """
+    ticks = _ticks(schedule, num_micro_batches, num_stages)
+    split = {(a.i, a.j) for tick in ticks for a in tick if a.kind == "W"}
+    actions = [[] for _ in range(num_stages)]
+    for tick in ticks:
+        for a in tick:
+            if a.kind == "F":
+                actions[a.j].append(("F", a.i))
+            elif (a.kind == "W") == ((a.i, a.j) in split):
+                actions[a.j].append((a.kind, a.i))
+    return actions
+
+
+def in_flight(schedule, num_micro_batches, num_stages):
+    """Per stage, the most micro-batches whose forward ran and backward not.
+
+    ```python
+    >>> in_flight("gpipe", 8, 4), in_flight("1f1b", 8, 4)
+    ([8, 8, 8, 8], [4, 3, 2, 1])
+    ```
+    """
+    result = []
+    for actions in stage_actions(schedule, num_micro_batches, num_stages):
+        live = most = 0
+        for kind, _ in actions:
+            live += 1 if kind == "F" else -1
+            most = max(most, live)
+        result.append(most)
+    return result
+
+
+def _dtype_size(dtype):
+    return tf.as_dtype(keras.backend.standardize_dtype(dtype)).size
+
+
+def _variable_bytes(v):
+    return math.prod(v.shape) * _dtype_size(v.dtype)
+
+
+# What the tape keeps per layer, in multiples of the layer's output, as
+# measured for Keras 3.15 on TF 2.21 (per layer on an eager tape; the
+# BatchNormalization factor from whole stages, `tools/memory_model.py`):
+# Keras' LayerNormalization is built from several ops, the exact GELU from
+# erf and its factors.
+_NORMALIZATION_FACTORS = ((keras.layers.LayerNormalization, 6.5),
+                          (keras.layers.GroupNormalization, 6.5),
+                          (keras.layers.BatchNormalization, 2.5))
+_ACTIVATION_FACTORS = {"gelu": 7.0}
+_OTHER_ACTIVATION = 3.0
+# Inside the traced recompute-and-backward function a tensor stays alive
+# only if a gradient op needs it: a call's output when its own gradient
+# needs it (relu, tanh, ...) or a consumer's gradient needs its input
+# (layers with weights, products, max pooling); sums, reshapes, average
+# pooling need neither.
+_NEEDS_NOTHING = (keras.layers.Add, keras.layers.Subtract,
+                  keras.layers.Average, keras.layers.Concatenate,
+                  keras.layers.Flatten, keras.layers.Reshape,
+                  keras.layers.Identity, keras.layers.Dropout,
+                  keras.layers.GlobalAveragePooling1D,
+                  keras.layers.GlobalAveragePooling2D,
+                  keras.layers.AveragePooling2D, keras.layers.ReLU,
+                  keras.layers.Softmax, keras.layers.Activation)
+
+
+def _gradient_needs(op):
+    """(needs its input, needs its output) for the gradient of a layer."""
+    activation = getattr(op, "activation", None)
+    name = getattr(activation, "__name__", "linear")
+    output_only = name in _OUTPUT_ONLY and name != "linear"
+    if isinstance(op, (keras.layers.ReLU, keras.layers.Softmax)):
+        return False, True
+    if isinstance(op, _NEEDS_NOTHING) and not getattr(op, "weights", None):
+        if isinstance(op, keras.layers.Activation) and not output_only:
+            return True, False
+        return False, output_only
+    return True, output_only
+
+
+def _inner_recompute_bytes(call, rows):
+    """Tensors inside a layer that its gradient keeps (not its output)."""
+    out = sum(cost_lib.tensor_bytes(x, rows) for x in call.outputs)
+    op = call.operation
+    if isinstance(op, keras.layers.MultiHeadAttention):
+        return _saved_bytes(call, rows, recompute=True) - out
+    if isinstance(op, (keras.layers.LayerNormalization,
+                       keras.layers.GroupNormalization)):
+        return out
+    if isinstance(op, keras.layers.Dropout) and op.rate:
+        return out  # the mask
+    activation = getattr(op, "activation", None)
+    name = getattr(activation, "__name__", "linear")
+    if activation is not None and name not in _OUTPUT_ONLY and getattr(
+            op, "weights", None):
+        return out  # the pre-activation
+    return 0
+
+
+def _saved_bytes(call, rows, recompute=False):
+    """Bytes the tape keeps for one call of `rows` rows: its outputs, and
+    the inner tensors of attention, normalization and activations whose
+    gradient needs more than the output. (`recompute`: attention's inner
+    tensors as a recompute keeps them.)"""
+    out = sum(cost_lib.tensor_bytes(x, rows) for x in call.outputs)
+    op = call.operation
+    if isinstance(op, keras.layers.MultiHeadAttention):
+        query = cost_lib.dims(call.inputs[0].shape, rows)
+        t_q = math.prod(query[1:-1])
+        t_v = t_q
+        if len(call.inputs) > 1:
+            t_v = math.prod(cost_lib.dims(call.inputs[1].shape, rows)[1:-1])
+        value_dim = op.value_dim or op.key_dim
+        heads = op.num_heads
+        # Query (and its scaled copy), key, value and attention output.
+        projections = rows * heads * (2 * t_q * op.key_dim
+                                      + t_v * op.key_dim
+                                      + t_v * value_dim + t_q * value_dim)
+        scores = rows * heads * t_q * t_v  # logits, softmax, dropout
+        return out + 4 * (projections + (2 if recompute else 3) * scores)
+    for layer_type, factor in _NORMALIZATION_FACTORS:
+        if isinstance(op, layer_type):
+            return int(factor * out)
+    activation = getattr(op, "activation", None)
+    name = getattr(activation, "__name__", "linear")
+    if activation is not None and name not in _OUTPUT_ONLY:
+        return int(_ACTIVATION_FACTORS.get(name, _OTHER_ACTIVATION) * out)
+    return out
+
+
+@dataclasses.dataclass
+class Block:
+    """Sizes of a run of calls as one stage; activations per micro-batch."""
+
+    weights: int        # bytes of every variable the calls use
+    trainable: int      # bytes of the trainable ones
+    inputs: int         # boundary input, one micro-batch
+    outputs: int        # boundary output, one micro-batch
+    activations: int    # what the tape keeps, one micro-batch
+    recompute: int      # alive at once in a recompute, one micro-batch
+    largest: int        # the largest single call output, one micro-batch
+    largest_variable: int
+    mixing: int         # outputs of the calls with trainable weights
+
+
+class Profile:
+    """Per-call sizes of a model graph for micro-batches of `rows` rows.
+
+    `block(a, b)` gives the sizes of calls `a..b-1` as one stage in O(1)
+    (prefix sums), which the planner's search needs.
+    """
+
+    def __init__(self, graph, rows):
+        self.graph, self.rows = graph, rows
+        n = len(graph.calls)
+        needs_input = {}
+        for call in graph.calls:
+            wants = isinstance(call.operation, keras.layers.Layer) and \
+                _gradient_needs(call.operation)[0]
+            for x in call.inputs:
+                needs_input[id(x)] = needs_input.get(id(x), False) or wants
+        self.saved, self.recomputed, self.mixed = [0], [0], [0]
+        for call in graph.calls:
+            self.saved.append(self.saved[-1] + _saved_bytes(call, rows))
+            self.mixed.append(self.mixed[-1] + (sum(
+                cost_lib.tensor_bytes(x, rows) for x in call.outputs)
+                if getattr(call.operation, "trainable_weights", None)
+                else 0))
+            kept = _inner_recompute_bytes(call, rows)
+            op = call.operation
+            own = isinstance(op, keras.layers.Layer) and _gradient_needs(
+                op)[1]
+            for x in call.outputs:
+                if own or needs_input.get(id(x), False):
+                    kept += cost_lib.tensor_bytes(x, rows)
+            self.recomputed.append(self.recomputed[-1] + kept)
+        self.out = [sum(cost_lib.tensor_bytes(x, rows) for x in c.outputs)
+                     for c in graph.calls]
+        weights, trainable, largest_var = [0], [0], [0] * n
+        seen = set()
+        for c, call in enumerate(graph.calls):
+            w = t = 0
+            for v in getattr(call.operation, "weights", None) or []:
+                largest_var[c] = max(largest_var[c], _variable_bytes(v))
+                if id(v) in seen:
+                    continue
+                seen.add(id(v))
+                w += _variable_bytes(v)
+                t += _variable_bytes(v) if v.trainable else 0
+            weights.append(weights[-1] + w)
+            trainable.append(trainable[-1] + t)
+        self.weights, self.trainable = weights, trainable
+        self.largest_var = largest_var
+        # Bytes alive across gap g (after call g), per micro-batch.
+        made, needed = {}, {}
+        for x in graph.inputs:
+            made[id(x)] = -1
+        for call in graph.calls:
+            for x in call.inputs:
+                needed[id(x)] = max(needed.get(id(x), -1), call.index)
+            for x in call.outputs:
+                made[id(x)] = call.index
+        for x in graph.outputs:
+            needed[id(x)] = n
+        sizes = {}
+        for x in list(graph.inputs) + [x for c in graph.calls
+                                       for x in c.outputs]:
+            sizes[id(x)] = cost_lib.tensor_bytes(x, rows)
+        self.gap = [sum(sizes[k] for k in made
+                         if made[k] <= g < needed.get(k, -2))
+                     for g in range(n - 1)]
+        self.input_bytes = sum(cost_lib.tensor_bytes(x, rows)
+                               for x in graph.inputs)
+        self.output_bytes = sum(cost_lib.tensor_bytes(x, rows)
+                                for x in graph.outputs)
+
+    def block(self, a, b):
+        """Sizes of calls `a..b-1` as one stage."""
+        n = len(self.graph.calls)
+        return Block(
+            weights=self.weights[b] - self.weights[a],
+            trainable=self.trainable[b] - self.trainable[a],
+            inputs=self.input_bytes if a == 0 else self.gap[a - 1],
+            outputs=self.output_bytes if b == n else self.gap[b - 1],
+            activations=self.saved[b] - self.saved[a],
+            recompute=self.recomputed[b] - self.recomputed[a],
+            largest=max(self.out[a:b]),
+            largest_variable=max(self.largest_var[a:b]),
+            mixing=self.mixed[b] - self.mixed[a])
+
+
+@dataclasses.dataclass
+class StageMemory:
+    """Predicted peak of one stage's device during a training step (bytes).
+
+    `total` is the peak; the other fields say what it is made of at that
+    moment.
+    """
+
+    weights: int
+    optimizer_slots: int
+    gradients: int
+    boundary: int      # held boundary inputs of micro-batches in flight
+    activations: int   # held tape activations, and a recompute's
+    transient: int     # gradients passing through, mini-batch, loss head
+
+    @property
+    def total(self):
+        return (self.weights + self.optimizer_slots + self.gradients
+                + self.boundary + self.activations + self.transient)
+
+
+FEATURES = ("inputs", "outputs", "activations", "recompute", "trainable",
+            "largest", "largest_variable", "mixing")
+_CATEGORIES = ("boundary", "activations", "gradients", "transient")
+
+
+def _unit(name, times=1.0):
+    vector = np.zeros(len(FEATURES))
+    vector[FEATURES.index(name)] = times
+    return vector
+
+
+def moments(actions, mode, num_micro_batches, first=False, last=False):
+    """The moments a stage's peak may fall at, as linear forms of its sizes.
+
+    Each moment is a `(4, len(FEATURES))` array: per category of
+    `StageMemory` (boundary, activations, gradients, transient), the
+    coefficients of a `Block`'s sizes. The planner evaluates them for every
+    candidate block at once.
+    """
+    m = num_micro_batches
+    zero = np.zeros(len(FEATURES))
+    fixed = zero.copy()
+    if first:
+        # The mini-batch stays alive all step; micro-batches are its slices.
+        fixed = fixed + _unit("inputs", m)
+    if last:
+        # Merged outputs and the loss gradient.
+        fixed = fixed + _unit("outputs", 2 * m)
+    held, sums, result, run = {}, zero, [], []
+    boundary_of = zero if first else _unit("inputs")
+
+    def remat_of(i):
+        return mode == "always" or (mode == "except_last" and i < m - 1)
+
+    deferred = _deferred_runs(actions, remat_of)
+    for n, (kind, i) in enumerate(actions):
+        remat = remat_of(i)
+        boundary = sum((v[0] for v in held.values()), zero)
+        kept = sum((v[1] for v in held.values()), zero)
+        if kind == "F":
+            # In place under a tape, a forward pass keeps what the gradient
+            # ops need, as a recompute does.
+            held[i] = (boundary_of, zero if remat else _unit("recompute"))
+            making = _unit("largest", 2) if remat else (
+                _unit("recompute") + _unit("largest"))
+            result.append(np.stack([
+                boundary + boundary_of, kept + making, sums,
+                fixed + _unit("outputs")]))
+            continue
+        waiting = _unit("outputs", len(held) - 1)
+        if n in deferred:
+            # Input gradients only; the stash (the mixing ops' inputs, kept
+            # anyway, and output gradients) stays for the run's W.
+            result.append(np.stack([
+                boundary, kept + _unit("mixing"), sums,
+                fixed + _unit("outputs") + _unit("largest") + waiting]))
+            held[i] = (held[i][0], _unit("recompute") + _unit("mixing"))
+            run.append(i)
+            if n + 1 not in deferred:
+                # W: per mixing op, its inputs and output gradients of the
+                # run concatenated, one product per weight into the sums.
+                result.append(np.stack([
+                    boundary, kept + _unit("mixing"),
+                    _unit("trainable", 2 if sums.any() else 1),
+                    fixed + _unit("largest", 2 * len(run))]))
+                for r in run:
+                    held.pop(r, None)
+                run, sums = [], _unit("trainable")
+            continue
+        if remat:
+            # One traced call: recompute, backward, and the running sums,
+            # each variable's gradient added as soon as it is made.
+            recompute = _unit("recompute")
+            grads = _unit("trainable") + (
+                _unit("largest_variable") if sums.any() else zero)
+            passing = _unit("outputs") + _unit("inputs") + _unit(
+                "largest")
+        else:
+            # The tape returns every weight gradient, then they are added;
+            # the micro-batch's kept activations are freed as its
+            # gradients are made.
+            recompute = zero
+            grads = _unit("trainable", 2 if sums.any() else 1)
+            passing = _unit("outputs") + _unit("largest")
+        # The next stage may run ahead: gradients for the outputs of the
+        # other micro-batches in flight can have arrived and be waiting.
+        result.append(np.stack([
+            boundary, kept + recompute, grads, fixed + passing + waiting]))
+        held.pop(i, None)
+        sums = _unit("trainable")
+    # The optimizer step: summed gradients and the update's temporaries.
+    result.append(np.stack([zero, zero, _unit("trainable"),
+                            fixed + _unit("largest_variable", 2)]))
+    return np.unique(np.stack(result), axis=0)
+
+
+def _deferred_runs(actions, remat_of):
+    """Positions of the `"B"`s whose weight gradients wait for their run's
+    end, as the executor decides (`schedule.defer_weight_runs`)."""
+    flat = [schedule_lib.Action(kind, i, 0) for kind, i in actions]
+    added = [a for a in schedule_lib.defer_weight_runs(
+        flat, lambda a: 0, lambda a: not remat_of(a.i)) if a.kind == "W"]
+    waiting = {a.i for a in added} - {i for kind, i in actions
+                                      if kind == "W"}
+    return {n for n, (kind, i) in enumerate(actions)
+            if kind == "B" and i in waiting}
+
+
+def features(block):
+    """A `Block`'s sizes in the order of `FEATURES`."""
+    return np.array([getattr(block, name) for name in FEATURES], float)
+
+
+def stage_memory(block, actions, mode, num_micro_batches, optimizer_slots=2,
+                 first=False, last=False):
+    """The predicted peak of one stage running `actions` under remat `mode`.
+
+    Args:
+        block: the stage's `Block` (sizes for one micro-batch).
+        actions: the stage's passes in order (`stage_actions(...)[j]`).
+        mode: `"always"`, `"except_last"` or `"never"`.
+        num_micro_batches: `M`.
+        optimizer_slots: optimizer variables per trainable weight (Adam 2,
+            SGD 0). Defaults to `2`.
+        first: the stage takes the mini-batch (stage 0). Defaults to
+            `False`.
+        last: the stage holds the merged outputs, targets and loss
+            gradient (the last stage). Defaults to `False`.
+
+    Returns:
+        A `StageMemory`.
+    """
+    forms = moments(actions, mode, num_micro_batches, first, last)
+    values = forms @ features(block)          # (moments, categories)
+    peak = values[int(np.argmax(values.sum(axis=1)))]
+    return StageMemory(
+        weights=block.weights,
+        optimizer_slots=optimizer_slots * block.trainable,
+        **{name: int(v) for name, v in zip(_CATEGORIES, peak)})
+
+
+def predict(partition, batch_size, num_micro_batches, remat="except_last",
+            schedule="gpipe", optimizer_slots=2):
+    """Predicted peak memory of each stage of a `Partition` in training.
+
+    ```python
+    part = keras_pipe.planning.partition.cut(model, 4, balance="flops")
+    peaks = keras_pipe.planning.memory.predict(part, batch_size=256,
+                                      num_micro_batches=8, remat="always",
+                                      schedule="1f1b")
+    [p.total for p in peaks]
+    ```
+
+    Args:
+        partition: a `keras_pipe.planning.partition.Partition`.
+        batch_size: rows per mini-batch.
+        num_micro_batches: `M`.
+        remat: a remat mode or a list of one mode per stage. Defaults to
+            `"except_last"`.
+        schedule: `"gpipe"`, `"1f1b"`, or a function
+            `(num_micro_batches, num_stages) -> clock ticks`. Defaults to
+            `"gpipe"`.
+        optimizer_slots: optimizer variables per trainable weight (2 for
+            Adam, 1 for SGD with momentum, 0 for SGD). Defaults to `2`.
+
+    Returns:
+        A list of `StageMemory`, one per stage.
+
+    Raises:
+        TypeError, ValueError: for a bad count, remat mode or schedule.
+    """
+    _validation.check_positive_int("batch_size", batch_size)
+    _validation.check_positive_int("num_micro_batches", num_micro_batches)
+    k = partition.num_stages
+    modes = _validation.check_remat(remat, k)
+    rows = -(-batch_size // num_micro_batches)
+    m = min(num_micro_batches, batch_size)
+    profile = Profile(partition.graph, rows)
+    actions = stage_actions(schedule, m, k)
+    result, start = [], 0
+    for j, size in enumerate(partition.sizes):
+        block = profile.block(start, start + size)
+        start += size
+        result.append(stage_memory(block, actions[j], modes[j], m,
+                                   optimizer_slots, first=j == 0,
+                                   last=j == k - 1))
+    return result
