@@ -153,6 +153,10 @@ def test_same_rows_add_values_other_rows_concatenate():
     longer = gradients.add_gradients(_slices([0, 2], [[1.], [2.]]),
                                      _slices([1], [[5.]]))
     assert longer.indices.numpy().tolist() == [0, 2, 1]
+    # Repeated indices (segment ids all 0): a lookup over the batch.
+    repeated = gradients.add_gradients(_slices([0, 0], [[1.], [2.]]),
+                                       _slices([0, 0], [[10.], [20.]]))
+    assert repeated.indices.numpy().tolist() == [0, 0, 0, 0]
     # Different reads of one variable (stages sharing a layer): rows kept.
     kept = gradients.sum_gradients([_slices([0], [[1.]]),
                                     _slices([0], [[2.]])])
