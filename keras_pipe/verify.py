@@ -250,6 +250,7 @@ def verify(model, x, y, loss=None, optimizer=None, num_stages=None,
         expected = [v.numpy() for v in variables]
         _assign(unsplit.weights, start)
         grads = _gradient_sizes(reference, variables, x, y, sample_weight)
+        _assign(unsplit.weights, start)  # the pass moved BN statistics
         losses_pipe = _train(pipe, loss, optimizer, x, y, sample_weight,
                              steps)
         actual = [v.numpy() for v in variables]
