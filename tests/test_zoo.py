@@ -65,9 +65,13 @@ CASES = [
 ]
 
 
+BATCH_NORM = ("BatchNormalization at M > 1: training normalizes each "
+              "micro-batch")
+
+
 def run_case(case, devices):
     """`keras_pipe.verify` on one case; returns its report."""
-    import keras_pipe
+    import keras_pipe  # after the devices are made, in __main__
     _, build, num_stages, m, schedule, _ = case
     keras.utils.set_random_seed(0)
     model, x, kwargs = build()
@@ -85,10 +89,13 @@ def test_zoo_model_trains_as_keras(devices, case):
     batch_norm = case[5]
     assert not report.flagged, report
     assert report.prediction_difference < 1e-4, report
+    # Rounding-level gradients (attention key biases) may be named too.
     if batch_norm:
-        assert report.causes and not report.ok, report
+        assert report.causes[0].startswith(BATCH_NORM) and not report.ok, (
+            report)
     else:
-        assert report.ok and not report.causes, report
+        assert report.ok and not any(c.startswith(BATCH_NORM)
+                                     for c in report.causes), report
 
 
 if __name__ == "__main__":
