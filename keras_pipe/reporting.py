@@ -15,7 +15,7 @@ import warnings
 import keras
 import tensorflow as tf
 
-from keras_pipe.saving import files as saving
+from keras_pipe.saving.files import files as saving
 
 __all__ = ["ModelConfigWriter", "batch_norm_stages", "layer_table",
            "warn_batch_norm", "with_config_writers"]
@@ -46,7 +46,7 @@ def _leaves(layer):
 
 def batch_norm_stages(stages):
     """`{stage index: [names]}` of plain BatchNormalization layers."""
-    from keras_pipe.layers import DeferredBatchNormalization  # noqa: PLC0415
+    from keras_pipe.layers import DeferredBatchNormalization
     found = {}
     for j, stage in enumerate(stages):
         names = [layer.name for layer in stage._flatten_layers()

@@ -43,7 +43,7 @@ class VariableDifference:
     shape: tuple
     update: float      # max |w_keras - w_start|
     difference: float  # max |w_pipeline - w_keras|
-    gradient: float = 0.0  # max |dloss/dw| at the start (plain Keras)
+    gradient: float = None  # max |dloss/dw| at the start; None: untrained
 
     @property
     def relative(self):
@@ -250,6 +250,7 @@ def verify(model, x, y, loss=None, optimizer=None, num_stages=None,
         expected = [v.numpy() for v in variables]
         _assign(unsplit.weights, start)
         grads = _gradient_sizes(reference, variables, x, y, sample_weight)
+        _assign(unsplit.weights, start)  # the pass moved BN statistics
         losses_pipe = _train(pipe, loss, optimizer, x, y, sample_weight,
                              steps)
         actual = [v.numpy() for v in variables]
@@ -274,8 +275,10 @@ def verify(model, x, y, loss=None, optimizer=None, num_stages=None,
                                      keras.tree.flatten(actual_pred))) / scale
     causes = _known_causes(pipe)
     off = [r for r in rows if r.relative > tolerance]
-    largest_gradient = max((r.gradient for r in rows), default=0.0)
-    noise = [r.path for r in off if r.gradient <= 1e-5 * largest_gradient]
+    largest_gradient = max((r.gradient for r in rows
+                            if r.gradient is not None), default=0.0)
+    noise = [r.path for r in off if r.gradient is not None
+             and r.gradient <= 1e-5 * largest_gradient]
     if noise:
         causes.append(f"{NOISE}: {', '.join(noise[:4])}"
                       + (" ..." if len(noise) > 4 else ""))
@@ -322,8 +325,11 @@ def _gradient_sizes(model, variables, x, y, sample_weight):
     with tf.GradientTape() as tape:
         y_pred = model(x, training=True)
         loss = model.compute_loss(x, y, y_pred, sample_weight, training=True)
+    trainable = {id(v) for v in model.trainable_variables}
     grads = tape.gradient(loss, variables)
-    return {id(v): 0.0 if g is None else float(tf.reduce_max(tf.abs(
+    grads = [g if id(v) in trainable else None
+             for v, g in zip(variables, grads)]
+    return {id(v): None if g is None else float(tf.reduce_max(tf.abs(
         tf.convert_to_tensor(g)))) for v, g in zip(variables, grads)}
 
 

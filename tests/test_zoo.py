@@ -7,7 +7,8 @@ measured values are ~1e-6, see docs/exactness.md). BatchNormalization at
 M > 1 is the one stated exception: verify names it and flags nothing else.
 Built from config (no download), dropout set aside by verify.
 
-    python -m tests.test_zoo     prints the table of docs/exactness.md
+    python -m tests.test_zoo [MODEL ...]   prints the table of
+                                           docs/exactness.md
 """
 
 import keras
@@ -64,9 +65,13 @@ CASES = [
 ]
 
 
+BATCH_NORM = ("BatchNormalization at M > 1: training normalizes each "
+              "micro-batch")
+
+
 def run_case(case, devices):
     """`keras_pipe.verify` on one case; returns its report."""
-    import keras_pipe
+    import keras_pipe  # after the devices are made, in __main__
     _, build, num_stages, m, schedule, _ = case
     keras.utils.set_random_seed(0)
     model, x, kwargs = build()
@@ -84,10 +89,13 @@ def test_zoo_model_trains_as_keras(devices, case):
     batch_norm = case[5]
     assert not report.flagged, report
     assert report.prediction_difference < 1e-4, report
+    # Rounding-level gradients (attention key biases) may be named too.
     if batch_norm:
-        assert report.causes and not report.ok, report
+        assert report.causes[0].startswith(BATCH_NORM) and not report.ok, (
+            report)
     else:
-        assert report.ok and not report.causes, report
+        assert report.ok and not any(c.startswith(BATCH_NORM)
+                                     for c in report.causes), report
 
 
 if __name__ == "__main__":
@@ -96,7 +104,10 @@ if __name__ == "__main__":
     print("| model | stages | M | schedule | prediction diff | step diff "
           "| loss step 3 (keras / pipeline) | verdict |")
     print("|---|---|---|---|---|---|---|---|")
+    import sys
     for case in CASES:
+        if len(sys.argv) > 1 and case[0] not in sys.argv[1:]:
+            continue
         r = run_case(case, devices)
         verdict = "equal" if r.ok else (
             "BatchNormalization at M>1 (named)" if r.causes else "FLAGGED")

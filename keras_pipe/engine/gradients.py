@@ -13,7 +13,11 @@ its dense value.
   with the summed value: equal rows add their values. A lookup over the
   batch (an `Embedding` over token ids) gives each micro-batch its own rows,
   and the unsplit gradient is all of them, one per token: other rows are
-  concatenated. Equality is checked at run time (same indices, in order).
+  concatenated. Checked at run time: the same indices, in the same order,
+  each index once, add their values. (Indices with repeats stay
+  concatenated: segment ids all 0 are the same in every micro-batch yet a
+  lookup over the batch; so a relative bias with repeated buckets is
+  concatenated too, and not exact under Adam-like optimizers.)
 * Different reads of a variable (`sum_gradients`: stages that share a
   layer, a regularization term): the unsplit model's tape concatenates
   their rows too, so they are concatenated.
@@ -64,17 +68,22 @@ def _concat(parts):
 
 
 def _add_slices(a, b):
-    """Values added where the rows are equal, else concatenated."""
+    """Values added where the rows are equal and unique, else concatenated."""
     a_rows, b_rows = a.indices.shape, b.indices.shape
     if (a_rows.is_fully_defined() and b_rows.is_fully_defined()
             and a_rows != b_rows) or a.values.dtype != b.values.dtype:
         return _concat([a, b])
     a_flat = tf.reshape(a.indices, [-1])
     b_flat = tf.cast(tf.reshape(b.indices, [-1]), a_flat.dtype)
+    # Equal rows, each index once (a position table: arange(T)). Rows with
+    # repeated indices stay concatenated: segment ids all 0, or padding,
+    # are the same in every micro-batch, yet a lookup over the batch.
     same = tf.cond(
         tf.equal(tf.size(a_flat), tf.size(b_flat)),
-        lambda: tf.reduce_all(tf.equal(a_flat, tf.reshape(b_flat, tf.shape(
-            a_flat)))),
+        lambda: tf.logical_and(
+            tf.reduce_all(tf.equal(a_flat, tf.reshape(b_flat, tf.shape(
+                a_flat)))),
+            tf.equal(tf.size(tf.unique(a_flat).y), tf.size(a_flat))),
         lambda: tf.constant(False))
     if tf.executing_eagerly():
         return (tf.IndexedSlices(a.values + tf.reshape(
