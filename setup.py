@@ -1,6 +1,7 @@
 """The C-extension build of keras_pipe (the rest is in pyproject.toml).
 
-The bind shim (`keras_pipe/distributed/_bind.c`, see `keras_pipe/distributed/bind.py`) is compiled
+The bind shim (`keras_pipe/distributed/_bind.c`, see
+`keras_pipe/distributed/bind.py`) is compiled
 here, as an extension module of the package, so that it ships in the wheel;
 its SHA-256 is written next to it (`_bind.sha256`) and checked before it is
 loaded.

@@ -21,13 +21,13 @@ import keras  # noqa: E402
 _check_backend(keras.backend.backend())
 
 from keras_pipe import layers  # noqa: E402
-from keras_pipe.engine import schedule  # noqa: E402
 from keras_pipe.callbacks import BackupAndRestore  # noqa: E402
 from keras_pipe.distributed.cluster import connect  # noqa: E402
-from keras_pipe.layers import DeferredBatchNormalization  # noqa: E402
 from keras_pipe.distributed.local import local_workers  # noqa: E402
-from keras_pipe.model import PipelineModel  # noqa: E402
+from keras_pipe.engine import schedule  # noqa: E402
 from keras_pipe.engine.placement import logical_cpu_devices  # noqa: E402
+from keras_pipe.layers import DeferredBatchNormalization  # noqa: E402
+from keras_pipe.model import PipelineModel  # noqa: E402
 from keras_pipe.planning.planner import plan  # noqa: E402
 from keras_pipe.saving.files import load_model  # noqa: E402
 from keras_pipe.verify import VerificationReport, verify  # noqa: E402
@@ -42,7 +42,38 @@ __version__ = "0.1.0"
 # `keras_pipe.schedule` stays importable under its public name; the other
 # modules that moved into sub-packages fail with their new place.
 _sys.modules.setdefault("keras_pipe.schedule", schedule)
-_MOVED = {'executor': 'engine.executor', 'stage': 'engine.stage', 'microbatch': 'engine.microbatch', 'tensors': 'engine.tensors', 'gradients': 'engine.gradients', 'weight_grad': 'engine.weight_grad', 'attached': 'engine.attached', 'losses': 'engine.losses', 'replicas': 'engine.replicas', 'building': 'engine.building', 'placement': 'engine.placement', 'colocation': 'engine.colocation', 'keyed_random': 'engine.keyed_random', 'graph': 'planning.graph', 'partition': 'planning.partition', 'budget': 'planning.budget', 'memory': 'planning.memory', 'planner': 'planning.planner', 'balance': 'planning.balance', 'autoplan': 'planning.autoplan', 'profiling': 'planning.profiling', 'simulator': 'planning.simulator', 'cluster': 'distributed.cluster', 'worker': 'distributed.worker', 'bind': 'distributed.bind', 'diagnosis': 'distributed.diagnosis', 'heap': 'distributed.heap', 'local': 'distributed.local', 'saving': 'saving.files', 'export': 'saving.export', 'internals': '_compat', 'validation': '_validation'}
+_MOVED = {'attached': 'engine.attached',
+ 'autoplan': 'planning.autoplan',
+ 'balance': 'planning.balance',
+ 'bind': 'distributed.bind',
+ 'budget': 'planning.budget',
+ 'building': 'engine.building',
+ 'cluster': 'distributed.cluster',
+ 'colocation': 'engine.colocation',
+ 'diagnosis': 'distributed.diagnosis',
+ 'executor': 'engine.executor',
+ 'export': 'saving.export',
+ 'gradients': 'engine.gradients',
+ 'graph': 'planning.graph',
+ 'heap': 'distributed.heap',
+ 'internals': '_compat',
+ 'keyed_random': 'engine.keyed_random',
+ 'local': 'distributed.local',
+ 'losses': 'engine.losses',
+ 'memory': 'planning.memory',
+ 'microbatch': 'engine.microbatch',
+ 'partition': 'planning.partition',
+ 'placement': 'engine.placement',
+ 'planner': 'planning.planner',
+ 'profiling': 'planning.profiling',
+ 'replicas': 'engine.replicas',
+ 'saving': 'saving.files',
+ 'simulator': 'planning.simulator',
+ 'stage': 'engine.stage',
+ 'tensors': 'engine.tensors',
+ 'validation': '_validation',
+ 'weight_grad': 'engine.weight_grad',
+ 'worker': 'distributed.worker'}
 
 
 class _MovedModules(_abc.MetaPathFinder):

@@ -16,8 +16,8 @@ import sys
 
 def parse_args(argv):
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    from keras_pipe.engine import schedule  # noqa: PLC0415 (TF import)
     from keras_pipe import _validation  # noqa: PLC0415 (TF import)
+    from keras_pipe.engine import schedule  # noqa: PLC0415 (TF import)
 
     parser = argparse.ArgumentParser(
         prog="python -m keras_pipe.demo", description=__doc__.split("\n")[0])

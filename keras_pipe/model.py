@@ -3,18 +3,15 @@
 import keras
 import tensorflow as tf
 
-from keras_pipe.engine import building
+from keras_pipe import _compat, _validation, reporting
 from keras_pipe.distributed import cluster
-from keras_pipe import _compat
-from keras_pipe.engine import placement
-from keras_pipe.saving import files as saving
-from keras_pipe import _validation
+from keras_pipe.engine import building, placement
 from keras_pipe.engine import executor as executor_lib
-from keras_pipe.saving import export as export_lib
 from keras_pipe.engine import losses as losses_lib
-from keras_pipe import reporting
 from keras_pipe.engine import replicas as replicas_lib
 from keras_pipe.engine.stage import Stage
+from keras_pipe.saving import export as export_lib
+from keras_pipe.saving import files as saving
 
 __all__ = ["PipelineModel"]
 
@@ -164,8 +161,10 @@ class PipelineModel(keras.Model):
                 and `PipelineModel`.
         """
         # Imported here: the core does not depend on partitioning.
-        from keras_pipe.planning import budget  # noqa: PLC0415
-        from keras_pipe.planning import partition  # noqa: PLC0415
+        from keras_pipe.planning import (
+            budget,  # noqa: PLC0415
+            partition,  # noqa: PLC0415
+        )
         if num_stages is None:
             if not devices:
                 raise ValueError(

@@ -8,10 +8,8 @@ import numpy as np
 import pytest
 
 import keras_pipe
-from keras_pipe.planning import autoplan
-from keras_pipe.planning import profiling
 from keras_pipe.engine import schedule
-from keras_pipe.planning import simulator
+from keras_pipe.planning import autoplan, profiling, simulator
 from keras_pipe.planning import graph as graph_lib
 
 

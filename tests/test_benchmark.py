@@ -11,11 +11,11 @@ import pytest
 
 from tools.benchmarks import (
     cli,
-    peer_jobs,
-    peer_report,
     fidelity,
     goals,
     harness,
+    peer_jobs,
+    peer_report,
     replicas,
     report,
     throughput,
@@ -315,7 +315,8 @@ def test_throughput_goals_without_m8_or_bare_say_so():
     assert goals["a-cpu"]["note"] == "gpipe, M=16 (no M=8 in this run)"
     assert goals["a-overhead"]["measured"] is None
     assert goals["a-overhead"]["met"] is None
-    assert throughput_report.throughput_goals({**a, "pipeline": [], "steps_per_execution": []
+    assert throughput_report.throughput_goals({
+        **a, "pipeline": [], "steps_per_execution": []
                                })["a"]["met"] is None
 
 

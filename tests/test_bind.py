@@ -1,4 +1,5 @@
-"""keras_pipe.distributed.bind: TF's gRPC port on one address; connect() refuses otherwise."""
+"""keras_pipe.distributed.bind: TF's gRPC port on one address; connect()
+refuses otherwise."""
 
 import socket
 

@@ -8,9 +8,7 @@ import numpy as np
 import pytest
 
 import keras_pipe
-from keras_pipe.planning import budget
-from keras_pipe.planning import memory
-from keras_pipe.planning import partition
+from keras_pipe.planning import budget, memory, partition
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 MiB = 2**20

@@ -12,8 +12,8 @@ the order of sums changes).
 
 import pytest
 
-from keras_pipe.engine import schedule
 from keras_pipe import _validation
+from keras_pipe.engine import schedule
 from tests.support import (
     helpers,
     schedules,  # noqa: F401  (registers its schedule)

@@ -8,9 +8,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from keras_pipe.engine import colocation
 from keras_pipe import _compat
-from keras_pipe.engine import keyed_random
+from keras_pipe.engine import colocation, keyed_random
 
 
 def test_version_check_names_the_supported_series():

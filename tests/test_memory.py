@@ -4,9 +4,8 @@ import keras
 import numpy as np
 import pytest
 
-from keras_pipe.planning import memory
-from keras_pipe.planning import partition
 from keras_pipe.engine import schedule
+from keras_pipe.planning import memory, partition
 
 
 def _mlp(width=64, depth=4):

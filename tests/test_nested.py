@@ -13,8 +13,8 @@ import pytest
 from keras import layers
 
 import keras_pipe
-from keras_pipe.saving import files as saving
 from keras_pipe.planning.graph import read_graph
+from keras_pipe.saving import files as saving
 from tests.support.data import random_data
 from tests.test_partition import _assert_predictions_match, _assert_step_matches
 

@@ -15,9 +15,8 @@ import tensorflow as tf
 from keras import layers, ops
 
 import keras_pipe
+from keras_pipe.engine import placement, schedule
 from keras_pipe.planning import partition
-from keras_pipe.engine import placement
-from keras_pipe.engine import schedule
 from keras_pipe.planning.graph import read_graph
 
 pytestmark = pytest.mark.slow  # the fast tier: `-m "not slow"`

@@ -12,8 +12,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from keras_pipe.engine import gradients
-from keras_pipe.engine import weight_grad
+from keras_pipe.engine import gradients, weight_grad
 from keras_pipe.engine import stage as stage_lib
 
 SIZES = (3, 5, 2, 4)

@@ -241,7 +241,8 @@ def run_pipelined(width, limit, budget=None, optimizer="sgd", idle=False):
     try:
         for t in range(2):
             w = subprocess.Popen(
-                [sys.executable, "-m", "keras_pipe.distributed.worker", "--task", str(t),
+                [sys.executable, "-m", "keras_pipe.distributed.worker",
+                 "--task", str(t),
                  "--cluster", ",".join(cluster), "--intra-op-threads", "1"],
                 env=_env(), stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL)

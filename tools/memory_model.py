@@ -91,8 +91,7 @@ def measure_model(name, num_stages, num_micro_batches, known=None):
     import keras
     import numpy as np
 
-    from keras_pipe.planning import memory
-    from keras_pipe.planning import partition
+    from keras_pipe.planning import memory, partition
     keras.utils.set_random_seed(0)
     model, batch, data, labels = build_model(keras, name)
     part = partition.cut(model, num_stages, balance="flops")

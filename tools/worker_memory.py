@@ -11,7 +11,8 @@ each worker's `VmRSS` and `VmHWM` (resident now, resident peak) from
 `/proc/<pid>/status`; everything is net of the idle worker after the first
 op. The unsplit model is measured the same way in its own process (net of
 the process after one op). Every process returns freed buffers to the OS
-(`keras_pipe.distributed.heap`) unless `--malloc-defaults`. Prints one table and, with `--out`, JSON.
+(`keras_pipe.distributed.heap`) unless `--malloc-defaults`. Prints one table
+and, with `--out`, JSON.
 """
 
 import argparse

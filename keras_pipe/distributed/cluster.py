@@ -35,10 +35,9 @@ import warnings
 
 import tensorflow as tf
 
+from keras_pipe import _compat, _validation
 from keras_pipe.distributed import bind as bind_lib
 from keras_pipe.distributed import diagnosis
-from keras_pipe import _compat
-from keras_pipe import _validation
 
 __all__ = ["WorkerRestartedError", "WorkerUnavailableError", "check_addresses",
            "cluster_spec",

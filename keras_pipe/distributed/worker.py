@@ -32,9 +32,9 @@ import os
 import socket
 import sys
 
+from keras_pipe import _validation
 from keras_pipe.distributed import bind as bind_lib
 from keras_pipe.distributed import heap
-from keras_pipe import _validation
 from keras_pipe.distributed.bind import listening_hosts  # noqa: F401  (public here too)
 
 __all__ = ["serve", "bind_shim_path", "listening_hosts", "main"]

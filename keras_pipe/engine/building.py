@@ -8,9 +8,8 @@ under its `tf.device`, so that its variables live there.
 import keras
 import tensorflow as tf
 
-from keras_pipe import _compat
+from keras_pipe import _compat, _validation
 from keras_pipe.engine import placement
-from keras_pipe import _validation
 from keras_pipe.engine import schedule as schedule_lib
 
 __all__ = ["build_stages", "check_stages", "device_indices",

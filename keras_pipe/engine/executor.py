@@ -26,9 +26,8 @@ import dataclasses
 import keras
 import tensorflow as tf
 
-from keras_pipe.engine import attached
 from keras_pipe import _compat
-from keras_pipe.engine import microbatch
+from keras_pipe.engine import attached, microbatch
 from keras_pipe.engine import schedule as schedule_lib
 from keras_pipe.engine.gradients import sum_gradients, sum_micro_batches
 from keras_pipe.engine.replicas import replica_of

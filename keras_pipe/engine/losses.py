@@ -27,9 +27,8 @@ import contextlib
 import keras
 import tensorflow as tf
 
-from keras_pipe.engine import attached
 from keras_pipe import _compat
-from keras_pipe.engine import microbatch
+from keras_pipe.engine import attached, microbatch
 from keras_pipe.engine.executor import LossHead
 
 __all__ = ["NotSplittable", "loss_head", "share", "weight_sums"]

@@ -15,8 +15,8 @@ module fixes each of them:
 import keras
 import tensorflow as tf
 
-from keras_pipe.engine import colocation
 from keras_pipe import _compat
+from keras_pipe.engine import colocation
 
 __all__ = ["logical_cpu_devices", "resolve_devices", "default_devices",
            "place_variables", "colocate_optimizer", "device_of"]

@@ -41,11 +41,16 @@ import dataclasses
 import keras
 import tensorflow as tf
 
-from keras_pipe.engine import attached
 from keras_pipe import _compat
-from keras_pipe.engine import keyed_random
+from keras_pipe.engine import attached, keyed_random
 from keras_pipe.engine.gradients import add_gradients
-from keras_pipe.engine.tensors import exact_spec, float_leaves, is_float, pairs, relaxed_spec
+from keras_pipe.engine.tensors import (
+    exact_spec,
+    float_leaves,
+    is_float,
+    pairs,
+    relaxed_spec,
+)
 from keras_pipe.engine.weight_grad import SplitBackward
 
 __all__ = ["Stage", "StageRun"]

@@ -67,7 +67,13 @@ import keras
 import tensorflow as tf
 
 from keras_pipe.engine import gradients as gradients_lib
-from keras_pipe.engine.tensors import exact_spec, float_leaves, is_float, pairs, relaxed_spec
+from keras_pipe.engine.tensors import (
+    exact_spec,
+    float_leaves,
+    is_float,
+    pairs,
+    relaxed_spec,
+)
 
 __all__ = ["SplitBackward", "SplitPlan", "Stash"]
 

@@ -13,19 +13,17 @@ the simulated step time.
 """
 
 import dataclasses
-import math
 
 import numpy as np
 
+from keras_pipe import _validation
+from keras_pipe.engine import placement
+from keras_pipe.engine import schedule as schedule_lib
 from keras_pipe.planning import budget as budget_lib
 from keras_pipe.planning import graph as graph_lib
 from keras_pipe.planning import memory as memory_lib
 from keras_pipe.planning import partition as partition_lib
-from keras_pipe.engine import placement
-from keras_pipe.planning import profiling
-from keras_pipe.engine import schedule as schedule_lib
-from keras_pipe.planning import simulator
-from keras_pipe import _validation
+from keras_pipe.planning import profiling, simulator
 from keras_pipe.planning.balance import shapes as shapes_lib
 
 __all__ = ["Candidate", "search"]

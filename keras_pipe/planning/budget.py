@@ -16,10 +16,10 @@ import dataclasses
 
 import numpy as np
 
+from keras_pipe import _validation
 from keras_pipe.planning import graph as graph_lib
 from keras_pipe.planning import memory as memory_lib
 from keras_pipe.planning import partition as partition_lib
-from keras_pipe import _validation
 from keras_pipe.planning.balance import cost as cost_lib
 
 __all__ = ["Choice", "pipeline_arguments", "search"]

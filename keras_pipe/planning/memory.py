@@ -40,8 +40,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from keras_pipe.engine import schedule as schedule_lib
 from keras_pipe import _validation
+from keras_pipe.engine import schedule as schedule_lib
 from keras_pipe.planning.balance import cost as cost_lib
 
 __all__ = ["Block", "FEATURES", "Profile", "StageMemory", "features",

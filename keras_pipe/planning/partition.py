@@ -28,11 +28,10 @@ import warnings
 
 import keras
 
+from keras_pipe import _compat, _validation
+from keras_pipe.engine import placement
 from keras_pipe.planning import balance as balance_lib
 from keras_pipe.planning import graph as graph_lib
-from keras_pipe import _compat
-from keras_pipe.engine import placement
-from keras_pipe import _validation
 from keras_pipe.planning.balance import shapes as shapes_lib
 
 __all__ = ["BALANCE_MODES", "GraphStage", "Partition", "cut", "split_model"]

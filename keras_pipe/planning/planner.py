@@ -11,11 +11,11 @@ import math
 
 import tensorflow as tf
 
+from keras_pipe import _validation
+from keras_pipe.engine import schedule as schedule_lib
 from keras_pipe.planning import autoplan
 from keras_pipe.planning import budget as budget_lib
 from keras_pipe.planning import partition as partition_lib
-from keras_pipe.engine import schedule as schedule_lib
-from keras_pipe import _validation
 from keras_pipe.planning.balance import cost as cost_lib
 from keras_pipe.planning.balance import shapes as shapes_lib
 

@@ -148,6 +148,7 @@ def _repeated(body, times):
     """
     @tf.function
     def run(*flat):
+        out = None
         for n in range(times):
             if n:
                 # Each run reads the last one's result: a data edge, so no
@@ -366,7 +367,7 @@ def link(source=None, target=None, sizes=(2**10, 2**22), repeats=9,
             @tf.function
             def run(x):
                 with tf.device(where):
-                    y = x + 1.0
+                    y = x + 1.0  # noqa: B023 - traced before the loop moves on
                 with tf.device(target):
                     return tf.reduce_sum(y[:1])
             return run

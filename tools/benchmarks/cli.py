@@ -146,7 +146,9 @@ def run_parts(parts, quick, outdir, log=print, schedules=SCHEDULES,
     if "f" in parts:
         log("(f) 2 replicas x 2 stages vs 1 replica, BatchNorm + Dropout")
         loads["f"] = os.getloadavg()
-        from keras_pipe.distributed.worker import bind_shim_path  # imports TF, here only
+        from keras_pipe.distributed.worker import (
+            bind_shim_path,  # imports TF, here only
+        )
         with Workers(4, outdir) as workers:
             results["f"] = run_child(
                 "replicas", dict(s["f"], cluster=workers.addresses), 1800,

@@ -79,12 +79,12 @@ def child_fidelity(p):
             model.build((None, 3))
             x = np.ones((2 * m, 3), "float32")
             if run == "forward":
-                step = tf.function(lambda v: model(v))
-                call = lambda: step(x).numpy()  # noqa: E731
+                step = tf.function(lambda v: model(v))  # noqa: B023
+                call = lambda: step(x).numpy()  # noqa: E731, B023
                 ticks = m + k - 1
             else:
                 model.compile(keras.optimizers.SGD(0.0), "mse")
-                call = lambda: model.train_on_batch(x, x)  # noqa: E731
+                call = lambda: model.train_on_batch(x, x)  # noqa: E731, B023
                 # Forward, then backward (with its recompute first under
                 # remat="always"): each (M+K-1) ticks of t. 1F1B has the
                 # same bubble as GPipe, in other places.

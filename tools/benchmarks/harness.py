@@ -529,7 +529,7 @@ def environment():
             return subprocess.run(["git", *args], cwd=ROOT, text=True,
                                   capture_output=True).stdout
         except OSError:
-            return 
+            return
     versions = {}
     for name in ("tensorflow", "keras"):
         try:

@@ -119,7 +119,7 @@ def child_keras_pipeline(p):
                     keras, model, x, y, job["batch"]), p["steps"])}
         _interleave(runs, p["rounds"], pids, errors)
     out = []
-    for label, r in runs.items():
+    for _label, r in runs.items():
         if not r["steps"]:
             continue
         schedule, k, m = r["config"]

@@ -210,7 +210,7 @@ def plot_peer(results, path):
     for ax, name in zip(axes.flat, names):
         table = speedups(results["jobs"][name])
         ms = sorted({m for by_m in table.values() for m in by_m}) or [1]
-        for (system, schedule, k), by_m in sorted(table.items()):
+        for (system, schedule, _k), by_m in sorted(table.items()):
             pts = sorted((m, v) for m, v in by_m.items() if v)
             if pts:
                 ax.plot(*zip(*pts), "o-" if system == "keras_pipe" else

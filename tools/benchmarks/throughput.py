@@ -280,7 +280,8 @@ def child_throughput(p):
                     bare = _BarePipeline(tf, keras, remote, p, x, y,
                                          p.get("xla_updates", False))
                 bare.steps(m, 3)  # trace and warm up
-                run = (lambda m=m: (bare.steps(m, p["steps"]), p["steps"]))
+                run = (lambda m=m, bare=bare: (bare.steps(m, p["steps"]),  # noqa: E731
+                                               p["steps"]))
             else:
                 keras.utils.set_random_seed(0)
                 if k == 1:
@@ -306,7 +307,7 @@ def child_throughput(p):
                 # execution of `spe` steps.
                 n = p["steps"] // spe * spe
                 rows = n * p["batch"]
-                run = (lambda model=model, spe=spe, n=n, rows=rows: ([
+                run = (lambda model=model, spe=spe, n=n, rows=rows: ([  # noqa: E731
                     t / spe for t in _fit_steps(keras, model, x[:rows],
                                                 y[:rows], p["batch"])], n))
         except Exception as exc:  # noqa: BLE001 - reported, others go on
