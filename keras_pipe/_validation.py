@@ -108,3 +108,17 @@ def check_device_list(devices, count=None, what="stage"):
             f"devices must name one device per {what}: got {len(devices)} "
             f"devices for {count} {what}s. Received: devices={list(devices)}")
     return list(devices)
+
+
+def check_compile_arguments(jit_compile, run_eagerly):
+    """Raises ValueError for a `PipelineModel.compile` it cannot honour."""
+    if jit_compile not in (True, False, "auto"):
+        raise ValueError(
+            f"jit_compile={jit_compile!r} is not one of True, False or "
+            "'auto'. Pass True to compile each device's optimizer "
+            "update with XLA.")
+    if run_eagerly:
+        raise ValueError(
+            "run_eagerly=True is not supported by PipelineModel: its "
+            "per-device backward pass uses tf.gradients, which needs "
+            "graph mode. Use run_eagerly=False.")

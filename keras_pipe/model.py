@@ -10,8 +10,8 @@ from keras_pipe.engine import executor as executor_lib
 from keras_pipe.engine import losses as losses_lib
 from keras_pipe.engine import replicas as replicas_lib
 from keras_pipe.engine.stage import Stage
-from keras_pipe.saving import export as export_lib
 from keras_pipe.saving import files as saving
+from keras_pipe.saving import model_io
 
 __all__ = ["PipelineModel"]
 
@@ -22,7 +22,7 @@ _not_autograph = tf.autograph.experimental.do_not_convert
 
 
 @keras.saving.register_keras_serializable(package="keras_pipe")
-class PipelineModel(keras.Model):
+class PipelineModel(model_io.SavingMethods, keras.Model):
     """A Keras model cut into stages that run as a GPipe pipeline.
 
     Each stage lives on its own device. A mini-batch is cut into
@@ -64,12 +64,17 @@ class PipelineModel(keras.Model):
             `"except_last"` (all but the last micro-batch, whose backward
             follows at once) or `"never"`; or a list of these, one per
             stage. Defaults to `"except_last"`.
-        schedule: `"gpipe"` (all forward passes, then all backward passes)
-            or `"1f1b"` (PipeDream-flush: after filling the pipeline each
-            stage alternates one forward and one backward pass, so it holds
-            the activations of at most `K` micro-batches instead of `M`;
-            needs a loss that is a sum over rows, as every Keras loss is).
-            Both give the same gradients. Defaults to `"gpipe"`.
+        schedule: the name of a registered schedule
+            (`keras_pipe.schedule.schedule_names()`): `"gpipe"` (all
+            forward passes, then all backward passes), `"1f1b"`
+            (PipeDream-flush: each stage holds the activations of at most
+            `K` micro-batches), the zero-bubble `"zb_h1"` / `"zb_h2"`, or
+            `"interleaved_1f1b"` / `"zbv"` with several stages per device;
+            or one registered with `keras_pipe.schedule.register_schedule`.
+            Every schedule gives the same gradients; all but GPipe need a
+            loss that is a sum over rows, as every Keras loss is.
+            `from_model(..., schedule="auto")` chooses one. Defaults to
+            `"gpipe"`.
         **kwargs: `keras.Model` arguments (`name`, `dtype`, `trainable`).
 
     Raises:
@@ -160,44 +165,19 @@ class PipelineModel(keras.Model):
             TypeError, ValueError: see `keras_pipe.planning.partition.split_model`
                 and `PipelineModel`.
         """
-        # Imported here: the core does not depend on partitioning.
-        from keras_pipe.planning import (
-            budget,  # noqa: PLC0415
-            partition,  # noqa: PLC0415
-        )
-        if num_stages is None:
-            if not devices:
-                raise ValueError(
-                    "from_model needs num_stages, or devices (one per "
-                    "stage). Received: num_stages=None, devices=None")
-            num_stages = len(devices)
-        if kwargs.get("schedule") == "auto":
-            from keras_pipe.planning import planner  # noqa: PLC0415
-            chosen = planner.plan(
-                model, num_stages=num_stages, devices=devices,
-                batch_size=batch_size, memory_budget=memory_budget,
-                schedule="auto", input_shape=input_shape,
-                sample_inputs=sample_inputs)
-            pipe = cls.from_model(
-                model, num_stages=chosen.num_stages, devices=chosen.devices,
-                num_micro_batches=chosen.num_micro_batches,
-                remat=chosen.remat, balance=chosen.sizes,
-                batch_size=batch_size, input_shape=input_shape,
-                sample_inputs=sample_inputs,
-                **{**kwargs, "schedule": chosen.schedule})
-            pipe.plan = chosen
-            return pipe
-        if memory_budget is not None:
-            balance, num_micro_batches, remat = budget.pipeline_arguments(
-                model, num_stages, memory_budget, batch_size,
-                schedule=kwargs.get("schedule", "gpipe"))
-        stages = partition.split_model(
-            model, num_stages, balance=balance, devices=devices,
+        # Imported here: the Keras glue needs planning for this call only.
+        from keras_pipe.planning import planner  # noqa: PLC0415
+        stages, arguments, chosen = planner.stages_from_model(
+            model, num_stages=num_stages, devices=devices,
             num_micro_batches=num_micro_batches, remat=remat,
+            balance=balance, memory_budget=memory_budget,
             batch_size=batch_size, input_shape=input_shape,
-            sample_inputs=sample_inputs)
-        return cls(stages, devices=devices,
-                   num_micro_batches=num_micro_batches, remat=remat, **kwargs)
+            sample_inputs=sample_inputs,
+            schedule=kwargs.pop("schedule", "gpipe"))
+        pipe = cls(stages, **arguments, **kwargs)
+        if chosen is not None:
+            pipe.plan = chosen
+        return pipe
 
     @property
     def stages(self):
@@ -223,7 +203,7 @@ class PipelineModel(keras.Model):
 
     @property
     def schedule(self):
-        """The schedule's name (see `keras_pipe.engine.schedule.schedule_names`)."""
+        """The schedule's name (see `keras_pipe.schedule.schedule_names`)."""
         return self._schedule
 
     @property
@@ -236,12 +216,8 @@ class PipelineModel(keras.Model):
         return getattr(source, "output_names", None)
 
     def clock_ticks(self, num_micro_batches=None):
-        """The clock ticks this model follows (see `keras_pipe.engine.schedule`).
-
-        Without remat, the executor also defers the weight gradients of each
-        run of backward passes to one call after it
-        (`keras_pipe.engine.schedule.defer_weight_runs`).
-        """
+        """The clock ticks this model follows (`keras_pipe.schedule`); the
+        executor also defers W of runs of B (`defer_weight_runs`)."""
         return self._executor.ticks(num_micro_batches or
                                     self.num_micro_batches)
 
@@ -251,96 +227,22 @@ class PipelineModel(keras.Model):
         return self._step_observer
 
     def observe_steps(self, factory):
-        """Stamps every stage call of the training steps traced from now on.
-
-        `keras_pipe.callbacks.Timeline` sets it while it records: `factory()`
-        makes the observer of one traced step (None stops observing). The
-        train function is traced anew.
-        """
+        """Stamps every stage call of the training steps traced from now on
+        with `factory()`'s observer (None stops; set by the Timeline)."""
         self._step_observer = factory
         self.make_train_function(force=True)
 
     def summary_table(self):
         """A text table: stage, device, layer name, parameter count."""
-        rows = [("stage", "device", "layer", "params")]
-        for j, (stage, device) in enumerate(
-                zip(self._stage_layers, self._resolved_devices)):
-            count = sum(int(v.numpy().size) for v in stage.weights)
-            rows.append((str(j), device, stage.name, f"{count:,}"))
-        widths = [max(len(r[c]) for r in rows) for c in range(4)]
-        return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(r, widths))
-                         for r in rows)
+        return reporting.stage_table(self._stage_layers,
+                                     self._resolved_devices)
 
     def summary(self, *args, **kwargs):
-        """`keras.Model.summary`, then each layer's stage and device.
-
-        Arguments are Keras' (`print_fn`, `line_length`, ...); `print_fn`
-        prints the stage table too.
-        """
+        """`keras.Model.summary` (same arguments), then each layer's stage
+        and device, through the same `print_fn`."""
         super().summary(*args, **kwargs)
-        print_fn = kwargs.get("print_fn") or (args[2] if len(args) > 2
-                                              else None) or print
-        print_fn("Stages:\n" + reporting.layer_table(
-            self._stage_layers, self._resolved_devices))
-
-    # ----------------------------------------------------------------- saving
-    # The logic lives in keras_pipe/saving/files.py and keras_pipe/saving/export.py.
-
-    @property
-    def layers(self):
-        """The unpipelined model's layers, stage after stage.
-
-        Nested Sequential/Functional stages are opened up, so that weights
-        files have the plain model's layout whatever the cut.
-        """
-        return saving.flat_layers(self._stage_layers)
-
-    @property
-    def _seed_states(self):
-        # Walked by Keras saving: seed generator states (Dropout masks).
-        return saving.SeedStates(self.layers)
-
-    def get_config(self):
-        return saving.get_config(self, super().get_config())
-
-    @classmethod
-    def from_config(cls, config, custom_objects=None):
-        return saving.from_config(cls, config, custom_objects)
-
-    def compile_from_config(self, config):
-        saving.compile_from_config(self, config)
-
-    def load_own_variables(self, store):
-        saving.check_store(self, store)
-        super().load_own_variables(store)
-
-    def save(self, filepath, overwrite=True, **kwargs):
-        """Same as `keras.Model.save`, atomic: a crash keeps the old file."""
-        return saving.save_model(super().save, filepath, overwrite, **kwargs)
-
-    def save_weights(self, filepath, overwrite=True, max_shard_size=None):
-        """Same as `keras.Model.save_weights`, atomic like `save`."""
-        return saving.save_weights(super().save_weights, filepath, overwrite,
-                                   max_shard_size)
-
-    def load_weights(self, filepath, skip_mismatch=False, **kwargs):
-        """Same as `keras.Model.load_weights`, checked and all or nothing."""
-        saving.load_weights(
-            self, filepath, skip_mismatch=skip_mismatch,
-            load=lambda: super(PipelineModel, self).load_weights(
-                filepath, skip_mismatch=skip_mismatch, **kwargs))
-
-    def to_model(self, name=None):
-        """The unpipelined Functional model, sharing this model's layers."""
-        return export_lib.to_model(self, name=name)
-
-    def export(self, filepath, format="tf_saved_model", verbose=None,
-               input_signature=None, pipelined=False, **kwargs):
-        """Exports the model for serving; see `keras_pipe.saving.export.export`."""
-        return export_lib.export(self, filepath, format=format,
-                                 verbose=verbose,
-                                 input_signature=input_signature,
-                                 pipelined=pipelined, **kwargs)
+        reporting.print_layer_table(args, kwargs, self._stage_layers,
+                                    self._resolved_devices)
 
     # ------------------------------------------------------------------ build
 
@@ -360,22 +262,16 @@ class PipelineModel(keras.Model):
         self._build_optimizer()
 
     def _build_optimizer(self):
-        """Creates the optimizer's slots now, each on its variable's device.
-
-        Left to the first training step, slot creation inside the traced
-        step makes TensorFlow trace the whole step a second time.
-        """
+        """Creates the optimizer's slots now, each on its variable's device
+        (created in the traced step, they make TF trace it twice)."""
         optimizer = getattr(self, "optimizer", None)
         if self.built and optimizer is not None and not optimizer.built:
             with _compat.eager_scope():
                 optimizer.build(self.trainable_variables)
 
     def _remember_input_spec(self, inputs):
-        """Keeps the first input spec seen, for `to_model` and `export`.
-
-        A first stage that is a subclassed model has no `Input` to read it
-        from, and a model built by `fit` has no `_build_shapes_dict`.
-        """
+        """Keeps the first input spec seen, for `to_model` and `export`
+        (a subclassed first stage has no `Input` to read it from)."""
         if getattr(self, "_seen_input_spec", None) is None:
             self._seen_input_spec = building.spec_of(inputs)
 
@@ -399,16 +295,10 @@ class PipelineModel(keras.Model):
         """`keras.Model.compile`, with a colocated optimizer.
 
         XLA cannot compile a step whose variables live on several devices
-        (trap 4), so the step itself always runs un-compiled.
-        `jit_compile=True` compiles what runs on one device and gains from
-        it: each device's optimizer update (Keras' `update_step` for all of
-        its variables) becomes one XLA function, which fuses the update's
-        element-wise passes (Adam on 4 1024 x 1024 kernels: 12.2 ms against
-        28.7 ms on one core). The stages' forward and backward stay
-        un-compiled: their products are oneDNN's either way, and keras_pipe
-        splits a stage's backward op by op. `model.jit_compile` stays False
-        (Keras would compile the whole step); `model.xla_updates` says
-        whether the updates are compiled.
+        (trap 4): the step runs un-compiled, and `jit_compile=True`
+        compiles each device's optimizer update as one XLA function (see
+        "Design" in the docs). `model.jit_compile` stays False;
+        `model.xla_updates` says whether the updates are compiled.
 
         Args:
             jit_compile: `True`, `False` or `"auto"` (resolved to False, as
@@ -421,16 +311,7 @@ class PipelineModel(keras.Model):
                 `run_eagerly=True` (the per-device backward pass needs graph
                 mode).
         """
-        if jit_compile not in (True, False, "auto"):
-            raise ValueError(
-                f"jit_compile={jit_compile!r} is not one of True, False or "
-                "'auto'. Pass True to compile each device's optimizer "
-                "update with XLA.")
-        if run_eagerly:
-            raise ValueError(
-                "run_eagerly=True is not supported by PipelineModel: its "
-                "per-device backward pass uses tf.gradients, which needs "
-                "graph mode. Use run_eagerly=False.")
+        _validation.check_compile_arguments(jit_compile, run_eagerly)
         super().compile(*args, jit_compile=False, run_eagerly=False, **kwargs)
         self._xla_updates = jit_compile is True
         config = getattr(self, "_compile_config", None)
@@ -551,17 +432,12 @@ class PipelineModel(keras.Model):
         self.predict_function = None
 
     # A worker lost mid-call ends it with an error naming the task
-    # (`keras_pipe.distributed.cluster.run`); a plain call when every stage is local.
+    # (`cluster.run`); a plain call when every stage is local.
 
     def fit(self, *args, **kwargs):
         # TensorBoard(write_graph=True) gets the model config as Keras
         # writes it for a Functional model (`keras_pipe.reporting`).
-        if len(args) > 5:
-            args = args[:5] + (reporting.with_config_writers(args[5]),) + \
-                args[6:]
-        else:
-            kwargs["callbacks"] = reporting.with_config_writers(
-                kwargs.get("callbacks"))
+        args, kwargs = reporting.with_config_writers_in(args, kwargs)
         return cluster.run(self._resolved_devices, "fit", super().fit, *args,
                            **kwargs)
 

@@ -15,7 +15,7 @@ import warnings
 import keras
 import tensorflow as tf
 
-from keras_pipe.saving.files import files as saving
+from keras_pipe.saving import files as saving
 
 __all__ = ["ModelConfigWriter", "batch_norm_stages", "layer_table",
            "warn_batch_norm", "with_config_writers"]
@@ -119,3 +119,30 @@ def with_config_writers(callbacks):
     if not dirs or any(isinstance(c, ModelConfigWriter) for c in listed):
         return callbacks
     return listed + [ModelConfigWriter(dirs)]
+
+
+def stage_table(stages, devices):
+    """A text table: stage, device, layer name, parameter count."""
+    rows = [("stage", "device", "layer", "params")]
+    for j, (stage, device) in enumerate(zip(stages, devices)):
+        count = sum(int(v.numpy().size) for v in stage.weights)
+        rows.append((str(j), device, stage.name, f"{count:,}"))
+    widths = [max(len(r[c]) for r in rows) for c in range(4)]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(r, widths))
+                     for r in rows)
+
+
+def with_config_writers_in(args, kwargs):
+    """`fit`'s `(args, kwargs)` with `with_config_writers` on its callbacks."""
+    if len(args) > 5:
+        return args[:5] + (with_config_writers(args[5]),) + args[6:], kwargs
+    kwargs = dict(kwargs, callbacks=with_config_writers(
+        kwargs.get("callbacks")))
+    return args, kwargs
+
+
+def print_layer_table(args, kwargs, stages, devices):
+    """Prints `layer_table` with the `print_fn` of a `summary(...)` call."""
+    print_fn = kwargs.get("print_fn") or (args[2] if len(args) > 2
+                                          else None) or print
+    print_fn("Stages:\n" + layer_table(stages, devices))

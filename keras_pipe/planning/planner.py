@@ -362,6 +362,46 @@ def plan(model, num_stages=None, num_micro_batches=1, balance="params",
     return result
 
 
+def stages_from_model(model, num_stages, devices, num_micro_batches, remat,
+                      balance, memory_budget, batch_size, input_shape,
+                      sample_inputs, schedule):
+    """The stages and `PipelineModel` arguments of `from_model`.
+
+    Returns:
+        `(stages, arguments, chosen)`: the cut stages, the keyword
+        arguments of `PipelineModel` (`devices`, `num_micro_batches`,
+        `remat`, `schedule`) and, for `schedule="auto"`, the `Plan` chosen
+        (else None).
+    """
+    if num_stages is None:
+        if not devices:
+            raise ValueError(
+                "from_model needs num_stages, or devices (one per "
+                "stage). Received: num_stages=None, devices=None")
+        num_stages = len(devices)
+    chosen = None
+    if schedule == "auto":
+        chosen = plan(model, num_stages=num_stages, devices=devices,
+                      batch_size=batch_size, memory_budget=memory_budget,
+                      schedule="auto", input_shape=input_shape,
+                      sample_inputs=sample_inputs)
+        num_stages, devices = chosen.num_stages, chosen.devices
+        num_micro_batches, remat = chosen.num_micro_batches, chosen.remat
+        balance, schedule, memory_budget = (chosen.sizes, chosen.schedule,
+                                            None)
+    if memory_budget is not None:
+        balance, num_micro_batches, remat = budget_lib.pipeline_arguments(
+            model, num_stages, memory_budget, batch_size, schedule=schedule)
+    stages = partition_lib.split_model(
+        model, num_stages, balance=balance, devices=devices,
+        num_micro_batches=num_micro_batches, remat=remat,
+        batch_size=batch_size, input_shape=input_shape,
+        sample_inputs=sample_inputs)
+    arguments = dict(devices=devices, num_micro_batches=num_micro_batches,
+                     remat=remat, schedule=schedule)
+    return stages, arguments, chosen
+
+
 def _si(value, unit=""):
     for scale, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "K")):
         if abs(value) >= scale:
