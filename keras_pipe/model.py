@@ -27,7 +27,7 @@ class PipelineModel(model_io.SavingMethods, keras.Model):
 
     Each stage lives on its own device. A mini-batch is cut into
     `num_micro_batches` micro-batches that flow through the stages back to
-    back, following `keras_pipe.engine.schedule.gpipe`, inside one `tf.function`
+    back, following `keras_pipe.schedule.gpipe`, inside one `tf.function`
     training step; gradients are summed over micro-batches and the
     optimizer steps once per mini-batch, so training is the same as
     training the unsplit model on one device for every layer without batch

@@ -15,6 +15,7 @@ import warnings
 import keras
 import tensorflow as tf
 
+from keras_pipe import _compat
 from keras_pipe.saving import files as saving
 
 __all__ = ["ModelConfigWriter", "batch_norm_stages", "layer_table",
@@ -39,7 +40,7 @@ def _leaves(layer):
     if not (saving.is_container(layer) or hasattr(layer, "calls")):
         return [layer]
     found = []
-    for sub in layer._flatten_layers(include_self=False, recursive=False):
+    for sub in _compat.flatten_layers(layer, include_self=False, recursive=False):
         found += _leaves(sub)
     return found
 
@@ -49,7 +50,7 @@ def batch_norm_stages(stages):
     from keras_pipe.layers import DeferredBatchNormalization
     found = {}
     for j, stage in enumerate(stages):
-        names = [layer.name for layer in stage._flatten_layers()
+        names = [layer.name for layer in _compat.flatten_layers(stage)
                  if isinstance(layer, keras.layers.BatchNormalization)
                  and not isinstance(layer, DeferredBatchNormalization)]
         if names:

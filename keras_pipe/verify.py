@@ -14,6 +14,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from keras_pipe import _compat
 from keras_pipe.model import PipelineModel
 
 __all__ = ["VariableDifference", "VerificationReport", "verify"]
@@ -343,7 +344,7 @@ def _set_aside_randomness(layers):
     """Sets Dropout-like layers' rate to 0; returns what to put back."""
     found = []
     for top in layers:
-        for layer in top._flatten_layers():
+        for layer in _compat.flatten_layers(top):
             for kind, attribute in _RANDOM:
                 value = getattr(layer, attribute, 0)
                 if isinstance(layer, kind) and value:
@@ -356,7 +357,7 @@ def _set_aside_randomness(layers):
 def _known_causes(pipe):
     """The known reasons for a pipelined step to differ, as sentences."""
     causes = []
-    layers = [sub for top in pipe.layers for sub in top._flatten_layers()]
+    layers = [sub for top in pipe.layers for sub in _compat.flatten_layers(top)]
     if pipe.num_micro_batches > 1 and any(
             isinstance(layer, keras.layers.BatchNormalization)
             for layer in layers):

@@ -1,7 +1,7 @@
 """The executor: runs any schedule's actions over the stage runners.
 
 One training step is a list of stage calls. The executor reads the clock
-ticks of the model's schedule (`keras_pipe.engine.schedule`), issues each action in
+ticks of the model's schedule (`keras_pipe.schedule`), issues each action in
 tick order (`"F"` a forward call, `"B"` a backward call, `"W"` the weight
 gradients) and chains the calls of each device with control dependencies,
 so that each device runs its calls in the schedule's order. Everything a

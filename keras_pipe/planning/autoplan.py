@@ -87,18 +87,10 @@ def layouts(num_devices):
 
 
 def _budgets(memory_budget, num_devices):
+    """One budget per device, or None without a budget."""
     if memory_budget is None:
         return None
-    if isinstance(memory_budget, (list, tuple)):
-        if len(memory_budget) != num_devices:
-            raise ValueError(
-                f"memory_budget as a list needs one budget per device: got "
-                f"{len(memory_budget)} for {num_devices} devices. Received: "
-                f"memory_budget={list(memory_budget)}")
-        return [_validation.check_positive_number(f"memory_budget[{d}]", b)
-                for d, b in enumerate(memory_budget)]
-    _validation.check_positive_number("memory_budget", memory_budget)
-    return [memory_budget] * num_devices
+    return budget_lib.budgets_per_device(memory_budget, num_devices)
 
 
 def _prefix(values):
@@ -165,7 +157,7 @@ def _candidate(name, stage_devices, m, batch_size, graph, measured,
     bi = _block(_prefix(costs.backward_input))
     w = _block(_prefix(costs.weight))
     profile = memory_lib.Profile(graph, rows)
-    grid, weights, trainable = budget_lib._grid(profile, n)
+    grid, weights, trainable = budget_lib.block_grid(profile, n)
     actions = memory_lib.stage_actions(lambda mm, kk: ticks, m, k)
     per_device = [stage_devices.count(d) for d in range(num_devices)]
     modes = _MODES if budgets else ("never",)
@@ -195,10 +187,10 @@ def _candidate(name, stage_devices, m, batch_size, graph, measured,
         peaks.append(peak_j)
     # Stages sharing a device add up there; balancing each stage's own work
     # is what a schedule placing several per device expects.
-    _, sizes = budget_lib._min_max_cut(times, allowed, k)
+    _, sizes = budget_lib.min_max_cut(times, allowed, k)
     if sizes is None:
         # What the least-memory cut needs on its fullest stage's device.
-        need, _ = budget_lib._min_max_cut(
+        need, _ = budget_lib.min_max_cut(
             [_least_peak(actions[j], m, j, k, grid, weights, trainable,
                          optimizer_slots) * per_device[stage_devices[j]]
              for j in range(k)], allowed, k)

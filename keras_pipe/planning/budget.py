@@ -77,7 +77,8 @@ def _mib(value):
     return f"{value / 2**20:.1f} MiB"
 
 
-def _budgets(memory_budget, num_stages):
+def budgets_per_device(memory_budget, num_stages):
+    """One memory budget per device: a number repeated, or a checked list."""
     if isinstance(memory_budget, (list, tuple)):
         if len(memory_budget) != num_stages:
             raise ValueError(
@@ -90,7 +91,7 @@ def _budgets(memory_budget, num_stages):
     return [memory_budget] * num_stages
 
 
-def _grid(profile, n):
+def block_grid(profile, n):
     """Features of every block `[a, e)` as an `(n + 1, n + 1, F)` array."""
     idx = np.arange(n + 1)
     a, e = idx[:, None], idx[None, :]
@@ -120,7 +121,7 @@ def _grid(profile, n):
             weights[e] - weights[a], trainable[e] - trainable[a])
 
 
-def _min_max_cut(costs, allowed, num_stages):
+def min_max_cut(costs, allowed, num_stages):
     """DP: the cut minimizing the largest stage cost; (value, sizes)."""
     n = costs[0].shape[0] - 1
     ok = np.ones(n + 1, bool)
@@ -191,7 +192,7 @@ def search(model, num_stages, memory_budget, batch_size, schedule="gpipe",
             "the rows per step. Received: batch_size=None")
     _validation.check_positive_int("batch_size", batch_size)
     _validation.check_positive_int("optimizer_slots + 1", optimizer_slots + 1)
-    budgets = _budgets(memory_budget, num_stages)
+    budgets = budgets_per_device(memory_budget, num_stages)
     if micro_batch_choices is None:
         micro_batch_choices = [2**p for p in range(7) if 2**p <= batch_size]
     for m in micro_batch_choices:
@@ -208,7 +209,7 @@ def search(model, num_stages, memory_budget, batch_size, schedule="gpipe",
         m = min(m, batch_size)
         rows = -(-batch_size // m)
         profile = memory_lib.Profile(graph, rows)
-        grid, weights, trainable = _grid(profile, n)
+        grid, weights, trainable = block_grid(profile, n)
         fl = np.concatenate([[0.0], np.cumsum(cost_lib.flops(graph, rows))])
         flops = fl[None, :] - fl[:, None]
         actions = memory_lib.stage_actions(schedule, m, num_stages)
@@ -234,8 +235,8 @@ def search(model, num_stages, memory_budget, batch_size, schedule="gpipe",
             times.append(time_j)
             needs.append(need_j)
             modes.append(mode_j)
-        slowest, sizes = _min_max_cut(times, allowed, num_stages)
-        need, _ = _min_max_cut(needs, allowed, num_stages)
+        slowest, sizes = min_max_cut(times, allowed, num_stages)
+        need, _ = min_max_cut(needs, allowed, num_stages)
         smallest = need if smallest is None else min(smallest, need)
         if sizes is None:
             considered.append((m, None, need))

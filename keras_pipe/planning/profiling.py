@@ -122,7 +122,7 @@ def _graph_signature(graph, shapes):
         except (NotImplementedError, TypeError, AttributeError):
             config = None
         rows.append([call.name, type(op).__name__, config,
-                     [list(cost_lib._shape(x, shapes)) for x in call.inputs],
+                     [list(cost_lib.shape_of(x, shapes)) for x in call.inputs],
                      [str(x.dtype) for x in call.inputs]])
     return json.dumps(rows, sort_keys=True, default=str)
 
@@ -269,7 +269,7 @@ def call_costs(graph, rows, device=None, shapes=None, training=True,
     forward, backward_input, weight = [], [], []
     with tf.device(device) if device else contextlib.nullcontext():
         for call in graph.calls:
-            inputs = [cost_lib._sample(x, rows, shapes) for x in call.inputs]
+            inputs = [cost_lib.sample_input(x, rows, shapes) for x in call.inputs]
             run_forward, run_input, run_all = _functions(call, training)
             f = _per_run(run_forward, inputs, repeats, times)
             fi = max(_per_run(run_input, inputs, repeats, times), f)

@@ -42,13 +42,13 @@ def dims(shape, batch_size):
             for k, d in enumerate(shape)]
 
 
-def _shape(kt, shapes=None):
+def shape_of(kt, shapes=None):
     """`kt`'s shape, or the one `keras_pipe.planning.balance.shapes` inferred."""
     return (shapes or {}).get(id(kt), kt.shape)
 
 
 def _elements(kt, batch_size=1, shapes=None):
-    return math.prod(dims(_shape(kt, shapes), batch_size))
+    return math.prod(dims(shape_of(kt, shapes), batch_size))
 
 
 def tensor_bytes(kt, batch_size=1, shapes=None):
@@ -89,7 +89,7 @@ def _channels_axis(op):
 
 def _positions(kt, axis, shapes=None):
     """Elements per example of `kt` divided by its channel count."""
-    shape = dims(_shape(kt, shapes), 1)
+    shape = dims(shape_of(kt, shapes), 1)
     channels = shape[axis] if len(shape) > 1 else 1
     return math.prod(shape[1:]) // max(channels, 1)
 
@@ -106,8 +106,8 @@ def _call_flops(call, shapes=None):
     if isinstance(op, _NORMALIZATION):
         return 5 * out_elements
     if isinstance(op, keras.layers.MultiHeadAttention):
-        query = dims(_shape(inputs[0], shapes), 1)
-        value = dims(_shape(inputs[1], shapes), 1) if len(
+        query = dims(shape_of(inputs[0], shapes), 1)
+        value = dims(shape_of(inputs[1], shapes), 1) if len(
             inputs) > 1 else query
         t_q, t_v = math.prod(query[1:-1]), math.prod(value[1:-1])
         heads, key_dim = op.num_heads, op.key_dim
@@ -115,7 +115,7 @@ def _call_flops(call, shapes=None):
         scores = 2 * heads * t_q * t_v * (key_dim + value_dim)
         return 2 * params * max(t_q, t_v) + scores + 3 * heads * t_q * t_v
     if isinstance(op, keras.layers.RNN) and inputs:
-        steps = dims(_shape(inputs[0], shapes), 1)[1]
+        steps = dims(shape_of(inputs[0], shapes), 1)[1]
         return 2 * params * steps
     if params and outputs:
         if isinstance(op, _TRANSPOSED) and inputs:
@@ -201,9 +201,9 @@ def _memory(graph, batch_size, num_micro_batches, call_modes,
     return result
 
 
-def _sample(kt, batch_size, shapes=None):
+def sample_input(kt, batch_size, shapes=None):
     """A tensor like `kt`: zeros for integers and booleans, else normal."""
-    shape = dims(_shape(kt, shapes), batch_size)
+    shape = dims(shape_of(kt, shapes), batch_size)
     dtype = tf.as_dtype(kt.dtype)
     if dtype.is_floating:
         return tf.random.normal(shape, dtype=dtype)
@@ -251,7 +251,7 @@ def time(graph, device=None, batch_size=1, repeats=5, training=True,
     result = []
     with tf.device(device) if device else contextlib.nullcontext():
         for call in graph.calls:
-            inputs = [_sample(x, batch_size, shapes) for x in call.inputs]
+            inputs = [sample_input(x, batch_size, shapes) for x in call.inputs]
             run = _timer(call, training)
             _fetch(run(*inputs))
             samples = []
