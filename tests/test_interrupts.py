@@ -14,6 +14,8 @@ import pytest
 
 import keras_pipe
 
+pytestmark = pytest.mark.slow  # trains models: the full suite's tier
+
 N, K, ROWS = 3, 3, 16
 
 

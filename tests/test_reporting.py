@@ -13,6 +13,8 @@ import tensorflow as tf
 
 import keras_pipe
 
+pytestmark = pytest.mark.slow  # trains models: the full suite's tier
+
 
 def _pipe(devices, batch_norm=True, num_micro_batches=2):
     inputs = keras.Input((6,))

@@ -12,6 +12,8 @@ from keras import ops
 import keras_pipe
 from keras_pipe.verify import BATCH_NORM
 
+pytestmark = pytest.mark.slow  # trains models: the full suite's tier
+
 CE = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
 
