@@ -57,7 +57,7 @@ def test_serve_from_python_listens_on_loopback_only():
     port = free_port()
     script = (
         "import os\n"
-        "from keras_pipe import bind, worker\n"
+        "from keras_pipe.distributed import bind, worker\n"
         f"worker.serve({{'worker': ['127.0.0.1:{port}']}}, task=0)\n"
         f"print(bind.listening_hosts({port}), flush=True)\n"
         "os._exit(0)\n")

@@ -80,7 +80,7 @@ def test_wheel_ships_the_shim_and_starts_a_worker(tmp_path):
                    capture_output=True, timeout=300, env=clean)
     _see_running_packages(python)
     package = next((venv / "lib").glob("python*/site-packages/keras_pipe"))
-    shim, = package.glob("_bind.cpython-*.so")
+    shim, = package.glob("distributed/_bind.cpython-*.so")
 
     with open(tmp_path / "worker.log", "w") as log:
         proc, address = _start_worker(python, tmp_path, log)

@@ -246,7 +246,8 @@ def plan(model, num_stages=None, num_micro_batches=1, balance="params",
     _validation.check_non_negative_number("optimizer_slots", optimizer_slots)
     if flops_per_second is not None:
         _validation.check_positive_number("flops_per_second", flops_per_second)
-    schedule_lib.get_schedule(schedule)
+    if schedule != "auto":
+        schedule_lib.get_schedule(schedule)
     if devices is not None and (isinstance(devices, str) or not isinstance(
             devices, (list, tuple))):
         raise TypeError(
