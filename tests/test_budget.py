@@ -6,6 +6,7 @@ import pathlib
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 
 import keras_pipe
 from keras_pipe.planning import budget, memory, partition
@@ -32,6 +33,10 @@ def _mlp(width=256, depth=6, inputs=64):
 
 def _stage_peaks(model, sizes, num_micro_batches, remat, devices, batch):
     """Measured peak of each stage alone at its place (see the tool)."""
+    try:
+        tf.config.experimental.get_memory_info("CPU:0")
+    except ValueError as exc:  # seen on this machine since 2026-12-02
+        pytest.skip(f"TF keeps no CPU allocator stats here: {exc}")
     tool = _tool()
     part = partition.cut(model, len(sizes), balance=sizes)
     stages = partition.build_stages(part)

@@ -86,7 +86,10 @@ def test_weight_files_keep_the_nested_layout(devices, tmp_path):
     expected = pipe.predict(x, verbose=0)
     other = _nested()
     other.load_weights(pipe_path)  # stock Keras, nested model
-    np.testing.assert_array_equal(other.predict(x, verbose=0), expected)
+    # The unsplit model runs the batch whole, the pipeline in 2 micro-batches:
+    # equal up to float32 rounding (seen: 3e-7), as the transparency tests.
+    np.testing.assert_allclose(other.predict(x, verbose=0), expected,
+                               rtol=1e-5, atol=1e-6)
     for v in pipe.weights:
         v.assign(np.zeros(v.shape, v.dtype))
     pipe.load_weights(plain_path)  # and back
