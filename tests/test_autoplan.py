@@ -11,6 +11,7 @@ import keras_pipe
 from keras_pipe.engine import schedule
 from keras_pipe.planning import autoplan, profiling, simulator
 from keras_pipe.planning import graph as graph_lib
+from tests.support import schedules as registered
 
 
 def _mlp(depth=6, width=64):
@@ -116,17 +117,8 @@ def test_a_tight_budget_trades_time_for_remat_or_micro_batches():
 
 
 def test_a_registered_schedule_is_searched():
-    def backward_in_forward_order(num_micro_batches, num_stages,
-                                  num_devices=None):
-        m, k = num_micro_batches, num_stages
-        return schedule.ticks_from_orders(
-            [[schedule.Action("F", i, j) for i in range(m)] +
-             [schedule.Action("B", i, j) for i in range(m)]
-             for j in range(k)], k)
-
-    name = "test_autoplan_forward_order"
-    if name not in schedule.schedule_names():
-        schedule.register_schedule(name, backward_in_forward_order)
+    # Registered as a user would, by tests/support/schedules.py.
+    name = registered.NAME
     ranked = _search(_mlp(), schedules=[name, "gpipe"])
     assert {c.schedule for c in ranked} == {name, "gpipe"}
 

@@ -4,6 +4,7 @@ import pytest
 
 from keras_pipe.engine import schedule
 from keras_pipe.planning import simulator
+from tests.support import schedules as registered
 
 
 def _layout(name, num_micro_batches, num_devices=2):
@@ -131,17 +132,8 @@ def test_a_slow_stage_bounds_every_schedule(name):
 
 
 def test_a_registered_schedule_is_simulated_like_the_built_in_ones():
-    def backward_in_forward_order(num_micro_batches, num_stages,
-                                  num_devices=None):
-        m, k = num_micro_batches, num_stages
-        return schedule.ticks_from_orders(
-            [[schedule.Action("F", i, j) for i in range(m)] +
-             [schedule.Action("B", i, j) for i in range(m)]
-             for j in range(k)], k)
-
-    name = "test_simulator_forward_order"
-    if name not in schedule.schedule_names():
-        schedule.register_schedule(name, backward_in_forward_order)
+    # Registered as a user would, by tests/support/schedules.py.
+    name = registered.NAME
     ticks, devices = _layout(name, 2)
     costs = simulator.Costs(forward=[1, 1], backward=[2, 2])
     # Device 1: F0 [1,2] F1 [2,3], loss; B0 [3,5] B1 [5,7]. Device 0: B0
