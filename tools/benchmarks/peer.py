@@ -139,8 +139,11 @@ def _worker_pids():
     """The pids of this process's `keras_pipe.distributed.worker` children."""
     children = []
     for task in os.listdir("/proc/self/task"):
-        with open(f"/proc/self/task/{task}/children") as f:
-            children += [int(pid) for pid in f.read().split()]
+        try:  # a thread may end between the listing and the read
+            with open(f"/proc/self/task/{task}/children") as f:
+                children += [int(pid) for pid in f.read().split()]
+        except OSError:
+            continue
     pids = []
     for pid in children:
         try:
