@@ -28,6 +28,17 @@ __all__ = ["local_workers"]
 
 _PR_SET_PDEATHSIG = 1
 
+# Threads of each worker's intra-op pool, all on the worker's one core.
+# TF's matrix product on one thread is much slower per row below about
+# 384 rows than above (an x @ w of 256 x 1024 by 1024 x 1024: 1.5-1.8x the
+# CPU time per row of 512 x 1024; torch's is not), and micro-batches make
+# exactly those products. With 4 threads on one core TF splits the product
+# into blocks that run at the full batch's cost per row: a stage's forward
+# and backward pass (4 x Dense(1024)) at 256 rows took 0.97-1.03x the CPU
+# per row of 512 rows with 4 threads, 1.26-1.45x with 1 (`taskset -c 1`,
+# CPU time, same run; docs/performance.md).
+INTRA_OP_THREADS = 4
+
 
 def _die_with_parent():
     """In the child before exec: SIGKILL it when its parent thread ends."""
@@ -89,8 +100,9 @@ def _check_args(num_workers, cores, gpus, intra_op_threads,
 
 
 @contextlib.contextmanager
-def local_workers(num_workers=2, cores=None, gpus=None, intra_op_threads=1,
-                  inter_op_threads=2, timeout=120.0):
+def local_workers(num_workers=2, cores=None, gpus=None,
+                  intra_op_threads=INTRA_OP_THREADS, inter_op_threads=2,
+                  timeout=120.0):
     """Starts pinned worker processes on this machine and connects to them.
 
     Each worker is a `python -m keras_pipe.distributed.worker` process that listens on
@@ -129,8 +141,11 @@ def local_workers(num_workers=2, cores=None, gpus=None, intra_op_threads=1,
         gpus: the GPU index of each worker, one per worker; each worker
             then sees that GPU only (`CUDA_VISIBLE_DEVICES`) and the device
             is its `GPU:0`. Defaults to `None`: CPU devices.
-        intra_op_threads: each worker's intra-op thread pool. Defaults to
-            `1` (one core per worker).
+        intra_op_threads: each worker's intra-op thread pool, all on
+            its one core. Defaults to `4`: TF's one-thread matrix product
+            costs 1.5-1.8x more per row for a micro-batch's smaller
+            products (256 rows against 512), and 4 threads on one core
+            do not (`INTRA_OP_THREADS`).
         inter_op_threads: the inter-op pool of the contexts the workers
             run this process's functions in (see `keras_pipe.connect`);
             2 or more, so that a transfer to the next stage does not wait

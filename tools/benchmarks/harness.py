@@ -41,6 +41,10 @@ def child_main(name, params):
 
 # How a child process runs the benchmarks' entry point.
 COMMAND = [sys.executable, "-m", "tools.benchmarks"]
+# Each pinned process's intra-op pool, keras_pipe's workers and the 1-core
+# process alike: `keras_pipe.distributed.local.INTRA_OP_THREADS` (TF's
+# one-thread matrix product is slow per row on a micro-batch's products).
+INTRA_OP_THREADS = 4
 
 
 def ideal_speedup(num_micro_batches, num_stages=2):
@@ -492,7 +496,8 @@ class Workers:
             self.procs.append(subprocess.Popen(
                 [sys.executable, "-m", "keras_pipe.distributed.worker", "--task",
                  str(task), "--cluster", ",".join(self.addresses),
-                 "--intra-op-threads", "1", "--inter-op-threads",
+                 "--intra-op-threads", str(INTRA_OP_THREADS),
+                 "--inter-op-threads",
                  str(self.inter_op_threads), "--cpu-affinity",
                  str(cores[task % len(cores)])],
                 env=_env(), stdout=log, stderr=subprocess.STDOUT, cwd=ROOT))

@@ -17,6 +17,7 @@ import time
 
 from tools.benchmarks import peer_jobs
 from tools.benchmarks.harness import (
+    INTRA_OP_THREADS,
     _fit_steps,
     _free_port,
     _interleave,
@@ -57,7 +58,7 @@ def _count_keras_flops(tf, keras, model, job):
 @child("keras_baseline")
 def child_keras_baseline(p):
     """The whole job as one Keras model in this process (pinned), warm."""
-    tf, keras = _tf_env([1, 2])
+    tf, keras = _tf_env([INTRA_OP_THREADS, 2])
     import numpy as np
     job = p["job"]
     keras.utils.set_random_seed(0)

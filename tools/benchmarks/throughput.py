@@ -5,6 +5,7 @@ import time
 
 from tools.benchmarks.harness import (
     BASELINE_LABEL,
+    INTRA_OP_THREADS,
     Workers,
     _cpu_seconds,
     _fit_steps,
@@ -466,7 +467,7 @@ def run_throughput(p, outdir, log):
     shim = bind_shim_path()
     core = sorted(os.sched_getaffinity(0))[0]
     base = {k: p[k] for k in ("layers", "width", "batch", "steps", "rounds")}
-    one_core = dict(base, cpus=[core], threads=[1, 2])
+    one_core = dict(base, cpus=[core], threads=[INTRA_OP_THREADS, 2])
     log("  1 process pinned to 1 core ...")
     before = run_child("baseline", dict(one_core), 900, log=log)
     log("  2 worker processes, 1 core each; client drives fit; its rounds "
@@ -491,7 +492,7 @@ def run_throughput(p, outdir, log):
     kernel = run_child("kernel", dict(  # M=8 always: the CPU goal's M
         base, micro_batches=sorted({8, *p["micro_batches"]}),
         repeats=p["kernel_repeats"],
-        cpus=[core], threads=[1, 2]), 900, log=log)
+        cpus=[core], threads=[INTRA_OP_THREADS, 2]), 900, log=log)
     result["kernel"] = kernel  # or its error, logged by run_child
     result["baseline_1core"] = baseline_1core(
         result.get("baseline_interleaved"), before, after)
