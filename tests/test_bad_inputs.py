@@ -11,6 +11,7 @@ import sys
 import time
 
 import keras
+import numpy as np
 import pytest
 
 import keras_pipe
@@ -233,3 +234,37 @@ def test_save_errors_name_the_users_path(devices, tmp_path, method, name,
         getattr(_pipeline(devices), method)(path)
     assert ".tmp." not in str(info.value)
     assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+# ------------------------------------- issue 26: what the probe still found
+
+
+@pytest.mark.parametrize("method", ["fit", "evaluate", "predict"])
+def test_no_input_data_is_named(devices, method):
+    # Broke: fit(None, y) raised AttributeError: 'NoneType' object has no
+    # attribute 'shape' (plain Keras: ValueError, the input is not optional).
+    model = _pipeline(devices)
+    model.compile("sgd", "mse")
+    y = np.zeros((4, 2), "float32")
+    args = (None,) if method == "predict" else (None, y)
+    with pytest.raises(ValueError, match=rf"{method}\(\) needs input data: "
+                       r"x is None.*Received: x=None"):
+        getattr(model, method)(*args, verbose=0)
+    with pytest.raises(ValueError, match=r"x is None"):
+        getattr(model, method)(x=None, verbose=0)
+
+
+@pytest.mark.parametrize("input_shape, error, expected", [
+    ("x", TypeError, r"input_shape must be a shape such as \(None, 128\).*"
+     r"Received: input_shape='x'"),
+    ((None, 5), ValueError, r"input_shape for .* is \(None, 5\), but the "
+     r"input has shape \(None, 4\)"),
+])
+def test_from_model_input_shape_checked_for_any_balance(
+        devices, input_shape, error, expected):
+    # Broke: balance="params" (the default) never read input_shape, so a
+    # string was silently accepted.
+    with pytest.raises(error, match=expected):
+        keras_pipe.PipelineModel.from_model(
+            _small_model(), num_stages=2, devices=devices[:2],
+            input_shape=input_shape)
