@@ -9,7 +9,9 @@ import socket
 import subprocess
 import sys
 import time
+import zipfile
 
+import h5py
 import keras
 import numpy as np
 import pytest
@@ -268,3 +270,141 @@ def test_from_model_input_shape_checked_for_any_balance(
         keras_pipe.PipelineModel.from_model(
             _small_model(), num_stages=2, devices=devices[:2],
             input_shape=input_shape)
+
+
+def _flip_bytes_inside(path, dataset_path, count=8):
+    """Flips `count` bytes in the stored values of one dataset of an h5 file."""
+    with h5py.File(path, "r") as f:
+        offset = f[dataset_path].id.get_offset()
+        size = f[dataset_path].id.get_storage_size()
+    assert offset is not None and size >= count
+    with open(path, "r+b") as f:
+        f.seek(offset + (size - count) // 2)
+        data = f.read(count)
+        f.seek(offset + (size - count) // 2)
+        f.write(bytes(b ^ 0xFF for b in data))
+
+
+def test_weights_file_with_flipped_bytes_is_refused(devices, tmp_path):
+    # Broke: 8 flipped bytes inside a kernel loaded silently (as in plain
+    # Keras): a value off by 5e26.
+    model = _pipeline(devices)
+    path = str(tmp_path / "w.weights.h5")
+    model.save_weights(path)
+    _flip_bytes_inside(path, "layers/dense/vars/0")
+    before = [w.copy() for w in model.get_weights()]
+    with pytest.raises(ValueError, match=(
+            rf"Cannot load {re.escape(repr(path))}: the values of "
+            r"\['layers/dense/vars/0'\] do not match the SHA-256 checksums.*"
+            r"Use an intact copy of the file, or save the weights again")):
+        model.load_weights(path)
+    for a, b in zip(model.get_weights(), before):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_weights_files_without_checksums_still_load(devices, tmp_path):
+    # A plain Keras file (no checksum) loads into the pipeline, and plain
+    # Keras loads the pipeline's file (it ignores the checksums).
+    plain = _small_model()
+    plain_path = str(tmp_path / "plain.weights.h5")
+    plain.save_weights(plain_path)
+    with h5py.File(plain_path, "r") as f:
+        assert "keras_pipe_sha256" not in f.attrs
+    pipe = keras_pipe.PipelineModel.from_model(
+        _small_model(), num_stages=2, devices=devices[:2])
+    pipe.load_weights(plain_path)
+    for a, b in zip(pipe.get_weights(), plain.get_weights()):
+        np.testing.assert_array_equal(a, b)
+    pipe_path = str(tmp_path / "pipe.weights.h5")
+    for v in pipe.variables:
+        v.assign(v + 1.0)
+    pipe.save_weights(pipe_path)
+    plain.load_weights(pipe_path)
+    for a, b in zip(pipe.get_weights(), plain.get_weights()):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_weights_added_to_a_checksummed_file_are_refused(devices, tmp_path):
+    model = _pipeline(devices)
+    path = str(tmp_path / "w.weights.h5")
+    model.save_weights(path)
+    with h5py.File(path, "r+") as f:
+        del f["layers/dense_1/vars/1"].attrs["keras_pipe_sha256"]
+    with pytest.raises(ValueError, match=r"its list of weights does not "
+                       r"match the checksum.*'layers/dense_1/vars/1'"):
+        model.load_weights(path)
+
+
+def test_keras_file_with_flipped_bytes_in_its_weights_is_refused(
+        devices, tmp_path):
+    # Keras writes the weights inside a .keras file; the zip's CRC-32 of
+    # each member is checked on loading (this passed before issue 26 too).
+    model = _pipeline(devices)
+    path = str(tmp_path / "m.keras")
+    model.save(path)
+    with zipfile.ZipFile(path) as zf:
+        info = zf.getinfo("model.weights.h5")
+    with open(path, "r+b") as f:
+        f.seek(info.header_offset + 26)
+        name_len, extra_len = np.frombuffer(f.read(4), "<u2")
+        start = info.header_offset + 30 + name_len + extra_len
+        f.seek(start + info.compress_size // 2)
+        data = f.read(8)
+        f.seek(start + info.compress_size // 2)
+        f.write(bytes(b ^ 0xFF for b in data))
+    for load in (lambda: keras_pipe.load_model(path),
+                 lambda: model.load_weights(path)):
+        with pytest.raises(ValueError, match=rf"Cannot load "
+                           rf"{re.escape(repr(path))}: .*damaged"):
+            load()
+
+
+_FULL_DISK = """
+import os, resource, signal, sys
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # write() gets EFBIG
+import keras, numpy as np, keras_pipe
+devices = keras_pipe.logical_cpu_devices(2)
+model = keras_pipe.PipelineModel(
+    [keras.layers.Dense(64), keras.layers.Dense(2)], devices=devices)
+model.build((None, 3))
+model.compile("sgd", "mse")
+folder = sys.argv[1]
+soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+resource.setrlimit(resource.RLIMIT_FSIZE, (2048, hard))
+for name, save in [
+        ("full.weights.h5", lambda p: model.save_weights(p)),
+        ("backup", lambda p: model.fit(
+            np.zeros((4, 3)), np.zeros((4, 2)), verbose=0,
+            callbacks=[keras_pipe.BackupAndRestore(p, save_freq=1)]))]:
+    try:
+        save(os.path.join(folder, name))
+    except OSError as exc:
+        print("ERROR", str(exc).splitlines()[0], flush=True)
+print("DONE", flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_full_disk_during_weights_saves_names_the_path_and_exits_cleanly(
+        tmp_path):
+    # Broke: libhdf5 failed a write (EFBIG), the save raised, and the
+    # process segfaulted at exit (return code -11), leaving a temporary
+    # file. Now the h5 file is made in memory and written by Python.
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3",
+               PYTHONPATH=os.path.dirname(os.path.dirname(
+                   os.path.abspath(__file__))))
+    result = subprocess.run(
+        [sys.executable, "-c", _FULL_DISK, str(tmp_path)], env=env,
+        capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, (result.returncode, result.stderr[-3000:])
+    lines = [l for l in result.stdout.splitlines() if l.startswith("ERROR")]
+    weights = str(tmp_path / "full.weights.h5")
+    backup = str(tmp_path / "backup" / "latest.weights.h5")
+    assert lines == [
+        f"ERROR [Errno 27] Cannot save {weights!r}: File too large: "
+        f"{weights!r}",
+        f"ERROR [Errno 27] Cannot save {backup!r}: File too large: "
+        f"{backup!r}"], result.stdout
+    assert "DONE" in result.stdout
+    assert os.listdir(tmp_path) == ["backup"]
+    assert os.listdir(tmp_path / "backup") == []
