@@ -3,6 +3,7 @@
 Each case names the bad value and the fix (README "Bad inputs" counts them).
 """
 
+import json
 import os
 import re
 import socket
@@ -408,3 +409,117 @@ def test_full_disk_during_weights_saves_names_the_path_and_exits_cleanly(
     assert "DONE" in result.stdout
     assert os.listdir(tmp_path) == ["backup"]
     assert os.listdir(tmp_path / "backup") == []
+
+
+# ------------------------- issue 26: V and interleaved files on fewer devices
+
+
+@pytest.mark.parametrize("schedule, k, available, can_recut, expected", [
+    ("interleaved_1f1b", 8, 2, False, (8, [0, 1] * 4)),
+    ("interleaved_1f1b", 8, 3, False, (8, [0, 1] * 4)),
+    ("zbv", 8, 4, False, (8, [0, 1, 2, 3, 3, 2, 1, 0])),
+    ("zbv", 8, 2, True, (4, [0, 1, 1, 0])),
+    ("zbv", 8, 3, True, (6, [0, 1, 2, 2, 1, 0])),
+    ("gpipe", 4, 2, False, (4, [0, 0, 1, 1])),
+])
+def test_fallback_layout_is_one_the_schedule_accepts(
+        schedule, k, available, can_recut, expected):
+    from keras_pipe.engine import schedule as schedule_lib
+    from keras_pipe.saving import layout
+    num_stages, indices = layout.fit(schedule, k, available, can_recut)
+    assert (num_stages, indices) == expected
+    schedule_lib.check_placement(schedule, indices)
+
+
+def test_zbv_that_cannot_be_recut_names_the_device_counts_that_work():
+    from keras_pipe.saving import layout
+    with pytest.raises(ValueError, match=(
+            r"schedule='zbv' runs the saved 8 stages on \[4\] devices, and 2 "
+            r"exist here. Load it where 4 devices exist.*pass devices=\[...\]"
+            r" \(8 device strings, in the order \[0, 1, 2, 3, 3, 2, 1, 0\]")):
+        layout.fit("zbv", 8, 2, can_recut=False)
+
+
+def test_load_model_with_devices_the_schedule_refuses(devices, tmp_path):
+    # Broke: the refusal named the model's schedule rule only; now it says
+    # which device counts work for the saved stages.
+    model = keras_pipe.PipelineModel.from_model(
+        _eight_layers(), num_stages=8, devices=_v(devices), schedule="zbv")
+    path = str(tmp_path / "zbv.keras")
+    model.save(path)
+    with pytest.raises(ValueError, match=(
+            rf"Cannot load {re.escape(repr(path))} on devices=.*runs 2 "
+            r"stages per device.*"
+            r"With 8 stages, schedule='zbv' runs on \[4\] devices \(device "
+            r"indices in the order \[0, 1, 2, 3, 3, 2, 1, 0\]\)")):
+        keras_pipe.load_model(path, devices=devices[:2] * 4)
+
+
+def _eight_layers():
+    return keras.Sequential([keras.Input((3,))] + [
+        keras.layers.Dense(4) for _ in range(7)] + [keras.layers.Dense(2)])
+
+
+def _v(devices):
+    return devices[:4] + devices[:4][::-1]
+
+
+_FEWER_DEVICES = """
+import json, sys, warnings
+import numpy as np, keras_pipe
+keras_pipe.logical_cpu_devices(2)
+x = np.load(sys.argv[1])
+out = {}
+for name in sys.argv[2:]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = keras_pipe.load_model(name)
+    out[name] = {"num_stages": model.num_stages, "devices": model.devices,
+                 "schedule": model.schedule,
+                 "warnings": [str(w.message) for w in caught
+                              if "keras_pipe" in str(w.message)]}
+    model.compile("sgd", "mse")
+    model.fit(x, np.zeros((8, 2), "float32"), batch_size=8, verbose=0)
+    model.load_weights(name)
+    np.save(name + ".npy", model.predict(x, verbose=0))
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+def test_v_and_interleaved_files_load_on_two_devices(devices, tmp_path):
+    # Broke: saved on 4 devices and loaded where 2 exist, an
+    # interleaved_1f1b file got a block layout its schedule refused, and a
+    # zbv file with 8 stages could not load at all.
+    x = np.random.default_rng(0).normal(size=(8, 3)).astype("float32")
+    names, expected = [], {}
+    for schedule, stage_devices in [("zbv", _v(devices)),
+                                    ("interleaved_1f1b", devices[:4] * 2)]:
+        model = keras_pipe.PipelineModel.from_model(
+            _eight_layers(), num_stages=8, devices=stage_devices,
+            schedule=schedule, num_micro_batches=2)
+        model.compile("sgd", "mse")
+        name = str(tmp_path / f"{schedule}.keras")
+        model.save(name)
+        names.append(name)
+        expected[name] = model.predict(x, verbose=0)
+    np.save(tmp_path / "x.npy", x)
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3",
+               PYTHONPATH=os.path.dirname(os.path.dirname(
+                   os.path.abspath(__file__))))
+    result = subprocess.run(
+        [sys.executable, "-c", _FEWER_DEVICES, str(tmp_path / "x.npy"),
+         *names], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    zbv, inter = report[names[0]], report[names[1]]
+    cpu = "/device:CPU:{}".format
+    assert zbv["num_stages"] == 4 and zbv["schedule"] == "zbv"
+    assert zbv["devices"] == [cpu(0), cpu(1), cpu(1), cpu(0)]
+    assert "cut again into 4 stages (balance=[2, 2, 2, 2]" in \
+        zbv["warnings"][0]
+    assert inter["num_stages"] == 8
+    assert inter["devices"] == [cpu(0), cpu(1)] * 4
+    for name in names:
+        np.testing.assert_allclose(np.load(name + ".npy"), expected[name],
+                                   rtol=0, atol=1e-6)

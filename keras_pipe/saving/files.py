@@ -58,6 +58,8 @@ import tensorflow as tf
 
 from keras_pipe import _compat
 from keras_pipe.engine import placement
+from keras_pipe.engine import schedule as schedule_lib
+from keras_pipe.saving import layout
 
 __all__ = ["load_model", "flat_layers", "weight_paths", "get_config",
            "from_config", "compile_from_config", "load_weights",
@@ -260,13 +262,16 @@ def _forced_devices(devices):
         _LOADING.devices = previous
 
 
-def _fallback_devices(saved, num_stages):
-    """Devices that exist here for `saved`, with a warning if they differ."""
+def _fallback(saved, config, cut):
+    """Devices that exist here for the `saved` ones, with a warning if they
+    differ; `config` gets fewer stages if its schedule needs them
+    (`keras_pipe.saving.layout`)."""
     try:
         placement.resolve_devices(saved)
         return list(saved)
     except ValueError:
         pass
+    num_stages = len(saved)
     available = [d.name for d in tf.config.list_logical_devices("GPU")]
     available = available or [
         d.name for d in tf.config.list_logical_devices("CPU")]
@@ -276,13 +281,28 @@ def _fallback_devices(saved, num_stages):
             placement.resolve_devices([device])
         except ValueError:
             missing.append(device)
-    # Contiguous blocks keep neighbouring stages together.
-    chosen = [available[j * len(available) // num_stages]
-              for j in range(num_stages)]
+    schedule = config.get("schedule", "gpipe")
+    try:
+        new_k, indices = layout.fit(schedule, num_stages, len(available),
+                                    can_recut=cut)
+    except ValueError as exc:
+        raise ValueError(
+            f"The saved devices {missing} do not exist in this process "
+            f"(available: {available}): {exc}") from exc
+    chosen = [available[i] for i in indices]
+    recut = ""
+    if new_k != num_stages:
+        config["balance"] = layout.merged_balance(config["balance"], new_k)
+        config["remat"] = layout.merged_remat(
+            config.get("remat", "except_last"), num_stages, new_k)
+        recut = (f" schedule={schedule!r} cannot run the saved {num_stages} "
+                 f"stages on {len(available)} devices: the model is cut "
+                 f"again into {new_k} stages (balance={config['balance']}; "
+                 "the weights do not depend on the cut).")
     warnings.warn(
         f"keras_pipe: the saved devices {missing} do not exist in this "
         f"process (available: {available}). The {num_stages} stages, saved "
-        f"on {list(saved)}, are placed on {chosen} instead. Pass "
+        f"on {list(saved)}, are placed on {chosen} instead.{recut} Pass "
         "devices=[...] to keras_pipe.load_model() to choose.",
         UserWarning, stacklevel=3)
     return chosen
@@ -307,7 +327,8 @@ def from_config(cls, config, custom_objects=None):
             f"{num_stages} stages and devices={saved}.")
     devices = getattr(_LOADING, "devices", None)
     if devices is None:
-        devices = _fallback_devices(saved, num_stages)
+        devices = _fallback(saved, config, cut)
+        num_stages = len(devices)
     resolved = placement.resolve_devices(devices)
     if cut:
         from keras_pipe.planning import partition  # noqa: PLC0415
@@ -788,6 +809,27 @@ def _read_archive(path):
     return config, h5
 
 
+def _check_layout(path, schedule, resolved, devices):
+    """Refuses `devices` the saved schedule cannot run, naming what works."""
+    if schedule not in schedule_lib.schedule_names():
+        return  # A custom schedule not registered yet: Keras' error later.
+    order = list(dict.fromkeys(resolved))
+    try:
+        schedule_lib.check_placement(
+            schedule, [order.index(d) for d in resolved])
+    except ValueError as exc:
+        k = len(resolved)
+        counts = layout.device_counts(schedule, k)
+        example = layout.stage_devices(schedule, k, counts[-1]) \
+            if counts else []
+        raise ValueError(
+            f"Cannot load {path!r} on devices={list(devices)}: {exc} With "
+            f"{k} stages, schedule={schedule!r} runs on {counts} devices "
+            f"(device indices in the order {example}); or pass no devices "
+            "where fewer exist, and keras_pipe picks a layout (a model cut "
+            "by from_model is cut again).") from exc
+
+
 def load_model(filepath, devices=None, custom_objects=None, compile=True,
                safe_mode=True):
     """Loads a PipelineModel saved with `model.save("....keras")`.
@@ -858,7 +900,8 @@ def load_model(filepath, devices=None, custom_objects=None, compile=True,
                 f"{path!r} holds a {num_stages}-stage model, but "
                 f"{len(devices)} devices were given. Received: "
                 f"devices={list(devices)}")
-        placement.resolve_devices(devices)
+        _check_layout(path, saved.get("schedule", "gpipe"),
+                      placement.resolve_devices(devices), devices)
     _LOADING.problem = None
     try:
         with _forced_devices(None if devices is None else list(devices)):
