@@ -256,8 +256,12 @@ class PipelineModel(model_io.SavingMethods, keras.Model):
 
     def _build_from_spec(self, spec):
         self._remember_input_spec(spec)
-        building.build_stages(self._stage_layers, self._resolved_devices,
-                              spec)
+        try:
+            building.build_stages(self._stage_layers, self._resolved_devices,
+                                  spec)
+        except tf.errors.OpError as error:  # A worker lost (out of memory?)
+            cluster.raise_if_lost(self._resolved_devices, "build", error)
+            raise
         self.built = True
         self._build_optimizer()
 

@@ -523,3 +523,131 @@ def test_v_and_interleaved_files_load_on_two_devices(devices, tmp_path):
     for name in names:
         np.testing.assert_allclose(np.load(name + ".npy"), expected[name],
                                    rtol=0, atol=1e-6)
+
+
+# --------------------------------------- issue 26: a worker out of memory
+
+
+def test_exit_of_a_started_process_is_explained(tmp_path):
+    from keras_pipe.distributed import exits
+    log = tmp_path / "w.log"
+    cases = {
+        "killed": ("import os, signal; os.kill(os.getpid(), signal.SIGKILL)",
+                   r"killed by SIGKILL, the signal the kernel's out-of-memory "
+                   r"killer \(or a memory limit\) sends: it most likely ran "
+                   r"out of memory"),
+        "bad_alloc": ("import os; print(\"terminate called after throwing an "
+                      "instance of 'std::bad_alloc'\", flush=True); "
+                      "os.abort()",
+                      r"ran out of memory and exited with code -6: its log "
+                      r"says \"terminate called .*std::bad_alloc'\""),
+        "other": ("print('bye'); raise SystemExit(3)",
+                  r"exited with code 3; its log ends: 'bye'"),
+    }
+    for name, (code, expected) in cases.items():
+        with open(log, "w") as out:
+            proc = subprocess.Popen([sys.executable, "-c", code], stdout=out,
+                                    stderr=subprocess.STDOUT)
+        task = f"/job:test/replica:0/task:{name}"
+        exits.started(task, proc, log)
+        try:
+            assert re.search(expected, exits.why_ended(task, wait=30)), name
+        finally:
+            exits.stopped(task)
+    assert exits.why_ended("/job:test/replica:0/task:none") is None
+
+
+_OUT_OF_MEMORY = """
+import os, signal, sys, threading, time
+import numpy as np, keras, keras_pipe
+
+
+def worker_pid(task):
+    for pid in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = f.read().split(b"\\0")
+            with open(f"/proc/{pid}/stat") as f:
+                parent = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        if (parent == os.getpid() and b"keras_pipe.distributed.worker" in argv
+                and argv[argv.index(b"--task") + 1] == str(task).encode()):
+            return int(pid)
+
+
+def rss_mb(pid):
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+
+
+def cap(pid, limit_mb, stop):
+    # A memory limit as the kernel enforces one: SIGKILL above it.
+    while not stop.is_set():
+        try:
+            if rss_mb(pid) > limit_mb:
+                os.kill(pid, signal.SIGKILL)
+                return
+        except (OSError, TypeError):
+            return
+        time.sleep(0.02)
+
+
+when = sys.argv[1]
+with keras_pipe.local_workers(num_workers=2) as devices:
+    pid = worker_pid(1)
+    width = 2048 if when == "build" else 1024
+    stages = [keras.Sequential([keras.layers.Dense(8)]),
+              keras.Sequential([keras.layers.Dense(width)
+                                for _ in range(4 if when == "build" else 3)])]
+    model = keras_pipe.PipelineModel(stages, devices=devices)
+    stop = threading.Event()
+    try:
+        if when == "fit":
+            model.build((None, 8))
+            model.compile("sgd", "mse")
+            model.fit(np.zeros((8, 8), "float32"),
+                      np.zeros((8, width), "float32"), verbose=0)
+        limit = rss_mb(pid) + (40 if when == "build" else 100)
+        threading.Thread(target=cap, args=(pid, limit, stop),
+                         daemon=True).start()
+        if when == "build":
+            model.build((None, 8))  # stage 1: 4 x 2048 x 2048 floats, 64 MB
+        else:  # stage 1's activations: 80 MB each
+            model.fit(np.zeros((20000, 8), "float32"),
+                      np.zeros((20000, width), "float32"),
+                      batch_size=20000, epochs=3, verbose=0)
+        print("NO ERROR", flush=True)
+    except Exception as exc:
+        print("ERROR", type(exc).__name__, str(exc).replace("\\n", " "),
+              flush=True)
+    finally:
+        stop.set()
+    print("PID", pid, flush=True)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("when", ["build", "fit"])
+def test_worker_out_of_memory_is_named(when):
+    # Broke: at build a ValueError "stages[1] cannot take the output of
+    # stages[0] ... Connection reset by peer"; during fit a
+    # WorkerUnavailableError naming the task but no stage and no memory.
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3",
+               PYTHONPATH=os.path.dirname(os.path.dirname(
+                   os.path.abspath(__file__))))
+    result = subprocess.run(
+        [sys.executable, "-c", _OUT_OF_MEMORY, when], env=env,
+        capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    error = [l for l in result.stdout.splitlines() if l.startswith("ERROR")]
+    pid = [l.split()[1] for l in result.stdout.splitlines()
+           if l.startswith("PID")]
+    assert error and pid, result.stdout
+    assert re.search(
+        r"ERROR WorkerUnavailableError Lost /job:worker/replica:0/task:1 at "
+        rf"127.0.0.1:\d+, which held stage 1 \(its process \(pid {pid[0]}\) "
+        r"was killed by SIGKILL.*it most likely ran out of memory.*\) "
+        rf"during {when}\. Restart the worker", error[0]), error[0]
