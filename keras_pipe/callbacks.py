@@ -23,6 +23,7 @@ import h5py
 import keras
 
 from keras_pipe import _compat
+from keras_pipe.saving import checksums
 from keras_pipe.saving import files as saving
 from keras_pipe.timeline import Timeline  # noqa: F401  (re-exported)
 
@@ -74,7 +75,7 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
         if os.path.exists(self._weights_path):
             # A PipelineModel's load_weights checks too; any model here.
             with h5py.File(self._weights_path, "r") as f:
-                saving.verify_checksums(f, repr(self._weights_path))
+                checksums.verify(f, repr(self._weights_path))
         super()._load_model()
         self._skip = 0
         if not os.path.exists(self._weights_path):

@@ -33,15 +33,14 @@ A `.weights.h5` file is first made in memory (`weights_bytes`), then
 written with plain Python I/O: when libhdf5 itself meets a full disk it
 leaves ids it cannot close, and the process segfaults at exit; a failed
 `write()` is a clean `OSError` naming the user's path. The file carries a
-SHA-256 checksum of each weight (`keras_pipe_sha256`, an attribute Keras
-ignores) that `load_weights` verifies, so a damaged value is refused
+SHA-256 checksum of each weight (`keras_pipe.saving.checksums`) that
+`load_weights` verifies, so a damaged value is refused
 instead of loaded (plain Keras files, without checksums, load as before).
 A `.keras` file is a zip whose members carry a CRC-32, checked on loading.
 """
 
 import contextlib
 import errno
-import hashlib
 import io
 import json
 import os
@@ -59,19 +58,16 @@ import tensorflow as tf
 from keras_pipe import _compat
 from keras_pipe.engine import placement
 from keras_pipe.engine import schedule as schedule_lib
-from keras_pipe.saving import layout
+from keras_pipe.saving import checksums, layout
 
 __all__ = ["load_model", "flat_layers", "weight_paths", "get_config",
            "from_config", "compile_from_config", "load_weights",
            "check_weights", "SeedStates", "write_atomically", "save_model",
-           "save_weights", "weights_bytes", "write_weights_file",
-           "add_checksums", "verify_checksums"]
+           "save_weights", "weights_bytes", "write_weights_file"]
 
 _CONFIG = "config.json"
 _WEIGHTS = "model.weights.h5"
 _REGISTERED_NAME = "keras_pipe>PipelineModel"
-# Attribute of each dataset (its SHA-256) and of the root (of the list).
-_CHECKSUM = "keras_pipe_sha256"
 # Per-thread loading context: devices forced by `load_model`, and the last
 # weights-layout problem found (to report it without Keras' wrapping).
 _LOADING = threading.local()
@@ -479,89 +475,6 @@ def _open_weights(path):
         raise ValueError(_describe_open_error(path, exc)) from exc
 
 
-# -------------------------------------------------------------- checksums
-
-def _datasets(h5):
-    """`[(path, dataset)]` of every dataset in `h5`, sorted by path."""
-    found = []
-    h5.visititems(lambda name, obj: found.append((name, obj)) if isinstance(
-        obj, h5py.Dataset) else None)
-    return sorted(found, key=lambda item: item[0])
-
-
-def _digest(dataset):
-    """SHA-256 of a dataset's dtype, shape and values, as hex."""
-    value = np.asarray(dataset[()])
-    digest = hashlib.sha256(f"{value.dtype.str} {value.shape}".encode())
-    if value.dtype.kind == "O":
-        digest.update(repr(value.tolist()).encode())
-    else:
-        digest.update(np.ascontiguousarray(value).tobytes())
-    return digest.hexdigest()
-
-
-def _list_digest(entries):
-    text = "\n".join(f"{path} {digest}" for path, digest in entries)
-    return hashlib.sha256(text.encode()).hexdigest()
-
-
-def add_checksums(h5):
-    """Writes the SHA-256 of each dataset, and of their list, into `h5`."""
-    entries = []
-    for path, dataset in _datasets(h5):
-        digest = _digest(dataset)
-        dataset.attrs[_CHECKSUM] = digest
-        entries.append((path, digest))
-    h5.attrs[_CHECKSUM] = _list_digest(entries)
-
-
-def verify_checksums(h5, source):
-    """Checks the checksums `add_checksums` wrote; `False` if there are none.
-
-    Args:
-        h5: an open weights file (root group).
-        source: how to name the file in the message.
-
-    Returns:
-        `True` if the file has checksums and every one matches, `False` for
-        a file without them (written by plain Keras).
-
-    Raises:
-        ValueError: naming the file and the damaged weights, if a value
-            differs from its checksum or weights were added or removed.
-    """
-    expected = h5.attrs.get(_CHECKSUM)
-    if expected is None:
-        return False
-    damaged, entries = [], []
-    for path, dataset in _datasets(h5):
-        stored = dataset.attrs.get(_CHECKSUM)
-        try:
-            digest = _digest(dataset)
-        except (OSError, ValueError):  # Unreadable: damaged too.
-            digest = None
-        if stored is not None and digest != stored:
-            damaged.append(path)
-        entries.append((path, stored))
-    fix = ("Use an intact copy of the file, or save the weights again; a "
-           "file written by plain Keras has no checksum and is not checked")
-    if damaged:
-        more = f" and {len(damaged) - 3} more" if len(damaged) > 3 else ""
-        raise ValueError(
-            f"Cannot load {source}: the values of {damaged[:3]}{more} do not "
-            "match the SHA-256 checksums keras_pipe wrote with them (the file "
-            f"was damaged or edited after it was saved). {fix}.")
-    if any(stored is None for _, stored in entries) or \
-            _list_digest(entries) != expected:
-        added = [path for path, stored in entries if stored is None]
-        raise ValueError(
-            f"Cannot load {source}: its list of weights does not match the "
-            "checksum keras_pipe wrote with it (weights were added or "
-            f"removed after it was saved{f': {added[:3]}' if added else ''})."
-            f" {fix}.")
-    return True
-
-
 def weights_bytes(model, attributes=None):
     """The `.weights.h5` file of `model`, made in memory, with checksums.
 
@@ -576,7 +489,7 @@ def weights_bytes(model, attributes=None):
     buffer = io.BytesIO()
     _compat.save_weights_to(model, buffer)
     with h5py.File(buffer, "r+") as h5:
-        add_checksums(h5)
+        checksums.add(h5)
         for name, value in (attributes or {}).items():
             h5.attrs[name] = value
     return buffer.getbuffer()
@@ -610,7 +523,7 @@ def load_weights(model, filepath, load, skip_mismatch=False):
         try:
             if not skip_mismatch:  # First: it names the stage.
                 check_weights(model, h5, repr(path))
-            verify_checksums(h5, repr(path))
+            checksums.verify(h5, repr(path))
             with_optimizer = "optimizer" in h5
         finally:
             h5.close()
