@@ -651,3 +651,21 @@ def test_worker_out_of_memory_is_named(when):
         rf"127.0.0.1:\d+, which held stage 1 \(its process \(pid {pid[0]}\) "
         r"was killed by SIGKILL.*it most likely ran out of memory.*\) "
         rf"during {when}\. Restart the worker", error[0]), error[0]
+
+
+def test_damaged_backup_is_refused_at_restore(tmp_path):
+    # BackupAndRestore writes checksums for any Keras model and checks them
+    # before restoring (a plain model's load_weights would not).
+    model = _small_model()
+    model.compile("sgd", "mse")
+    x, y = np.zeros((4, 4), "float32"), np.zeros((4, 2), "float32")
+    backup_dir = str(tmp_path / "backup")
+    model.fit(x, y, verbose=0, callbacks=[keras_pipe.BackupAndRestore(
+        backup_dir, save_freq=1, delete_checkpoint=False)])
+    path = os.path.join(backup_dir, "latest.weights.h5")
+    _flip_bytes_inside(path, "layers/dense/vars/0")
+    with pytest.raises(ValueError, match=(
+            rf"Cannot load {re.escape(repr(path))}: the values of "
+            r"\['layers/dense/vars/0'\] do not match the SHA-256")):
+        model.fit(x, y, verbose=0,
+                  callbacks=[keras_pipe.BackupAndRestore(backup_dir)])
