@@ -49,6 +49,7 @@ from keras.src.models.functional import (  # noqa: E402
     unpack_singleton,
 )
 from keras.src.random.seed_generator import SeedGenerator, draw_seed  # noqa: E402
+from keras.src.saving import saving_lib as _saving_lib  # noqa: E402
 from keras.src.saving.keras_saveable import KerasSaveable  # noqa: E402
 from keras.src.utils import io_utils as _io_utils  # noqa: E402
 from keras.src.utils import naming as _naming  # noqa: E402
@@ -71,6 +72,26 @@ def set_initial_epoch(model, epoch):
     model._initial_epoch = epoch
 
 
+def save_weights_to(model, buffer):
+    """Keras' `save_weights_only` into an `io.BytesIO` instead of a path.
+
+    The same store and walk as `model.save_weights` (Keras 3.15
+    `saving_lib.save_weights_only`), so the bytes are a `.weights.h5`
+    file; nothing touches the disk (`keras_pipe.saving.files`).
+    """
+    if not model.built:
+        raise ValueError(
+            "You are saving a model that has not yet been built. Try "
+            "building the model first by calling it on some data or by "
+            "using `build()`.")
+    store = _saving_lib.H5IOStore(buffer, mode="w")
+    try:
+        _saving_lib._save_state(model, weights_store=store, assets_store=None,
+                                inner_path="", visited_saveables=set())
+    finally:
+        store.close()
+
+
 def keras_global_state():
     """Keras' global state (scopes, seed generator) as a dict."""
     return dict(vars(global_state.GLOBAL_STATE_TRACKER))
@@ -86,7 +107,7 @@ __all__ = ["Functional", "KerasSaveable", "SUPPORTED", "SeedGenerator",
            "eager_scope", "get_keras_mask",
            "get_server_def", "keras_global_state", "no_automatic_tracking",
            "operation_fn", "reduce_weighted_values",
-           "reinitialize_variable", "replaced_losses",
+           "reinitialize_variable", "replaced_losses", "save_weights_to",
            "scale_loss_for_distribution",
            "set_initial_epoch", "set_keras_global_attribute", "set_keras_mask",
            "to_snake_case", "unpack_singleton"]

@@ -7,7 +7,8 @@ Each check raises before anything is built, with the bad value and the fix:
 import math
 
 __all__ = ["REMAT_MODES", "check_positive_int", "check_non_negative_number",
-           "check_positive_number", "check_remat", "check_device_list"]
+           "check_positive_number", "check_remat", "check_device_list",
+           "check_data"]
 
 # Which micro-batches recompute their stage in the backward pass.
 REMAT_MODES = ("always", "except_last", "never")
@@ -122,3 +123,17 @@ def check_compile_arguments(jit_compile, run_eagerly):
             "run_eagerly=True is not supported by PipelineModel: its "
             "per-device backward pass uses tf.gradients, which needs "
             "graph mode. Use run_eagerly=False.")
+
+
+def check_data(method, args, kwargs):
+    """Raises ValueError if `fit`/`evaluate`/`predict` got no input data.
+
+    Keras accepts `x=None` and fails inside the step; a pipeline would
+    fail there with an AttributeError on `None.shape`.
+    """
+    x = args[0] if args else kwargs.get("x")
+    if x is None:
+        raise ValueError(
+            f"{method}() needs input data: x is None. Pass x= (an array, a "
+            "dict of arrays, a tf.data.Dataset or a keras.utils.PyDataset). "
+            "Received: x=None")

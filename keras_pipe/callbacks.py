@@ -23,6 +23,7 @@ import h5py
 import keras
 
 from keras_pipe import _compat
+from keras_pipe.saving import checksums
 from keras_pipe.saving import files as saving
 from keras_pipe.timeline import Timeline  # noqa: F401  (re-exported)
 
@@ -71,6 +72,10 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
     # ------------------------------------------------------------- restore
 
     def _load_model(self):
+        if os.path.exists(self._weights_path):
+            # A PipelineModel's load_weights checks too; any model here.
+            with h5py.File(self._weights_path, "r") as f:
+                checksums.verify(f, repr(self._weights_path))
         super()._load_model()
         self._skip = 0
         if not os.path.exists(self._weights_path):
@@ -153,12 +158,9 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
                            if optimizer is not None else None),
         }
 
-        def write_weights(path):
-            self.model.save_weights(path, overwrite=True)
-            with h5py.File(path, "a") as f:
-                f.attrs[_ATTRIBUTE] = json.dumps(position)
-
-        saving.write_atomically(self._weights_path, write_weights)
+        # Made in memory, with checksums: a full disk is a clean OSError.
+        saving.write_weights_file(self._weights_path, self.model,
+                                  {_ATTRIBUTE: json.dumps(position)})
         # Keras' own metadata file, read by the stock restore.
         if self.double_checkpoint and os.path.exists(
                 self._training_metadata_path):

@@ -256,8 +256,12 @@ class PipelineModel(model_io.SavingMethods, keras.Model):
 
     def _build_from_spec(self, spec):
         self._remember_input_spec(spec)
-        building.build_stages(self._stage_layers, self._resolved_devices,
-                              spec)
+        try:
+            building.build_stages(self._stage_layers, self._resolved_devices,
+                                  spec)
+        except tf.errors.OpError as error:  # A worker lost (out of memory?)
+            cluster.raise_if_lost(self._resolved_devices, "build", error)
+            raise
         self.built = True
         self._build_optimizer()
 
@@ -435,6 +439,7 @@ class PipelineModel(model_io.SavingMethods, keras.Model):
     # (`cluster.run`); a plain call when every stage is local.
 
     def fit(self, *args, **kwargs):
+        _validation.check_data("fit", args, kwargs)
         # TensorBoard(write_graph=True) gets the model config as Keras
         # writes it for a Functional model (`keras_pipe.reporting`).
         args, kwargs = reporting.with_config_writers_in(args, kwargs)
@@ -442,9 +447,11 @@ class PipelineModel(model_io.SavingMethods, keras.Model):
                            **kwargs)
 
     def evaluate(self, *args, **kwargs):
+        _validation.check_data("evaluate", args, kwargs)
         return cluster.run(self._resolved_devices, "evaluate",
                            super().evaluate, *args, **kwargs)
 
     def predict(self, *args, **kwargs):
+        _validation.check_data("predict", args, kwargs)
         return cluster.run(self._resolved_devices, "predict",
                            super().predict, *args, **kwargs)

@@ -271,6 +271,34 @@ def test_set_initial_epoch_is_what_fit_reads():
     assert seen == [2]
 
 
+def test_save_weights_to_writes_the_file_keras_writes(tmp_path):
+    import io
+
+    import h5py
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(3)])
+    model.compile("adam", "mse")
+    model.optimizer.build(model.trainable_variables)
+    buffer = io.BytesIO()
+    _compat.save_weights_to(model, buffer)
+    model.save_weights(str(tmp_path / "k.weights.h5"))
+
+    def contents(f):
+        found = {}
+        f.visititems(lambda name, obj: found.__setitem__(name, obj[()])
+                     if isinstance(obj, h5py.Dataset) else None)
+        return found
+
+    with h5py.File(buffer, "r") as ours, \
+            h5py.File(tmp_path / "k.weights.h5", "r") as theirs:
+        a, b = contents(ours), contents(theirs)
+    assert sorted(a) == sorted(b) and "layers/dense/vars/0" in a
+    for name in a:
+        np.testing.assert_array_equal(a[name], b[name])
+    with pytest.raises(ValueError, match="not yet been built"):
+        _compat.save_weights_to(keras.Sequential([keras.layers.Dense(1)]),
+                                io.BytesIO())
+
+
 def test_keras_global_state_round_trips():
     state = _compat.keras_global_state()
     assert isinstance(state, dict)

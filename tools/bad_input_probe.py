@@ -129,6 +129,14 @@ def _cases(tmp):
         refuse(f"from_model({k}={v!r})",
                lambda k=k, v=v: keras_pipe.PipelineModel.from_model(
                    sequential(), **{"devices": devices, k: v}), k)
+    refuse("from_model(input_shape=(None, 5)) for a (None, 3) input",
+           lambda: keras_pipe.PipelineModel.from_model(
+               sequential(), devices=devices, input_shape=(None, 5)),
+           "(None, 5)")
+    refuse("from_model(input_shape=..., sample_inputs=...) both",
+           lambda: keras_pipe.PipelineModel.from_model(
+               sequential(), devices=devices, input_shape=(None, 3),
+               sample_inputs=np.zeros((2, 3), "float32")), "not both")
     refuse("from_model(model=None)",
            lambda: keras_pipe.PipelineModel.from_model(None, num_stages=2),
            "model")
@@ -277,6 +285,11 @@ def _cases(tmp):
                lambda k=k, v=v: compiled().fit(x, y, verbose=0, **{k: v}),
                lambda k=k, v=v: plain_compiled().fit(x, y, verbose=0,
                                                      **{k: v}))
+    parity("evaluate(x=None)",
+           lambda: compiled().evaluate(None, y, verbose=0),
+           lambda: plain_compiled().evaluate(None, y, verbose=0))
+    parity("predict(x=None)", lambda: compiled().predict(None, verbose=0),
+           lambda: plain_compiled().predict(None, verbose=0))
     accept("fit(batch_size=3) (batch not divisible by M)",
            lambda: compiled().fit(x, y, batch_size=3, verbose=0))
     accept("fit(epochs=0)", lambda: compiled().fit(x, y, epochs=0, verbose=0))
@@ -373,6 +386,31 @@ def _cases(tmp):
     refuse("load_weights(.weights.h5 with a flipped value)", flipped_weights,
            "checksum")
 
+    def flipped_bytes():
+        model = built()
+        name = path("b.weights.h5")
+        model.save_weights(name)
+        import h5py
+        with h5py.File(name, "r") as f:
+            offset = f["layers/dense/vars/0"].id.get_offset()
+        with open(name, "r+b") as f:
+            f.seek(offset + 4)
+            data = f.read(8)
+            f.seek(offset + 4)
+            f.write(bytes(b ^ 0xFF for b in data))
+        model.load_weights(name)
+    refuse("load_weights(.weights.h5 with 8 bytes flipped in a kernel)",
+           flipped_bytes, "checksum", path("b.weights.h5"))
+
+    def unchecked_plain_file():
+        plain = sequential()
+        plain.save_weights(path("plain.weights.h5"))
+        pipe = keras_pipe.PipelineModel.from_model(sequential(),
+                                                   devices=devices)
+        pipe.load_weights(path("plain.weights.h5"))
+    accept("load_weights(plain Keras .weights.h5, no checksum)",
+           unchecked_plain_file)
+
     # BackupAndRestore / callbacks.
     for v in [None, 5, ""]:
         parity(f"BackupAndRestore(backup_dir={v!r})",
@@ -393,10 +431,17 @@ def _cases(tmp):
     # Faults: a full disk (a file-size limit, RLIMIT_FSIZE) during saves,
     # each in a process of its own that exits normally: a crash at exit
     # (libhdf5) counts as a crash.
-    for name in ["full.keras", "full.weights.h5"]:
-        refuse(f"full disk during save({name!r}), then exit",
+    for name in ["full.keras", "full.weights.h5", "backup"]:
+        what = ("BackupAndRestore(save_freq=1)" if name == "backup"
+                else f"save({name!r})")
+        shown = (os.path.join(path(name), "latest.weights.h5")
+                 if name == "backup" else path(name))
+        refuse(f"full disk during {what}, then exit",
                lambda name=name: _in_own_process(_FULL_DISK, path(name)),
-               path(name))
+               shown)
+    for schedule in ["zbv", "interleaved_1f1b"]:
+        accept(f"load_model({schedule} K=8 saved on 4 devices) on 2 devices",
+               lambda schedule=schedule: _fewer_devices(schedule, tmp))
     return cases
 
 
@@ -416,12 +461,44 @@ path = sys.argv[1]
 soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
 resource.setrlimit(resource.RLIMIT_FSIZE, (2048, hard))
 try:
-    (model.save_weights if path.endswith(".weights.h5") else model.save)(path)
+    if path.endswith("backup"):
+        import numpy as np
+        model.compile("sgd", "mse")
+        model.fit(np.zeros((4, 3)), np.zeros((4, 2)), verbose=0,
+                  callbacks=[keras_pipe.BackupAndRestore(path, save_freq=1)])
+    else:
+        (model.save_weights if path.endswith(".weights.h5")
+         else model.save)(path)
 except Exception as exc:
     print("ERROR", type(exc).__name__, str(exc).splitlines()[0], flush=True)
 finally:
     resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
 """
+
+
+_SAVE_ON_FOUR = """
+import sys, keras, keras_pipe
+d = keras_pipe.logical_cpu_devices(4)
+devices = {"zbv": d + d[::-1], "interleaved_1f1b": d * 2}[sys.argv[2]]
+model = keras_pipe.PipelineModel.from_model(
+    keras.Sequential([keras.Input((3,))] + [keras.layers.Dense(4)
+                                            for _ in range(8)]),
+    num_stages=8, devices=devices, schedule=sys.argv[2])
+model.save(sys.argv[1])
+"""
+_LOAD_ON_TWO = """
+import sys, numpy as np, keras_pipe
+keras_pipe.logical_cpu_devices(2)
+model = keras_pipe.load_model(sys.argv[1])
+model.predict(np.zeros((4, 3), "float32"), verbose=0)
+"""
+
+
+def _fewer_devices(schedule, tmp):
+    """Saves an 8-stage `schedule` model on 4 devices, loads it on 2."""
+    name = os.path.join(tmp, f"k8_{schedule}.keras")
+    _in_own_process(_SAVE_ON_FOUR, name, schedule)
+    _in_own_process(_LOAD_ON_TWO, name)
 
 
 def _in_own_process(script, *args):
@@ -431,6 +508,11 @@ def _in_own_process(script, *args):
                             env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
     printed = [line for line in result.stdout.splitlines()
                if line.startswith("ERROR ")]
+    if result.returncode > 0 and not printed:  # An uncaught error.
+        last = (result.stderr.strip().splitlines() or [""])[-1]
+        kind, _, message = last.partition(": ")
+        printed = [f"ERROR {kind.rsplit('.', 1)[-1] or 'RuntimeError'} "
+                   f"{message}"]
     if result.returncode < 0:
         raise ProbeCrash(f"signal {-result.returncode} "
                          f"({printed[0] if printed else 'no error printed'})")

@@ -37,11 +37,11 @@ import tensorflow as tf
 
 from keras_pipe import _compat, _validation
 from keras_pipe.distributed import bind as bind_lib
-from keras_pipe.distributed import diagnosis
+from keras_pipe.distributed import diagnosis, exits
 
 __all__ = ["WorkerRestartedError", "WorkerUnavailableError", "check_addresses",
            "cluster_spec",
-           "connect", "probe", "run"]
+           "connect", "probe", "run", "raise_if_lost"]
 
 
 class WorkerUnavailableError(ConnectionError):
@@ -600,9 +600,9 @@ def run(devices, action, function, *args, interval=1.0, misses=2,
                       f"no answer {grace:g} s after cancelling; the call is "
                       "left blocked in a daemon thread")
             raise WorkerUnavailableError(
-                f"Lost {_describe_tasks(lost)} during {action}. Restart the "
-                f"worker, call keras_pipe.connect() again and {_REBUILD} "
-                f"({detail})", lost) from error
+                f"Lost {_describe_lost(lost, devices)} during {action}. "
+                f"Restart the worker, call keras_pipe.connect() again and "
+                f"{_REBUILD} ({detail})", lost) from error
         restarted = _restarted(error, tasks)
         if restarted:
             raise WorkerRestartedError(
@@ -616,6 +616,49 @@ def run(devices, action, function, *args, interval=1.0, misses=2,
     if error is not None:
         raise error
     return outcome["value"]
+
+
+def _task_of(device):
+    spec = tf.DeviceSpec.from_string(device)
+    if spec.job is None:
+        return None
+    return f"/job:{spec.job}/replica:0/task:{spec.task or 0}"
+
+
+def _describe_lost(lost, devices):
+    """Each lost task, its address, its stages and why its process ended."""
+    parts = []
+    for name, address in lost.items():
+        stages = [j for j, d in enumerate(devices) if _task_of(d) == name]
+        held = (f", which held stage{'s' if len(stages) > 1 else ''} "
+                f"{', '.join(map(str, stages))}" if stages else "")
+        why = exits.why_ended(name)
+        if why is None:
+            why = ("if it ran out of memory, its log or `dmesg` says so "
+                   "(a worker started by keras_pipe.local_workers is named "
+                   "with its exit)")
+        parts.append(f"{name} at {address}{held} ({why})")
+    return "; ".join(parts)
+
+
+def raise_if_lost(devices, action, error):
+    """Raises WorkerUnavailableError if a task of `devices` is gone.
+
+    For a TF error outside `run` (a build: creating a stage's variables on
+    a worker that dies, e.g. out of memory, is `UnavailableError: Socket
+    closed` naming no task). Returns if every task still answers.
+    """
+    tasks = _remote_tasks(devices)
+    if not tasks or not isinstance(error, tf.errors.OpError):
+        return
+    lost = {n: a for n, a in tasks.items()
+            if exits.why_ended(n, wait=0.5) is not None}
+    lost = lost or _unreachable(tasks, 2.0)
+    if lost:
+        raise WorkerUnavailableError(
+            f"Lost {_describe_lost(lost, devices)} during {action}. Restart "
+            f"the worker, call keras_pipe.connect() again and {_REBUILD} "
+            f"({_first_line(error)})", lost) from error
 
 
 def _wait(done, watchdog, grace):

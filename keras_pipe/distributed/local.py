@@ -23,6 +23,7 @@ import tempfile
 import time
 
 from keras_pipe import _validation
+from keras_pipe.distributed import exits
 
 __all__ = ["local_workers"]
 
@@ -214,13 +215,17 @@ def _start(task, addresses, cores, gpus, intra, inter, logdir):
         env["CUDA_VISIBLE_DEVICES"] = str(gpus[task])
     else:
         env["CUDA_VISIBLE_DEVICES"] = ""  # a CPU worker takes no GPU
-    with open(logdir / f"worker{task}.log", "w") as log:
-        return subprocess.Popen(
+    path = logdir / f"worker{task}.log"
+    with open(path, "w") as log:
+        proc = subprocess.Popen(
             command, env=env, stdout=log, stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent,
             # Not in the terminal's process group: Ctrl-C reaches this
             # process only, which then stops the workers itself.
             start_new_session=True)
+    # For the error of a worker that dies (out of memory): `exits`.
+    exits.started(f"/job:worker/replica:0/task:{task}", proc, path)
+    return proc
 
 
 def _wait_serving(procs, logdir, timeout):
@@ -241,6 +246,8 @@ def _wait_serving(procs, logdir, timeout):
 
 def _stop(procs):
     """Kills every worker, then waits for each: none is left running."""
+    for task in range(len(procs)):
+        exits.stopped(f"/job:worker/replica:0/task:{task}")
     for proc in procs:
         if proc.poll() is None:
             proc.kill()

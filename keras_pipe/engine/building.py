@@ -147,6 +147,8 @@ def build_stages(stages, devices, spec):
                 try:
                     out = stage.compute_output_spec(spec) if stage.built \
                         else stage(spec)
+                except tf.errors.OpError:
+                    raise  # The runtime failed (a worker lost), not a shape.
                 except Exception as exc:  # Keras raises many types here.
                     raise ValueError(_mismatch_message(
                         stages, j, spec, exc)) from exc

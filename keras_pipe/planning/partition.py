@@ -397,6 +397,8 @@ def cut(model, num_stages, balance="params", devices=None,
     _validation.check_remat(remat, num_stages)
     graph = graph_lib.read_graph(model)
     _check_enough_calls(graph, num_stages)
+    # Checked even where no cost reads them (balance="params").
+    shapes_lib.check_given(graph, input_shape, sample_inputs)
     micro = micro_batch_size(batch_size, num_micro_batches)
     shapes = None
 

@@ -28,10 +28,20 @@ Keras' `ModelCheckpoint` and `keras_pipe.BackupAndRestore`, write a
 temporary file in the target's folder, fsync it and rename it over the
 target. Keras writes in place, so a crash during the save of a large model
 would leave a truncated file and no previous copy.
+
+A `.weights.h5` file is first made in memory (`weights_bytes`), then
+written with plain Python I/O: when libhdf5 itself meets a full disk it
+leaves ids it cannot close, and the process segfaults at exit; a failed
+`write()` is a clean `OSError` naming the user's path. The file carries a
+SHA-256 checksum of each weight (`keras_pipe.saving.checksums`) that
+`load_weights` verifies, so a damaged value is refused
+instead of loaded (plain Keras files, without checksums, load as before).
+A `.keras` file is a zip whose members carry a CRC-32, checked on loading.
 """
 
 import contextlib
 import errno
+import io
 import json
 import os
 import threading
@@ -47,11 +57,13 @@ import tensorflow as tf
 
 from keras_pipe import _compat
 from keras_pipe.engine import placement
+from keras_pipe.engine import schedule as schedule_lib
+from keras_pipe.saving import checksums, layout
 
 __all__ = ["load_model", "flat_layers", "weight_paths", "get_config",
            "from_config", "compile_from_config", "load_weights",
            "check_weights", "SeedStates", "write_atomically", "save_model",
-           "save_weights"]
+           "save_weights", "weights_bytes", "write_weights_file"]
 
 _CONFIG = "config.json"
 _WEIGHTS = "model.weights.h5"
@@ -246,13 +258,16 @@ def _forced_devices(devices):
         _LOADING.devices = previous
 
 
-def _fallback_devices(saved, num_stages):
-    """Devices that exist here for `saved`, with a warning if they differ."""
+def _fallback(saved, config, cut):
+    """Devices that exist here for the `saved` ones, with a warning if they
+    differ; `config` gets fewer stages if its schedule needs them
+    (`keras_pipe.saving.layout`)."""
     try:
         placement.resolve_devices(saved)
         return list(saved)
     except ValueError:
         pass
+    num_stages = len(saved)
     available = [d.name for d in tf.config.list_logical_devices("GPU")]
     available = available or [
         d.name for d in tf.config.list_logical_devices("CPU")]
@@ -262,13 +277,28 @@ def _fallback_devices(saved, num_stages):
             placement.resolve_devices([device])
         except ValueError:
             missing.append(device)
-    # Contiguous blocks keep neighbouring stages together.
-    chosen = [available[j * len(available) // num_stages]
-              for j in range(num_stages)]
+    schedule = config.get("schedule", "gpipe")
+    try:
+        new_k, indices = layout.fit(schedule, num_stages, len(available),
+                                    can_recut=cut)
+    except ValueError as exc:
+        raise ValueError(
+            f"The saved devices {missing} do not exist in this process "
+            f"(available: {available}): {exc}") from exc
+    chosen = [available[i] for i in indices]
+    recut = ""
+    if new_k != num_stages:
+        config["balance"] = layout.merged_balance(config["balance"], new_k)
+        config["remat"] = layout.merged_remat(
+            config.get("remat", "except_last"), num_stages, new_k)
+        recut = (f" schedule={schedule!r} cannot run the saved {num_stages} "
+                 f"stages on {len(available)} devices: the model is cut "
+                 f"again into {new_k} stages (balance={config['balance']}; "
+                 "the weights do not depend on the cut).")
     warnings.warn(
         f"keras_pipe: the saved devices {missing} do not exist in this "
         f"process (available: {available}). The {num_stages} stages, saved "
-        f"on {list(saved)}, are placed on {chosen} instead. Pass "
+        f"on {list(saved)}, are placed on {chosen} instead.{recut} Pass "
         "devices=[...] to keras_pipe.load_model() to choose.",
         UserWarning, stacklevel=3)
     return chosen
@@ -293,7 +323,8 @@ def from_config(cls, config, custom_objects=None):
             f"{num_stages} stages and devices={saved}.")
     devices = getattr(_LOADING, "devices", None)
     if devices is None:
-        devices = _fallback_devices(saved, num_stages)
+        devices = _fallback(saved, config, cut)
+        num_stages = len(devices)
     resolved = placement.resolve_devices(devices)
     if cut:
         from keras_pipe.planning import partition  # noqa: PLC0415
@@ -444,6 +475,41 @@ def _open_weights(path):
         raise ValueError(_describe_open_error(path, exc)) from exc
 
 
+def weights_bytes(model, attributes=None):
+    """The `.weights.h5` file of `model`, made in memory, with checksums.
+
+    Args:
+        model: a built Keras model (a `PipelineModel` or any other).
+        attributes: extra attributes of the file's root (`BackupAndRestore`
+            writes its position there). Defaults to `None`.
+
+    Returns:
+        A `memoryview` of the file's bytes.
+    """
+    buffer = io.BytesIO()
+    _compat.save_weights_to(model, buffer)
+    with h5py.File(buffer, "r+") as h5:
+        checksums.add(h5)
+        for name, value in (attributes or {}).items():
+            h5.attrs[name] = value
+    return buffer.getbuffer()
+
+
+def write_weights_file(filepath, model, attributes=None, overwrite=True):
+    """Writes `weights_bytes(model, attributes)` to `filepath`, atomically.
+
+    libhdf5 never writes to the disk: a full disk is an `OSError` naming
+    `filepath`, raised by Python's `write()`, and the process exits
+    cleanly.
+    """
+    def write(path):
+        data = weights_bytes(model, attributes)
+        with open(path, "wb") as f:
+            f.write(data)
+
+    return write_atomically(filepath, write, overwrite)
+
+
 def load_weights(model, filepath, load, skip_mismatch=False):
     """Checks `filepath` against `model`, then calls `load()`; all or nothing.
 
@@ -455,8 +521,9 @@ def load_weights(model, filepath, load, skip_mismatch=False):
     if path.endswith(".weights.h5") or path.endswith(".keras"):
         h5 = _open_weights(path)
         try:
-            if not skip_mismatch:
+            if not skip_mismatch:  # First: it names the stage.
                 check_weights(model, h5, repr(path))
+            checksums.verify(h5, repr(path))
             with_optimizer = "optimizer" in h5
         finally:
             h5.close()
@@ -589,17 +656,20 @@ def save_model(save, filepath, overwrite=True, **kwargs):
         overwrite)
 
 
-def save_weights(save, filepath, overwrite=True, max_shard_size=None):
-    """`PipelineModel.save_weights`: Keras' `save_weights`, atomic.
+def save_weights(model, save, filepath, overwrite=True, max_shard_size=None):
+    """`PipelineModel.save_weights`: Keras' file, with checksums, atomic.
 
-    Sharded weights (`max_shard_size`, several files) and remote paths are
-    written by Keras as is.
+    Made in memory and written by `write_weights_file`. Sharded weights
+    (`max_shard_size`, several files), remote paths, a name Keras refuses
+    and an unbuilt model go to Keras' `save` as is (it raises for the
+    last two, naming the user's path).
     """
-    if max_shard_size is not None or not _local_file(filepath):
+    if (max_shard_size is not None or not _local_file(filepath)
+            or not os.fspath(filepath).endswith(".weights.h5")
+            or not model.built):
         return save(filepath, overwrite=overwrite,
                     max_shard_size=max_shard_size)
-    return write_atomically(
-        filepath, lambda path: save(path, overwrite=True), overwrite)
+    return write_weights_file(filepath, model, overwrite=overwrite)
 
 
 def _read_archive(path):
@@ -650,6 +720,27 @@ def _read_archive(path):
             f"Cannot load {path!r}: its {_WEIGHTS} is not a readable HDF5 "
             f"file: {exc}") from exc
     return config, h5
+
+
+def _check_layout(path, schedule, resolved, devices):
+    """Refuses `devices` the saved schedule cannot run, naming what works."""
+    if schedule not in schedule_lib.schedule_names():
+        return  # A custom schedule not registered yet: Keras' error later.
+    order = list(dict.fromkeys(resolved))
+    try:
+        schedule_lib.check_placement(
+            schedule, [order.index(d) for d in resolved])
+    except ValueError as exc:
+        k = len(resolved)
+        counts = layout.device_counts(schedule, k)
+        example = layout.stage_devices(schedule, k, counts[-1]) \
+            if counts else []
+        raise ValueError(
+            f"Cannot load {path!r} on devices={list(devices)}: {exc} With "
+            f"{k} stages, schedule={schedule!r} runs on {counts} devices "
+            f"(device indices in the order {example}); or pass no devices "
+            "where fewer exist, and keras_pipe picks a layout (a model cut "
+            "by from_model is cut again).") from exc
 
 
 def load_model(filepath, devices=None, custom_objects=None, compile=True,
@@ -722,7 +813,8 @@ def load_model(filepath, devices=None, custom_objects=None, compile=True,
                 f"{path!r} holds a {num_stages}-stage model, but "
                 f"{len(devices)} devices were given. Received: "
                 f"devices={list(devices)}")
-        placement.resolve_devices(devices)
+        _check_layout(path, saved.get("schedule", "gpipe"),
+                      placement.resolve_devices(devices), devices)
     _LOADING.problem = None
     try:
         with _forced_devices(None if devices is None else list(devices)):

@@ -46,12 +46,14 @@ class SavingMethods:
         return saving.save_model(super().save, filepath, overwrite, **kwargs)
 
     def save_weights(self, filepath, overwrite=True, max_shard_size=None):
-        """Same as `keras.Model.save_weights`, atomic like `save`."""
-        return saving.save_weights(super().save_weights, filepath, overwrite,
-                                   max_shard_size)
+        """Same as `keras.Model.save_weights`, atomic like `save`, with a
+        checksum of each weight that `load_weights` verifies."""
+        return saving.save_weights(self, super().save_weights, filepath,
+                                   overwrite, max_shard_size)
 
     def load_weights(self, filepath, skip_mismatch=False, **kwargs):
-        """Same as `keras.Model.load_weights`, checked and all or nothing."""
+        """Same as `keras.Model.load_weights`, checked (checksums, layout)
+        and all or nothing."""
         saving.load_weights(
             self, filepath, skip_mismatch=skip_mismatch,
             load=lambda: super(SavingMethods, self).load_weights(

@@ -14,7 +14,7 @@ import warnings
 
 import keras
 
-__all__ = ["infer_shapes"]
+__all__ = ["infer_shapes", "check_given"]
 
 
 def _is_shape(value):
@@ -133,6 +133,29 @@ def _warn(graph, shapes, what):
             "sample_inputs=<a batch>.", UserWarning, stacklevel=4)
 
 
+def check_given(graph, input_shape=None, sample_inputs=None):
+    """Checks `input_shape` / `sample_inputs` against the graph's inputs.
+
+    Called when a model is cut, whatever the balance, so a bad
+    `input_shape` is refused even where no cost uses it (`"params"`).
+
+    Returns:
+        One given shape (or None) per graph input.
+
+    Raises:
+        TypeError, ValueError: as `infer_shapes`.
+    """
+    if input_shape is not None and sample_inputs is not None:
+        raise ValueError(
+            "Pass input_shape= or sample_inputs=, not both. Received: "
+            f"input_shape={input_shape!r} and sample_inputs.")
+    if input_shape is not None:
+        return _given_shapes(graph, input_shape)
+    if sample_inputs is not None:
+        return _sample_shapes(graph, sample_inputs)
+    return [None] * len(graph.inputs)
+
+
 def infer_shapes(graph, input_shape=None, sample_inputs=None,
                  what="the cost"):
     """Shapes (batch axis `None`) of the graph's tensors, for costing.
@@ -155,15 +178,7 @@ def infer_shapes(graph, input_shape=None, sample_inputs=None,
         ValueError: if both arguments are given, or a shape has the wrong
             rank, contradicts a known dimension or names an unknown input.
     """
-    if input_shape is not None and sample_inputs is not None:
-        raise ValueError(
-            "Pass input_shape= or sample_inputs=, not both. Received: "
-            f"input_shape={input_shape!r} and sample_inputs.")
-    given = [None] * len(graph.inputs)
-    if input_shape is not None:
-        given = _given_shapes(graph, input_shape)
-    elif sample_inputs is not None:
-        given = _sample_shapes(graph, sample_inputs)
+    given = check_given(graph, input_shape, sample_inputs)
     shapes = {id(x): _merge(x.shape, g) for x, g in zip(graph.inputs, given)}
     if any(_unknown(tuple(x.shape)) for x in graph.inputs) or any(
             _unknown(tuple(c.outputs[0].shape)) for c in graph.calls
