@@ -356,7 +356,8 @@ class SplitBackward:
                 grads = [None if slot is None
                          else gradients_lib.sum_micro_batches(
                              [s[slot] for s in stashes],
-                             batch_independent=bool(shared[slot]) or None)
+                             batch_independent=(
+                                 slot < len(shared) and shared[slot]) or None)
                          for slot in plan.param_slots]
             sums = iter(sums)
             new_sums = [gradients_lib.add_gradients(next(sums), g)
@@ -560,7 +561,8 @@ def _replayed_gradients(plan, params, stashes, shared=()):
     their rows, giving the optimizer each bucket once per micro-batch.
     """
     own = [m for m in plan.mixing if m.x_slots and len(stashes) > 1
-           and all(shared[slot] for slot in m.x_slots.values())]
+           and all(slot < len(shared) and shared[slot]
+                   for slot in m.x_slots.values())]
     own_ys = [([], []) for _ in stashes]
     with tf.GradientTape(watch_accessed_variables=False,
                          persistent=bool(own)) as tape:
