@@ -7,7 +7,12 @@ with its share of the value; concatenating them gave the optimizer every
 position M times, and Keras' TF optimizers apply duplicate rows one by one,
 non-linearly (Adam moved the table 0.0141 for lr 0.01 where plain Keras
 moves it 0.0100). An Embedding over token ids stays a concatenation: the
-unsplit gradient has one row per token there too.
+unsplit gradient has one row per token there too, even where every
+micro-batch holds the same distinct ids (the old runtime rule added them).
+T5's relative attention bias, `take(table, buckets)` with a [T, T] bucket
+matrix from `arange(T)`, repeats its buckets: the unsplit gradient has the
+matrix's indices once, repeats included, and so must the pipeline's (the
+old rule concatenated them: Adam's third loss off by 2.8e-4 relative).
 
 Tolerance: after 3 steps, every weight of the pipeline is within 1e-4 of
 its update (`max|w_pipe - w_keras| <= 1e-4 * max|w_keras - w_start|`) and
