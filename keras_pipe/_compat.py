@@ -103,7 +103,8 @@ def set_keras_global_attribute(name, value):
 
 __all__ = ["Functional", "KerasSaveable", "SUPPORTED", "SeedGenerator",
            "draw_seed", "tf_random",
-           "ask_to_proceed_with_overwrite", "cancellation", "check_versions",
+           "ask_to_proceed_with_overwrite", "called_graph", "cancellation",
+           "check_versions",
            "eager_scope", "get_keras_mask",
            "get_server_def", "keras_global_state", "no_automatic_tracking",
            "operation_fn", "reduce_weighted_values",
@@ -293,3 +294,21 @@ def cast_seed(seed):
 def concrete_noise_shape(inputs, noise_shape):
     """Dropout's noise shape with None entries filled from `inputs`."""
     return tf_random._get_concrete_noise_shape(inputs, noise_shape)
+
+
+def called_graph(op):
+    """The `FuncGraph` a function-call op runs (`PartitionedCall`,
+    `StatefulPartitionedCall`), or None (another op, or a function known
+    only by its FunctionDef). Looked up in the op's graph, then in the
+    graphs it is nested in (`keras_pipe.engine.gradients` walks it)."""
+    try:
+        name = op.get_attr("f").name
+    except (ValueError, TypeError):
+        return None
+    graph = op.graph
+    while graph is not None:
+        function = graph._get_function(name)
+        if function is not None:
+            return getattr(function, "graph", None)
+        graph = getattr(graph, "outer_graph", None)
+    return None

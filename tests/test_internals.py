@@ -341,3 +341,22 @@ def test_keyed_random_rows_match_the_global_draw(draw):
     np.testing.assert_array_equal(parts.numpy(), whole.numpy())
     np.testing.assert_array_equal(rows_of(5, 2).numpy(), whole[5:7].numpy())
     assert np.std(whole.numpy()) > 0.1  # random, not constant
+
+
+def test_called_graph_is_the_function_a_call_op_runs():
+    inner = tf.function(lambda x: 2 * x, autograph=False,
+                        experimental_attributes={"_noinline": True})
+    found = {}
+
+    @tf.function(autograph=False)
+    def outer(x):
+        y = inner(x)
+        found["graph"] = _compat.called_graph(y.op)
+        found["not a call"] = _compat.called_graph(x.op)
+        return y
+
+    outer(tf.ones([2]))
+    assert found["not a call"] is None
+    graph = found["graph"]
+    assert [t.op.type for t in graph.inputs] == ["Placeholder"]
+    assert len(graph.outputs) == 1

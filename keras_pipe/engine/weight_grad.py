@@ -280,7 +280,9 @@ class SplitBackward:
                 groups.setdefault(stash.key, []).append(stash)
         for key, group in groups.items():
             dense = tuple(isinstance(t, tf.Tensor) for t in totals)
-            function = self._traced_weight(key, len(group), params, dense)
+            shared = _shared_slots(self._plans[key], group)
+            function = self._traced_weight(key, len(group), params, dense,
+                                           shared)
             grads, sums = function(
                 params, [list(s) for s in group],
                 [t for t, d in zip(totals, dense) if d])
@@ -331,7 +333,8 @@ class SplitBackward:
         self._functions[key] = function
         return key, function, args
 
-    def _traced_weight(self, key, num_micro_batches, params, dense):
+    def _traced_weight(self, key, num_micro_batches, params, dense,
+                       shared=()):
         """W as a traced function, or (stashes of a recorded B) in place.
 
         After a B that ran in place (`backward_recorded`), W runs in place
@@ -339,18 +342,22 @@ class SplitBackward:
         hold back the transfer of B's input gradient (see
         `keras_pipe.engine.executor._handed_over`).
         """
-        wkey = ("weight", key, num_micro_batches, dense)
+        wkey = ("weight", key, num_micro_batches, dense, shared)
         if wkey in self._functions:
             return self._functions[wkey]
         plan = self._plans[key]
 
         def run(params, stashes, sums):
             if plan.splittable:
-                grads = _replayed_gradients(plan, params, stashes)
+                grads = _replayed_gradients(plan, params, stashes, shared)
             else:
+                # Stashed weight gradients: their indices are arguments
+                # here, so whether they depend on the batch comes from B.
                 grads = [None if slot is None
                          else gradients_lib.sum_micro_batches(
-                             [s[slot] for s in stashes])
+                             [s[slot] for s in stashes],
+                             batch_independent=(
+                                 slot < len(shared) and shared[slot]) or None)
                          for slot in plan.param_slots]
             sums = iter(sums)
             new_sums = [gradients_lib.add_gradients(next(sums), g)
@@ -515,9 +522,50 @@ def _fill_stash(plan, output_grads, ys, grad_ys):
     return stash
 
 
-def _replayed_gradients(plan, params, stashes):
-    """W's body: replays the P chain and the mixing ops, one tape.gradient."""
-    with tf.GradientTape(watch_accessed_variables=False) as tape:
+def _shared_slots(plan, stashes):
+    """Per stash slot, whether it does not depend on the batch's data.
+
+    Decided on the first stash as the caller's graph sees it (B's outputs,
+    walked into B; `keras_pipe.engine.gradients.depends_on_batch`): a
+    relative-bias bucket matrix computed from `arange(T)`, a position
+    table's `arange(T)`. In eager mode nothing is walked: all False.
+    """
+    first = stashes[0]
+    wanted = set(s for s in plan.param_slots if s is not None)
+    wanted |= {slot for m in plan.mixing for slot in m.x_slots.values()}
+    shared = []
+    for slot, t in enumerate(first):
+        t = t.indices if isinstance(t, tf.IndexedSlices) else t
+        shared.append(slot in wanted and len(stashes) > 1
+                      and _is_symbolic(t)
+                      and not gradients_lib.depends_on_batch(t))
+    return tuple(shared)
+
+
+def _is_symbolic(t):
+    try:
+        t.op  # noqa: B018  (eager tensors have no op)
+    except AttributeError:
+        return False
+    return True
+
+
+def _replayed_gradients(plan, params, stashes, shared=()):
+    """W's body: replays the P chain and the mixing ops, one tape.gradient.
+
+    A mixing op whose stashed X inputs do not depend on the batch (`shared`,
+    a gather of `take(table, buckets)`) is replayed per micro-batch and
+    differentiated per micro-batch: their gradients are added as
+    micro-batches are (`keras_pipe.engine.gradients.add_gradients`: equal
+    indices add their values), where one `tape.gradient` would concatenate
+    their rows, giving the optimizer each bucket once per micro-batch.
+    """
+    own = [m for m in plan.mixing if m.x_slots and len(stashes) > 1
+           and all(slot < len(shared) and shared[slot]
+                   for slot in m.x_slots.values())]
+    own_ys = [([], []) for _ in stashes]
+    with tf.GradientTape(watch_accessed_variables=False,
+                         persistent=bool(own)) as tape:
         tape.watch(list(params))
         values = {ph.ref(): p for ph, p in zip(plan.params, params)}
         for op in plan.replay:
@@ -526,6 +574,16 @@ def _replayed_gradients(plan, params, stashes):
         ys, grad_ys = [], []
         concatenated = _Concatenated(stashes)
         for m in plan.mixing:
+            if any(m is o for o in own):
+                for stash, (m_ys, m_grads) in zip(stashes, own_ys):
+                    outs = _replay(m.op, [
+                        stash[m.x_slots[i]] if i in m.x_slots
+                        else values[t.ref()]
+                        for i, t in enumerate(m.op.inputs)])
+                    for k, slot in m.grad_slots.items():
+                        m_ys.append(outs[k])
+                        m_grads.append(stash[slot])
+                continue
             if m.concat and len(stashes) > 1:
                 batches = [concatenated]
             else:
@@ -542,8 +600,25 @@ def _replayed_gradients(plan, params, stashes):
         for y, slot in plan.direct:
             ys.append(values[y.ref()])
             grad_ys.append(tf.add_n([s[slot] for s in stashes]))
-    return tape.gradient(ys, list(params), output_gradients=grad_ys,
-                         unconnected_gradients=tf.UnconnectedGradients.NONE)
+    none = tf.UnconnectedGradients.NONE
+    grads = (tape.gradient(ys, list(params), output_gradients=grad_ys,
+                           unconnected_gradients=none)
+             if ys else [None] * len(params))
+    if not own:
+        return grads
+    parts = [tape.gradient(m_ys, list(params), output_gradients=m_grads,
+                           unconnected_gradients=none)
+             for m_ys, m_grads in own_ys]
+    del tape
+    for n, per_micro_batch in enumerate(zip(*parts)):
+        summed = gradients_lib.sum_micro_batches(list(per_micro_batch),
+                                                 batch_independent=True)
+        # Other reads of the param (the rest of the stage): concatenated,
+        # as one tape over the unsplit stage gives them.
+        grads[n] = (summed if grads[n] is None else grads[n]
+                    if summed is None else
+                    gradients_lib.sum_gradients([grads[n], summed]))
+    return grads
 
 
 class _Concatenated:
