@@ -70,7 +70,12 @@ def test_the_step_time_is_the_simulators_for_the_chosen_configuration():
         weight=[sum(calls.weight[a:e]) for a, e in span],
         call=2e-4, latency=1e-3, bytes_per_second=5e9,
         output_bytes=[_boundary(graph, e, 64 // best.num_micro_batches)
-                      for _, e in span])
+                      for _, e in span],
+        # Adam (2 slots) from FLOPs: 9 operations per weight at 2e10/s.
+        update=[9 / 2e10 * sum(int(np.prod(v.shape)) for c in
+                                 graph.calls[a:e]
+                                 for v in c.operation.trainable_variables)
+                for a, e in span])
     expected = simulator.simulate(ticks, best.stage_devices, costs,
                                   best.remat, best.num_micro_batches)
     assert best.step_time == pytest.approx(expected.step_time, rel=1e-9)
@@ -194,7 +199,7 @@ def test_flops_fallback_warns():
 def test_measured_costs_are_cached(monkeypatch, tmp_path):
     monkeypatch.setenv("KERAS_PIPE_CACHE", str(tmp_path / "costs.json"))
     graph = graph_lib.read_graph(_mlp(depth=1, width=8))
-    first = profiling.call_costs(graph, 4, repeats=1, times=2)
+    first = profiling.call_costs(graph, 4, repeats=1, target=1e-4)
     assert first.measured and len(first.forward) == len(graph.calls)
     assert all(v >= 0 for v in first.forward + first.backward_input
                + first.weight)
@@ -203,9 +208,9 @@ def test_measured_costs_are_cached(monkeypatch, tmp_path):
         raise AssertionError("measured again instead of read from cache")
 
     monkeypatch.setattr(profiling, "_per_run", no_measuring)
-    assert profiling.call_costs(graph, 4, repeats=1, times=2) == first
+    assert profiling.call_costs(graph, 4, repeats=1, target=1e-4) == first
     with pytest.raises(AssertionError, match="measured again"):
-        profiling.call_costs(graph, 8, repeats=1, times=2)  # other rows
+        profiling.call_costs(graph, 8, repeats=1, target=1e-4)  # other rows
 
 
 def test_an_embeddings_gradient_is_timed_as_its_rows():

@@ -33,10 +33,14 @@ import tensorflow as tf
 
 from keras_pipe.planning.balance import cost as cost_lib
 
-__all__ = ["CallCosts", "Link", "cache_path", "call_costs", "flops_costs",
-           "link", "stage_call_seconds"]
+__all__ = ["CallCosts", "Link", "Overhead", "UpdateRate", "cache_path",
+           "call_costs", "cached", "flops_costs",
+           "flops_update_rate", "link", "set_overhead_probe",
+           "step_overhead", "stage_call_seconds", "update_rate",
+           "update_seconds"]
 
-_VERSION = 1
+_VERSION = 2
+_MAX_RUNS = 4096  # runs per timed loop at most
 
 
 @dataclasses.dataclass
@@ -75,6 +79,36 @@ class Link:
         return self.latency + num_bytes / self.bytes_per_second
 
 
+@dataclasses.dataclass
+class Overhead:
+    """The fixed costs of a training step, apart from its layers' work.
+
+    Attributes:
+        step: seconds of a step that computes nothing: `fit`'s own loop on
+            the client, the batch sent in, the step function's dispatch to
+            each device, the results back.
+        call: seconds each stage call adds inside a step.
+        measured: `True` when timed on the devices.
+    """
+
+    step: float
+    call: float
+    measured: bool = True
+
+
+@dataclasses.dataclass
+class UpdateRate:
+    """An optimizer update: `per_variable + per_element * size` seconds a
+    variable."""
+
+    per_variable: float
+    per_element: float
+
+    def seconds(self, sizes):
+        """Seconds to update variables of `sizes` elements."""
+        return sum(self.per_variable + self.per_element * n for n in sizes)
+
+
 def cache_path():
     """The JSON file measured costs are kept in."""
     root = os.environ.get("KERAS_PIPE_CACHE")
@@ -103,6 +137,19 @@ def _store(key, value):
         warnings.warn(f"keras_pipe could not write its cost cache {path}: "
                       f"{exc}. Costs will be measured again next time.",
                       stacklevel=3)
+
+
+def cached(parts, compute, cache=True):
+    """`compute()`, kept in the cache under `parts` (JSON values)."""
+    key = _key(*parts)
+    if cache:
+        hit = _load().get(key)
+        if hit is not None:
+            return hit
+    value = compute()
+    if cache:
+        _store(key, value)
+    return value
 
 
 def _key(*parts):
@@ -143,21 +190,37 @@ def _timed(function, args, repeats):
     return float(np.min(samples))
 
 
-def _repeated(body, times):
-    """A tf.function running `body(flat)` `times` times one after another.
+def _probe(outputs):
+    """A finite scalar that needs every element-producing output: the sum
+    of their first elements, clipped (a NaN or inf fed back would change
+    what the next run computes)."""
+    firsts = [tf.cast(tf.reshape(t, [-1])[0], tf.float32) for t in outputs
+              if t is not None and t.shape.num_elements() != 0]
+    if not firsts:
+        return tf.constant(0.0)
+    total = tf.add_n(firsts)
+    total = tf.where(tf.math.is_finite(total), total, 0.0)
+    return tf.clip_by_value(total, -1.0, 1.0)
+
+
+def _loop(body):
+    """A tf.function running `body(flat)` `n` times in a `tf.while_loop`.
+
+    Each run reads the last one's outputs (a data edge through `_probe`),
+    so no optimizer merges, hoists or prunes the identical runs, and the
+    loop runs on the device without a call per run: one call's own cost
+    (a remote call's round trip) is paid once however large `n` is.
     """
     @tf.function
-    def run(*flat):
-        out = None
-        for n in range(times):
-            if n:
-                # Each run reads the last one's result: a data edge, so no
-                # optimizer merges or reorders the identical runs.
-                probe = tf.cast(tf.reshape(out[0], [-1])[0], tf.float32)
-                flat = [t + tf.cast(probe * 0.0, t.dtype)
-                        if t.dtype.is_floating else t for t in flat]
-            out = [t for t in body(flat) if t is not None]
-        return out
+    def run(n, *flat):
+        def step(count, probe):
+            moved = [t + tf.cast(probe * 0.0, t.dtype)
+                     if t.dtype.is_floating else t for t in flat]
+            return count + 1, _probe(body(moved))
+
+        _, probe = tf.while_loop(lambda count, _: count < n, step,
+                                 [tf.constant(0), tf.constant(0.0)])
+        return probe
     return run
 
 
@@ -217,18 +280,33 @@ def _functions(call, training):
     return run_forward, run_input, run_all
 
 
-def _per_run(body, inputs, repeats, times):
-    """Seconds of one `body` run: `times` chained runs in one call, less
-    one run, over `times - 1` (the call's own cost cancels)."""
-    one = _timed(_repeated(body, 1), inputs, repeats)
-    if times == 1:
-        return one
-    many = _timed(_repeated(body, times), inputs, repeats)
-    return max(many - one, 0.0) / (times - 1)
+def _per_run(body, inputs, repeats, target):
+    """Seconds of one `body` run on a shared machine.
+
+    Runs `n` in one loop on the device (`_loop`), `n` doubling until the
+    loop takes `target` seconds more than one run does; the difference
+    over `n - 1` (least of `repeats` warm calls each) is one run without
+    the call's own cost. Timing one run of tens of microseconds against a
+    remote call's millisecond round trip is noise; a loop of `target`
+    seconds shrinks the round trip's share of it `n` times.
+    """
+    run = _loop(body)
+
+    def least(n):
+        return _timed(run, [tf.constant(n)] + list(inputs), repeats)
+
+    one, n = least(1), 4
+    while True:
+        many = least(n)
+        if many - one >= target or n >= _MAX_RUNS:
+            return max(many - one, 0.0) / (n - 1)
+        per = (many - one) / (n - 1)
+        grow = target / per + 1 if per > 0 else 4 * n
+        n = int(min(_MAX_RUNS, max(2 * n, grow)))
 
 
 def call_costs(graph, rows, device=None, shapes=None, training=True,
-               repeats=5, times=4, cache=True):
+               repeats=3, target=0.005, cache=True):
     """Measured seconds of each layer call of `graph` for `rows` rows.
 
     ```python
@@ -239,10 +317,11 @@ def call_costs(graph, rows, device=None, shapes=None, training=True,
 
     Each call runs alone in three `tf.function`s on `device` (forward;
     forward and input gradients; forward and every gradient) on random
-    inputs, under a `keras.StatelessScope`, each `times` times in a chain
-    and once: the difference over `times - 1` (least of `repeats` warm
-    runs) is one run without the function call's own cost. That gives its
-    forward time, and the differences its input and weight gradient times.
+    inputs, under a `keras.StatelessScope`, each `n` times in a loop on the
+    device and once: the difference over `n - 1` (least of `repeats` warm
+    calls, `n` grown until the loop lasts `target` seconds) is one run
+    without the call's own cost. That gives its forward time, and the
+    differences its input and weight gradient times.
 
     Args:
         graph: a `keras_pipe.planning.graph.Graph`.
@@ -253,7 +332,9 @@ def call_costs(graph, rows, device=None, shapes=None, training=True,
             Defaults to `None` (the graph's shapes, unknowns as 1).
         training: the `training` flag. Defaults to `True`.
         repeats: timed runs per function. Defaults to `5`.
-        times: chained runs per timed function. Defaults to `4`.
+        target: seconds a timed loop lasts at least (more runs per loop
+            average out more of a shared machine's noise). Defaults to
+            `0.005`.
         cache: read and write the cache (`cache_path()`). Defaults to
             `True`.
 
@@ -261,7 +342,7 @@ def call_costs(graph, rows, device=None, shapes=None, training=True,
         A `CallCosts`.
     """
     key = _key("calls", _graph_signature(graph, shapes), _device_name(device),
-               rows, training, times)
+               rows, training, target)
     if cache:
         hit = _load().get(key)
         if hit is not None:
@@ -271,11 +352,11 @@ def call_costs(graph, rows, device=None, shapes=None, training=True,
         for call in graph.calls:
             inputs = [cost_lib.sample_input(x, rows, shapes) for x in call.inputs]
             run_forward, run_input, run_all = _functions(call, training)
-            f = _per_run(run_forward, inputs, repeats, times)
-            fi = max(_per_run(run_input, inputs, repeats, times), f)
+            f = _per_run(run_forward, inputs, repeats, target)
+            fi = max(_per_run(run_input, inputs, repeats, target), f)
             fa = fi
             if getattr(call.operation, "trainable_variables", None):
-                fa = max(_per_run(run_all, inputs, repeats, times), fi)
+                fa = max(_per_run(run_all, inputs, repeats, target), fi)
             forward.append(f)
             backward_input.append(fi - f)
             weight.append(fa - fi)
@@ -384,3 +465,92 @@ def link(source=None, target=None, sizes=(2**10, 2**22), repeats=9,
     if cache:
         _store(key, dataclasses.asdict(result))
     return result
+
+
+def update_rate(device=None, optimizer_slots=2, repeats=3, target=0.005,
+                cache=True):
+    """Measured seconds of an Adam-like update, per variable and element.
+
+    Times, on `device`, the update of one variable of 256 and one of 2**20
+    elements (`optimizer_slots` moment slots read and written, the weight
+    moved by their ratio) in a loop (`_per_run`); a line through the two
+    gives the cost a variable has whatever its size and the cost an
+    element adds.
+    """
+    def compute():
+        sizes = (256, 2**20)
+        seconds = []
+        with tf.device(device) if device else contextlib.nullcontext():
+            for size in sizes:
+                flat = [tf.ones([size]) for _ in range(2 + optimizer_slots)]
+                seconds.append(_per_run(_update_body(optimizer_slots), flat,
+                                        repeats, target))
+        slope = max((seconds[1] - seconds[0]) / (sizes[1] - sizes[0]), 0.0)
+        return {"per_variable": max(seconds[0] - slope * sizes[0], 0.0),
+                "per_element": slope}
+
+    return UpdateRate(**cached(("update", _device_name(device),
+                                optimizer_slots, target), compute, cache))
+
+
+def _update_body(optimizer_slots):
+    """One update of a weight from its gradient and moment slots."""
+    def body(flat):
+        weight, gradient, slots = flat[0], flat[1], flat[2:]
+        new = []
+        for n, slot in enumerate(slots):
+            term = gradient if n == 0 else gradient * gradient
+            new.append(slot * 0.9 + term * 0.1)
+        if len(new) >= 2:
+            step = new[0] / (tf.sqrt(new[1]) + 1e-7)
+        else:
+            step = new[0] if new else gradient
+        return [weight - 1e-3 * step] + new
+    return body
+
+
+def flops_update_rate(optimizer_slots=2, flops_per_second=2e10):
+    """An `UpdateRate` from FLOPs, the fallback: `3 + 3 * optimizer_slots`
+    operations an element."""
+    return UpdateRate(0.0, (3 + 3 * optimizer_slots) / flops_per_second)
+
+
+def update_seconds(graph, rate):
+    """Per layer call, seconds to update the weights it owns (a layer
+    called twice owns its weights at its first call)."""
+    seen, result = set(), []
+    for call in graph.calls:
+        sizes = []
+        for v in getattr(call.operation, "trainable_variables", None) or []:
+            if id(v) not in seen:
+                seen.add(id(v))
+                sizes.append(int(np.prod(v.shape)))
+        result.append(rate.seconds(sizes))
+    return result
+
+
+_OVERHEAD_PROBE = []
+
+
+def set_overhead_probe(probe):
+    """Sets `probe(devices) -> Overhead`, the measurement of a step's fixed
+    costs on `devices`.
+
+    It runs training steps of a pipeline that computes next to nothing,
+    which this package (below the Keras model) cannot build: `keras_pipe`
+    sets it when imported (`keras_pipe.calibration`).
+    """
+    _OVERHEAD_PROBE[:] = [probe]
+
+
+def step_overhead(devices, cache=True):
+    """The fixed costs of a step on `devices` (an `Overhead`), measured
+    once per devices and cached; without a probe set, a stage call's cost
+    (`stage_call_seconds`) and no step cost."""
+    if not _OVERHEAD_PROBE:
+        return Overhead(0.0, stage_call_seconds(
+            devices[0] if devices else None, cache=cache), False)
+    probe = _OVERHEAD_PROBE[0]
+    return Overhead(**cached(
+        ("overhead", [_device_name(d) for d in devices or [None]]),
+        lambda: dataclasses.asdict(probe(list(devices or []))), cache))
