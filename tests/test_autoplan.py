@@ -226,3 +226,12 @@ def test_an_embeddings_gradient_is_timed_as_its_rows():
     flat = [tf.zeros((4, 8), "int32")]
     outputs = tf.function(run_all)(flat)
     assert outputs and all(isinstance(t, tf.Tensor) for t in outputs)
+
+
+def test_hand_built_stages_with_auto_name_from_model():
+    # The stages are already cut and placed: "auto" has nothing to choose,
+    # and the error says where it does (before: "schedule must be one of").
+    with pytest.raises(ValueError, match=r'from_model\(model, devices=\.\.\., '
+                       r'batch_size=\.\.\., schedule="auto"\)'):
+        keras_pipe.PipelineModel([keras.layers.Dense(4), keras.layers.Dense(4)],
+                                 schedule="auto")
