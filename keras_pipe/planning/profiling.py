@@ -203,24 +203,28 @@ def _probe(outputs):
     return tf.clip_by_value(total, -1.0, 1.0)
 
 
-def _loop(body):
-    """A tf.function running `body(flat)` `n` times in a `tf.while_loop`.
+def _loop(body, device=None):
+    """A tf.function running `body(flat)` `n` times in a `tf.while_loop`,
+    every op of it on `device`.
 
     Each run reads the last one's outputs (a data edge through `_probe`),
     so no optimizer merges, hoists or prunes the identical runs, and the
     loop runs on the device without a call per run: one call's own cost
-    (a remote call's round trip) is paid once however large `n` is.
+    (a remote call's round trip) is paid once however large `n` is. The
+    whole loop is pinned to `device`: a loop counter left on the client
+    would make every run a round trip to a remote device.
     """
     @tf.function
     def run(n, *flat):
-        def step(count, probe):
-            moved = [t + tf.cast(probe * 0.0, t.dtype)
-                     if t.dtype.is_floating else t for t in flat]
-            return count + 1, _probe(body(moved))
+        with tf.device(device) if device else contextlib.nullcontext():
+            def step(count, probe):
+                moved = [t + tf.cast(probe * 0.0, t.dtype)
+                         if t.dtype.is_floating else t for t in flat]
+                return count + 1, _probe(body(moved))
 
-        _, probe = tf.while_loop(lambda count, _: count < n, step,
-                                 [tf.constant(0), tf.constant(0.0)])
-        return probe
+            _, probe = tf.while_loop(lambda count, _: count < n, step,
+                                     [tf.constant(0), tf.constant(0.0)])
+            return tf.identity(probe)
     return run
 
 
@@ -238,17 +242,29 @@ def _dense(gradients):
             for g in gradients if g is not None]
 
 
-def _functions(call, training):
+def _functions(call, training, device=None):
     """Three tf.functions: forward; forward and input gradients; forward
-    and all gradients. Stateless: the model's variables do not change."""
-    variables = [v for v in (getattr(call.operation, "trainable_variables",
-                                     None) or [])]
+    and all gradients. Stateless: the model's variables do not change.
 
-    def forward(flat):
-        values = {id(x): t for x, t in zip(call.inputs, flat)}
-        with keras.StatelessScope():
-            call.run(values, training=training)
-        return [values[id(x)] for x in call.outputs]
+    The layer reads copies of its variables made on `device` once (a
+    `keras.StatelessScope` mapping), as a stage reads the variables placed
+    with it: the model's own variables live on the client, and reading
+    them from a remote device would time a transfer of every weight at
+    every run.
+    """
+    operation = call.operation
+    variables = list(getattr(operation, "variables", None) or [])
+    trainable = {id(v) for v in (getattr(operation, "trainable_variables",
+                                         None) or [])}
+    with tf.device(device) if device else contextlib.nullcontext():
+        copies = [tf.identity(v.value) for v in variables]
+
+    def forward(flat, values):
+        tensors = {id(x): t for x, t in zip(call.inputs, flat)}
+        with keras.StatelessScope(state_mapping=list(zip(variables,
+                                                         values))):
+            call.run(tensors, training=training)
+        return [tensors[id(x)] for x in call.outputs]
 
     def loss(outputs):
         terms = [tf.reduce_sum(tf.cast(y, tf.float32)) for y in outputs
@@ -256,31 +272,34 @@ def _functions(call, training):
         return tf.add_n(terms) if terms else tf.constant(0.0)
 
     def run_forward(flat):
-        return forward(flat)
+        return forward(flat, copies)
+
+    def gradients(flat, weights):
+        values = list(copies)
+        with tf.GradientTape() as tape:
+            for t in flat:
+                if t.dtype.is_floating:
+                    tape.watch(t)
+            sources = [t for t in flat if t.dtype.is_floating]
+            if weights:
+                values = [tf.identity(t) for t in copies]
+                for v, t in zip(variables, values):
+                    if id(v) in trainable:
+                        tape.watch(t)
+                        sources.append(t)
+            y = loss(forward(flat, values))
+        return _dense(tape.gradient(y, sources)) + [y]
 
     def run_input(flat):
-        with tf.GradientTape() as tape:
-            for t in flat:
-                if t.dtype.is_floating:
-                    tape.watch(t)
-            y = loss(forward(flat))
-        sources = [t for t in flat if t.dtype.is_floating]
-        return _dense(tape.gradient(y, sources)) + [y]
+        return gradients(flat, False)
 
     def run_all(flat):
-        with tf.GradientTape() as tape:
-            for t in flat:
-                if t.dtype.is_floating:
-                    tape.watch(t)
-            y = loss(forward(flat))
-        sources = [t for t in flat if t.dtype.is_floating] + [
-            v.value for v in variables]
-        return _dense(tape.gradient(y, sources)) + [y]
+        return gradients(flat, True)
 
     return run_forward, run_input, run_all
 
 
-def _per_run(body, inputs, repeats, target):
+def _per_run(body, inputs, repeats, target, device=None):
     """Seconds of one `body` run on a shared machine.
 
     Runs `n` in one loop on the device (`_loop`), `n` doubling until the
@@ -290,10 +309,12 @@ def _per_run(body, inputs, repeats, target):
     remote call's millisecond round trip is noise; a loop of `target`
     seconds shrinks the round trip's share of it `n` times.
     """
-    run = _loop(body)
+    run = _loop(body, device)
 
     def least(n):
-        return _timed(run, [tf.constant(n)] + list(inputs), repeats)
+        with tf.device(device) if device else contextlib.nullcontext():
+            count = tf.constant(n)
+        return _timed(run, [count] + list(inputs), repeats)
 
     one, n = least(1), 4
     while True:
@@ -351,12 +372,16 @@ def call_costs(graph, rows, device=None, shapes=None, training=True,
     with tf.device(device) if device else contextlib.nullcontext():
         for call in graph.calls:
             inputs = [cost_lib.sample_input(x, rows, shapes) for x in call.inputs]
-            run_forward, run_input, run_all = _functions(call, training)
-            f = _per_run(run_forward, inputs, repeats, target)
-            fi = max(_per_run(run_input, inputs, repeats, target), f)
+            run_forward, run_input, run_all = _functions(call, training,
+                                                         device)
+            f = _per_run(run_forward, inputs, repeats, target,
+                         device)
+            fi = max(_per_run(run_input, inputs, repeats, target,
+                                  device), f)
             fa = fi
             if getattr(call.operation, "trainable_variables", None):
-                fa = max(_per_run(run_all, inputs, repeats, target), fi)
+                fa = max(_per_run(run_all, inputs, repeats, target,
+                                      device), fi)
             forward.append(f)
             backward_input.append(fi - f)
             weight.append(fa - fi)
@@ -471,20 +496,20 @@ def update_rate(device=None, optimizer_slots=2, repeats=3, target=0.005,
                 cache=True):
     """Measured seconds of an Adam-like update, per variable and element.
 
-    Times, on `device`, the update of one variable of 256 and one of 2**20
-    elements (`optimizer_slots` moment slots read and written, the weight
-    moved by their ratio) in a loop (`_per_run`); a line through the two
-    gives the cost a variable has whatever its size and the cost an
-    element adds.
+    Times, on `device`, the update of one variable of 256 and one of 2**16
+    elements (a layer's size, cache-resident as most are) with
+    `optimizer_slots` moment slots, in a loop (`_per_run`); a line through
+    the two gives the cost a variable has whatever its size and the cost
+    an element adds.
     """
     def compute():
-        sizes = (256, 2**20)
+        sizes = (256, 2**16)
         seconds = []
         with tf.device(device) if device else contextlib.nullcontext():
             for size in sizes:
-                flat = [tf.ones([size]) for _ in range(2 + optimizer_slots)]
-                seconds.append(_per_run(_update_body(optimizer_slots), flat,
-                                        repeats, target))
+                state = [tf.ones([size]) for _ in range(1 + optimizer_slots)]
+                seconds.append(_per_run(_update_body(state), [tf.ones([size])],
+                                        repeats, target, device))
         slope = max((seconds[1] - seconds[0]) / (sizes[1] - sizes[0]), 0.0)
         return {"per_variable": max(seconds[0] - slope * sizes[0], 0.0),
                 "per_element": slope}
@@ -493,10 +518,12 @@ def update_rate(device=None, optimizer_slots=2, repeats=3, target=0.005,
                                 optimizer_slots, target), compute, cache))
 
 
-def _update_body(optimizer_slots):
-    """One update of a weight from its gradient and moment slots."""
+def _update_body(state):
+    """One update of the weight `state[0]` from a gradient and the moment
+    slots `state[1:]` (the loop feeds the gradient only: the one input it
+    perturbs)."""
     def body(flat):
-        weight, gradient, slots = flat[0], flat[1], flat[2:]
+        gradient, weight, slots = flat[0], state[0], state[1:]
         new = []
         for n, slot in enumerate(slots):
             term = gradient if n == 0 else gradient * gradient

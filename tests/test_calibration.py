@@ -1,0 +1,50 @@
+"""The fixed costs of a step: solved by hand, measured with the executor;
+the optimizer update's cost per stage."""
+
+import keras
+import pytest
+
+from keras_pipe import calibration
+from keras_pipe.planning import graph as graph_lib
+from keras_pipe.planning import profiling
+
+
+def test_solve_by_hand():
+    # GPipe, 2 stages on 2 devices, calls of c seconds, no transfer cost:
+    # M=1 has 4 calls on its critical path (F0 F1 B1 B0), M=8 has 19
+    # (F0 x8, F1, B1 x8, B0, W0). 10 ms and 17.5 ms: c = 7.5 ms / 15,
+    # and the step's fixed cost is 10 ms - 4 c.
+    overhead = calibration.solve({1: 0.010, 8: 0.0175}, [0, 1])
+    assert overhead.call == pytest.approx(0.0005, rel=1e-6)
+    assert overhead.step == pytest.approx(0.008, rel=1e-6)
+
+
+def test_solve_subtracts_the_transfers():
+    # A transfer of 1 ms each way: M=1 is 4 c + 2 ms.
+    overhead = calibration.solve({1: 0.012, 8: 0.0195}, [0, 1], 0.001)
+    assert overhead.call == pytest.approx(0.0005, rel=1e-6)
+    assert overhead.step == pytest.approx(0.008, rel=1e-6)
+
+
+def test_solve_on_one_device_counts_every_call():
+    # Both stages on one device: M=1 chains 4 calls, M=8 all 32.
+    overhead = calibration.solve({1: 0.004, 8: 0.032}, [0, 0])
+    assert overhead.call == pytest.approx(0.001, rel=1e-6)
+    assert overhead.step == pytest.approx(0.0, abs=1e-7)
+
+
+def test_solve_with_no_growth_costs_no_call():
+    overhead = calibration.solve({1: 0.010, 8: 0.009}, [0, 1])
+    assert overhead.call == 0.0 and overhead.step == pytest.approx(0.010)
+
+
+def test_update_seconds_per_call_counts_a_shared_layer_once():
+    shared = keras.layers.Dense(8)
+    x = keras.Input((8,))
+    y = shared(keras.layers.Dense(4)(shared(keras.layers.Dense(4)(x))))
+    graph = graph_lib.read_graph(keras.Model(x, y))
+    rate = profiling.UpdateRate(per_variable=1.0, per_element=0.5)
+    # Dense(4) on 8 features: 2 variables of 32 + 4 elements, 2 + 18 s;
+    # `shared` at its first call (4 features): 2 + (32 + 8) / 2 = 22 s;
+    # its second call owns nothing.
+    assert profiling.update_seconds(graph, rate) == [20.0, 22.0, 20.0, 0.0]
