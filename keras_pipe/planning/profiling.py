@@ -214,7 +214,7 @@ def _loop(body, device=None):
     whole loop is pinned to `device`: a loop counter left on the client
     would make every run a round trip to a remote device.
     """
-    @tf.function
+    @tf.function(reduce_retracing=True)  # one trace for most row counts
     def run(n, *flat):
         with tf.device(device) if device else contextlib.nullcontext():
             def step(count, probe):
@@ -299,18 +299,32 @@ def _functions(call, training, device=None):
     return run_forward, run_input, run_all
 
 
-def _per_run(body, inputs, repeats, target, device=None):
-    """Seconds of one `body` run on a shared machine.
+_LOOPS = {}  # (id(call), training, device) -> (call, its three loops)
 
-    Runs `n` in one loop on the device (`_loop`), `n` doubling until the
+
+def _loops(call, training, device):
+    """The `_loop`s of `_functions(call, ...)`, made once per call and
+    device: a search measures each call at several row counts, and tracing
+    dominates measuring."""
+    key = (id(call), training, device)
+    if key not in _LOOPS or _LOOPS[key][0] is not call:
+        if len(_LOOPS) > 1024:  # another model's: let them go
+            _LOOPS.clear()
+        _LOOPS[key] = (call, [_loop(f, device) for f in _functions(
+            call, training, device)])
+    return _LOOPS[key][1]
+
+
+def _per_run(run, inputs, repeats, target, device=None):
+    """Seconds of one run of a `_loop` `run` on a shared machine.
+
+    Runs `n` in one loop on the device, `n` doubling until the
     loop takes `target` seconds more than one run does; the difference
     over `n - 1` (least of `repeats` warm calls each) is one run without
     the call's own cost. Timing one run of tens of microseconds against a
     remote call's millisecond round trip is noise; a loop of `target`
     seconds shrinks the round trip's share of it `n` times.
     """
-    run = _loop(body, device)
-
     def least(n):
         with tf.device(device) if device else contextlib.nullcontext():
             count = tf.constant(n)
@@ -327,7 +341,7 @@ def _per_run(body, inputs, repeats, target, device=None):
 
 
 def call_costs(graph, rows, device=None, shapes=None, training=True,
-               repeats=3, target=0.005, cache=True):
+               repeats=5, target=0.005, cache=True):
     """Measured seconds of each layer call of `graph` for `rows` rows.
 
     ```python
@@ -352,7 +366,7 @@ def call_costs(graph, rows, device=None, shapes=None, training=True,
         shapes: `{id(KerasTensor): shape}` (`balance.shapes.infer_shapes`).
             Defaults to `None` (the graph's shapes, unknowns as 1).
         training: the `training` flag. Defaults to `True`.
-        repeats: timed runs per function. Defaults to `5`.
+        repeats: timed calls per loop length. Defaults to `5`.
         target: seconds a timed loop lasts at least (more runs per loop
             average out more of a shared machine's noise). Defaults to
             `0.005`.
@@ -372,8 +386,7 @@ def call_costs(graph, rows, device=None, shapes=None, training=True,
     with tf.device(device) if device else contextlib.nullcontext():
         for call in graph.calls:
             inputs = [cost_lib.sample_input(x, rows, shapes) for x in call.inputs]
-            run_forward, run_input, run_all = _functions(call, training,
-                                                         device)
+            run_forward, run_input, run_all = _loops(call, training, device)
             f = _per_run(run_forward, inputs, repeats, target,
                          device)
             fi = max(_per_run(run_input, inputs, repeats, target,
@@ -508,8 +521,9 @@ def update_rate(device=None, optimizer_slots=2, repeats=3, target=0.005,
         with tf.device(device) if device else contextlib.nullcontext():
             for size in sizes:
                 state = [tf.ones([size]) for _ in range(1 + optimizer_slots)]
-                seconds.append(_per_run(_update_body(state), [tf.ones([size])],
-                                        repeats, target, device))
+                seconds.append(_per_run(_loop(_update_body(state), device),
+                                        [tf.ones([size])], repeats, target,
+                                        device))
         slope = max((seconds[1] - seconds[0]) / (sizes[1] - sizes[0]), 0.0)
         return {"per_variable": max(seconds[0] - slope * sizes[0], 0.0),
                 "per_element": slope}
