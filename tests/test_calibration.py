@@ -48,3 +48,26 @@ def test_update_seconds_per_call_counts_a_shared_layer_once():
     # `shared` at its first call (4 features): 2 + (32 + 8) / 2 = 22 s;
     # its second call owns nothing.
     assert profiling.update_seconds(graph, rate) == [20.0, 22.0, 20.0, 0.0]
+
+
+def test_smooth_corrects_one_wild_time_by_hand():
+    # forward: 1, 2, 99, 8 at 8, 16, 32, 64 rows. Pairwise slopes: 1/8
+    # three times, 98/24, 97/16, -91/32: the median is 1/8; intercepts 0,
+    # 0, 95, 0: the median is 0. The line rows / 8 gives 4 at 32 rows.
+    at = [profiling.CallCosts(r, [t, 0.5], [2.0 * t, 0.0], [0.0, 1.0])
+          for r, t in [(8, 1.0), (16, 2.0), (32, 99.0), (64, 8.0)]]
+    fitted = profiling.smooth(at)
+    assert [c.rows for c in fitted] == [8, 16, 32, 64]
+    assert [c.forward for c in fitted] == [[1.0, 0.5], [2.0, 0.5],
+                                           [4.0, 0.5], [8.0, 0.5]]
+    assert [c.backward_input[0] for c in fitted] == [2.0, 4.0, 8.0, 16.0]
+    assert all(c.weight == [0.0, 1.0] for c in fitted)
+
+
+def test_smooth_keeps_two_row_counts_and_flops_costs():
+    two = [profiling.CallCosts(8, [1.0], [0.0], [0.0]),
+           profiling.CallCosts(16, [5.0], [0.0], [0.0])]
+    assert profiling.smooth(two) == two
+    flops = [profiling.CallCosts(r, [float(r)], [0.0], [0.0], False)
+             for r in (8, 16, 32)]
+    assert profiling.smooth(flops) == flops

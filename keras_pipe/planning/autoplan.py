@@ -126,6 +126,13 @@ class _Measured:
                                                flops_per_second)
         self.update = _prefix(profiling.update_seconds(graph, rate))
 
+    def prepare(self, all_rows):
+        """Measures every row count at once and `smooth`s them together."""
+        all_rows = sorted(set(all_rows))
+        for rows, costs in zip(all_rows, profiling.smooth(
+                [self.calls(r) for r in all_rows])):
+            self._calls[rows] = costs
+
     def calls(self, rows):
         if rows not in self._calls:
             if self.measure:
@@ -301,6 +308,7 @@ def search(model, devices=None, num_devices=None, batch_size=None,
     ms = sorted({min(_validation.check_positive_int("micro_batch_choices",
                                                    m), batch_size)
                  for m in micro_batch_choices})
+    measured.prepare(-(-batch_size // m) for m in ms)
     for name, stage_devices in layouts(num_devices):
         if schedules is not None and name not in schedules:
             continue

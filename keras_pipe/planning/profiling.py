@@ -35,7 +35,7 @@ from keras_pipe.planning.balance import cost as cost_lib
 
 __all__ = ["CallCosts", "Link", "Overhead", "UpdateRate", "cache_path",
            "call_costs", "cached", "flops_costs",
-           "flops_update_rate", "link", "set_overhead_probe",
+           "flops_update_rate", "link", "set_overhead_probe", "smooth",
            "step_overhead", "stage_call_seconds", "update_rate",
            "update_seconds"]
 
@@ -402,6 +402,46 @@ def call_costs(graph, rows, device=None, shapes=None, training=True,
     if cache:
         _store(key, dataclasses.asdict(result))
     return result
+
+
+def _theil_sen(xs, ys):
+    """The line through `(xs, ys)` with the median pairwise slope and the
+    median intercept: one wild point of several moves it little."""
+    slopes = [(ys[b] - ys[a]) / (xs[b] - xs[a])
+              for a in range(len(xs)) for b in range(a + 1, len(xs))
+              if xs[b] != xs[a]]
+    slope = float(np.median(slopes)) if slopes else 0.0
+    return slope, float(np.median([y - slope * x for x, y in zip(xs, ys)]))
+
+
+def smooth(costs):
+    """`CallCosts` at several row counts, each time replaced by a line in
+    the rows fitted through all of them (`a + b * rows`, Theil-Sen).
+
+    A time measured on a shared machine is sometimes far off (a loop that
+    another process interrupted at every call); a call's time is close to
+    a fixed cost plus a cost per row, and a line through four row counts
+    that ignores its worst point corrects the one that is off. Times stay
+    at least zero; costs from FLOPs are returned as they are.
+
+    ```python
+    at = {r: CallCosts(r, [t], [0.0], [0.0]) for r, t in
+          [(8, 1.0), (16, 2.0), (32, 99.0), (64, 8.0)]}
+    smooth(list(at.values()))[2].forward  # [4.0]: the line 0 + rows / 8
+    ```
+    """
+    if len(costs) < 3 or not all(c.measured for c in costs):
+        return list(costs)
+    rows = [c.rows for c in costs]
+    fitted = {}
+    for kind in ("forward", "backward_input", "weight"):
+        columns = list(zip(*[getattr(c, kind) for c in costs]))
+        lines = [_theil_sen(rows, list(times)) for times in columns]
+        fitted[kind] = [[max(a + b * r, 0.0) for b, a in lines]
+                        for r in rows]
+    return [CallCosts(r, fitted["forward"][n], fitted["backward_input"][n],
+                      fitted["weight"][n], True)
+            for n, r in enumerate(rows)]
 
 
 def flops_costs(graph, rows, flops_per_second=2e10, shapes=None):
