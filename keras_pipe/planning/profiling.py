@@ -318,26 +318,29 @@ def _loops(call, training, device):
 def _per_run(run, inputs, repeats, target, device=None):
     """Seconds of one run of a `_loop` `run` on a shared machine.
 
-    Runs `n` in one loop on the device, `n` doubling until the
-    loop takes `target` seconds more than one run does; the difference
-    over `n - 1` (least of `repeats` warm calls each) is one run without
-    the call's own cost. Timing one run of tens of microseconds against a
+    Runs `n` in one loop on the device, `n` grown (from single timings)
+    until the loop takes `target` seconds more than one run does; the
+    difference over `n - 1` (least of `repeats` warm calls each, at that
+    `n` and at 1) is one run without the call's own cost. Timing one run of tens of microseconds against a
     remote call's millisecond round trip is noise; a loop of `target`
     seconds shrinks the round trip's share of it `n` times.
     """
-    def least(n):
+    def least(n, times):
         with tf.device(device) if device else contextlib.nullcontext():
             count = tf.constant(n)
-        return _timed(run, [count] + list(inputs), repeats)
+        return _timed(run, [count] + list(inputs), times)
 
-    one, n = least(1), 4
+    one, n = least(1, repeats), 4
+    many = least(n, 2)  # a first guess of `n`, then `repeats` at that `n`
     while True:
-        many = least(n)
         if many - one >= target or n >= _MAX_RUNS:
-            return max(many - one, 0.0) / (n - 1)
+            many = min(many, least(n, repeats))
+            if many - one >= target / 2 or n >= _MAX_RUNS:
+                return max(many - one, 0.0) / (n - 1)
         per = (many - one) / (n - 1)
         grow = target / per + 1 if per > 0 else 4 * n
         n = int(min(_MAX_RUNS, max(2 * n, grow)))
+        many = least(n, 1)
 
 
 def call_costs(graph, rows, device=None, shapes=None, training=True,
