@@ -71,3 +71,43 @@ def test_smooth_keeps_two_row_counts_and_flops_costs():
     flops = [profiling.CallCosts(r, [float(r)], [0.0], [0.0], False)
              for r in (8, 16, 32)]
     assert profiling.smooth(flops) == flops
+
+
+@pytest.mark.slow  # trains two tiny pipelines
+def test_step_overhead_is_measured_once_per_devices(devices, monkeypatch,
+                                                    tmp_path):
+    monkeypatch.setenv("KERAS_PIPE_CACHE", str(tmp_path / "costs.json"))
+    import keras_pipe  # noqa: F401, PLC0415 - sets the probe
+    overhead = profiling.step_overhead(devices[:2])
+    assert overhead.measured
+    assert overhead.step >= 0 and overhead.call >= 0
+    assert overhead.step + overhead.call > 0  # a step is never free
+
+    def no_measuring(devices):
+        raise AssertionError("measured again instead of read from cache")
+
+    monkeypatch.setattr(profiling, "_OVERHEAD_PROBE", [no_measuring])
+    assert profiling.step_overhead(devices[:2]) == overhead
+    with pytest.raises(AssertionError, match="measured again"):
+        profiling.step_overhead(devices[1:3])  # other devices
+
+
+def test_a_timed_loop_reads_no_variable_inside():
+    # The timed loop reads copies of the layer's weights made on the device
+    # once. Before, every run read the model's variables, which live on the
+    # client: on a remote worker each run timed a transfer of every weight
+    # (about 1.3 ms for a Dense(256) call whatever its rows).
+    import tensorflow as tf  # noqa: PLC0415
+
+    from keras_pipe.planning.balance import cost as cost_lib  # noqa: PLC0415
+    x = keras.Input((16,))
+    graph = graph_lib.read_graph(keras.Model(x, keras.layers.Dense(8)(x)))
+    call = graph.calls[0]
+    inputs = [cost_lib.sample_input(t, 4, None) for t in call.inputs]
+    for loop in profiling._loops(call, True, None):
+        definition = loop.get_concrete_function(
+            tf.constant(2), *inputs).graph.as_graph_def()
+        ops = [n.op for n in definition.node] + [
+            n.op for f in definition.library.function for n in f.node_def]
+        assert "While" in ops or "StatelessWhile" in ops
+        assert "ReadVariableOp" not in ops
