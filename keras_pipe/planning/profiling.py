@@ -321,9 +321,10 @@ def _per_run(run, inputs, repeats, target, device=None):
     Runs `n` in one loop on the device, `n` grown (from single timings)
     until the loop takes `target` seconds more than one run does; the
     difference over `n - 1` (least of `repeats` warm calls each, at that
-    `n` and at 1) is one run without the call's own cost. Timing one run of tens of microseconds against a
-    remote call's millisecond round trip is noise; a loop of `target`
-    seconds shrinks the round trip's share of it `n` times.
+    `n` and at 1) is one run without the call's own cost. Timing one run
+    of tens of microseconds against a remote call's millisecond round trip
+    is noise; a loop of `target` seconds shrinks the round trip's share of
+    it `n` times.
     """
     def least(n, times):
         with tf.device(device) if device else contextlib.nullcontext():
