@@ -45,6 +45,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 QUICK = {"models": "mlp,transformer", "schedules": "gpipe,1f1b,zb_h2,zbv",
          "micro_batches": "1,4"}
 BATCH = {"mlp": 64, "resnet": 32, "transformer": 32, "gpt2": 16, "bert": 16}
+IMAGE = 16  # the conv net's images: 16 x 16 keeps a full run short
 SEQ, VOCAB = 32, 1000
 
 
@@ -72,7 +73,7 @@ def _models(keras):
                 rng.normal(size=(b, 16)).astype("float32"), "mse", None)
 
     def resnet():
-        x = keras.Input((32, 32, 3))
+        x = keras.Input((IMAGE, IMAGE, 3))
         h = keras.layers.Conv2D(32, 3, padding="same", activation="relu")(x)
         for _ in range(4):
             r = keras.layers.Conv2D(32, 3, padding="same",
@@ -83,7 +84,8 @@ def _models(keras):
         h = keras.layers.GlobalAveragePooling2D()(h)
         model = keras.Model(x, keras.layers.Dense(10)(h), name="resnet")
         b = BATCH["resnet"]
-        return (model, rng.normal(size=(b, 32, 32, 3)).astype("float32"),
+        return (model,
+                rng.normal(size=(b, IMAGE, IMAGE, 3)).astype("float32"),
                 rng.normal(size=(b, 10)).astype("float32"), "mse", None)
 
     def transformer():
