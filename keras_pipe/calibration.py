@@ -101,19 +101,19 @@ def measure(devices, steps=16):
     batches, `steps` steps each, and `solve`s for the fixed costs.
 
     Args:
-        devices: the devices (TF device strings; empty for the default).
+        devices: the devices (TF device strings; empty for the CPU).
         steps: timed steps per micro-batch count. Defaults to `16`.
 
     Returns:
         A `keras_pipe.planning.profiling.Overhead`.
     """
-    distinct = list(dict.fromkeys(devices)) or [None]
-    layout = [distinct[0], distinct[-1]] if len(distinct) > 1 else [
+    distinct = [d for d in dict.fromkeys(devices) if d] or ["/device:CPU:0"]
+    layout = [distinct[0], distinct[1]] if len(distinct) > 1 else [
         distinct[0], distinct[0]]
     stage_devices = [0, 1] if len(distinct) > 1 else [0, 0]
     latency = 0.0
     if len(distinct) > 1:
-        latency = profiling.link(distinct[0], distinct[-1]).latency
-    times = {m: _step_seconds(layout if layout[0] else None, m, steps)
+        latency = profiling.link(distinct[0], distinct[1]).latency
+    times = {m: _step_seconds(layout, m, steps)
              for m in _MICRO_BATCHES}
     return solve(times, stage_devices, latency)
