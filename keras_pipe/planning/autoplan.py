@@ -125,6 +125,9 @@ class _Measured:
             rate = profiling.flops_update_rate(optimizer_slots,
                                                flops_per_second)
         self.update = _prefix(profiling.update_seconds(graph, rate))
+        self.weighted = np.array([bool(getattr(c.operation,
+                                               "trainable_variables", None))
+                                  for c in graph.calls])
 
     def prepare(self, all_rows):
         """Measures every row count at once and `smooth`s them together."""
@@ -170,6 +173,10 @@ def _candidate(name, stage_devices, m, batch_size, graph, measured,
     f = _block(_prefix(costs.forward))
     bi = _block(_prefix(costs.backward_input))
     w = _block(_prefix(costs.weight))
+    # A split weight-gradient call ("W") replays the stage's mixing ops on
+    # their stashed inputs (`keras_pipe.engine.weight_grad`): their forward
+    # pass again, counted as the forward of each call with weights.
+    replay = _block(_prefix(np.where(measured.weighted, costs.forward, 0.0)))
     profile = memory_lib.Profile(graph, rows)
     grid, weights, trainable = budget_lib.block_grid(profile, n)
     actions = memory_lib.stage_actions(lambda mm, kk: ticks, m, k)
@@ -221,7 +228,7 @@ def _candidate(name, stage_devices, m, batch_size, graph, measured,
         forward=[float(f[a, e]) for a, e in spans],
         backward=[float(bi[a, e] + w[a, e]) for a, e in spans],
         backward_input=[float(bi[a, e]) for a, e in spans],
-        weight=[float(w[a, e]) for a, e in spans],
+        weight=[float(w[a, e] + replay[a, e]) for a, e in spans],
         call=measured.overhead.call, output_bytes=out_bytes,
         latency=measured.link.latency,
         bytes_per_second=measured.link.bytes_per_second,
