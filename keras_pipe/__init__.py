@@ -20,6 +20,7 @@ import keras  # noqa: E402
 
 _check_backend(keras.backend.backend())
 
+from keras_pipe import calibration as _calibration  # noqa: E402
 from keras_pipe import layers  # noqa: E402
 from keras_pipe.callbacks import BackupAndRestore  # noqa: E402
 from keras_pipe.distributed.cluster import connect  # noqa: E402
@@ -28,9 +29,14 @@ from keras_pipe.engine import schedule  # noqa: E402
 from keras_pipe.engine.placement import logical_cpu_devices  # noqa: E402
 from keras_pipe.layers import DeferredBatchNormalization  # noqa: E402
 from keras_pipe.model import PipelineModel  # noqa: E402
+from keras_pipe.planning import profiling as _profiling  # noqa: E402
 from keras_pipe.planning.planner import plan  # noqa: E402
 from keras_pipe.saving.files import load_model  # noqa: E402
 from keras_pipe.verify import VerificationReport, verify  # noqa: E402
+
+# The planner's step costs are measured by training a tiny pipeline, which
+# only this level (above the Keras model) can build.
+_profiling.set_overhead_probe(_calibration.measure)
 
 __all__ = ["BackupAndRestore", "DeferredBatchNormalization", "PipelineModel",
            "VerificationReport", "connect", "layers", "load_model",

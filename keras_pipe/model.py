@@ -9,6 +9,7 @@ from keras_pipe.engine import building, placement
 from keras_pipe.engine import executor as executor_lib
 from keras_pipe.engine import losses as losses_lib
 from keras_pipe.engine import replicas as replicas_lib
+from keras_pipe.engine.schedule import schedule_names
 from keras_pipe.engine.stage import Stage
 from keras_pipe.saving import files as saving
 from keras_pipe.saving import model_io
@@ -83,12 +84,22 @@ class PipelineModel(model_io.SavingMethods, keras.Model):
         ValueError: if `stages` is empty or holds one layer twice, the
             number of devices differs from the number of stages, a device
             does not exist, `num_micro_batches < 1`, `remat` or `schedule`
-            is unknown, or a built stage cannot take the previous stage's
-            output.
+            is unknown (`"auto"` names `from_model(..., schedule="auto")`),
+            or a built stage cannot take the previous stage's output.
     """
 
     def __init__(self, stages, devices=None, num_micro_batches=1,
                  remat="except_last", schedule="gpipe", **kwargs):
+        if isinstance(schedule, str) and schedule == "auto":
+            raise ValueError(
+                'PipelineModel(stages, schedule="auto") cannot choose: the '
+                "stages are already cut and placed, and the choice is the "
+                "cut, the stages per device and num_micro_batches with the "
+                "schedule. Pass the built model to PipelineModel.from_model("
+                'model, devices=..., batch_size=..., schedule="auto"), or '
+                "name a schedule here "
+                f"({', '.join(schedule_names())}). Received: "
+                "schedule='auto'")
         stages, resolved = building.check_stages(
             stages, devices, num_micro_batches, remat, schedule)
         super().__init__(**kwargs)

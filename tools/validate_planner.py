@@ -2,9 +2,16 @@
 
 ```
 python tools/validate_planner.py [--models mlp,resnet,transformer,gpt2,bert]
-                                 [--micro-batches 1,2,4,8] [--steps 8]
-                                 [--schedules gpipe,1f1b,...] [--out FILE]
+                                 [--micro-batches 1,2,4,8] [--steps 6]
+                                 [--schedules gpipe,1f1b,...] [--quick]
+                                 [--statistic median|min]
+                                 [--out FILE.json]
 ```
+
+`--quick` is a subset (mlp and transformer; gpipe, 1f1b, zb_h2 and zbv;
+M 1 and 4) that takes a few minutes. The costs are measured once and
+cached (`$KERAS_PIPE_CACHE`, default `~/.cache/keras_pipe/costs.json`):
+point `KERAS_PIPE_CACHE` at a new file to measure them afresh.
 
 Starts 2 `python -m keras_pipe.distributed.worker` processes on loopback, each pinned
 to its own core (`tools/benchmarks/harness.py`'s `Workers`), and a client process
@@ -13,10 +20,12 @@ worker 0, transfers between the workers, cached) over every registered
 schedule, its stages per device and each `M`, then builds and trains each
 configuration it ranked (its cut and remat) with `from_model` and times it:
 the median step of one warm `fit` epoch, each step timed at its end inside
-the epoch (never a whole `fit` call: trap 11). It prints, per model, every
-configuration's predicted and measured step time and error, the median and
-largest |error|, and the pick's regret: the measured step of the predicted
-best against the best measured step of the grid.
+the epoch (never a whole `fit` call: trap 11). It prints, per model, the
+measured fixed costs (a step's, a stage call's, a transfer's, the optimizer
+update's rate), every configuration's predicted and measured step time and
+error, the median and largest |error|, and the pick's regret: the measured
+step of the predicted best against the best measured step of the grid.
+`--out` writes all of it as JSON (the rows, the costs, the summary).
 
 A measurement, not a test: the machine may be shared, the numbers are what
 it measured.
@@ -34,7 +43,10 @@ import tempfile
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+QUICK = {"models": "mlp,transformer", "schedules": "gpipe,1f1b,zb_h2,zbv",
+         "micro_batches": "1,4"}
 BATCH = {"mlp": 64, "resnet": 32, "transformer": 32, "gpt2": 16, "bert": 16}
+IMAGE = 16  # the conv net's images: 16 x 16 keeps a full run short
 SEQ, VOCAB = 32, 1000
 
 
@@ -62,7 +74,7 @@ def _models(keras):
                 rng.normal(size=(b, 16)).astype("float32"), "mse", None)
 
     def resnet():
-        x = keras.Input((32, 32, 3))
+        x = keras.Input((IMAGE, IMAGE, 3))
         h = keras.layers.Conv2D(32, 3, padding="same", activation="relu")(x)
         for _ in range(4):
             r = keras.layers.Conv2D(32, 3, padding="same",
@@ -73,7 +85,8 @@ def _models(keras):
         h = keras.layers.GlobalAveragePooling2D()(h)
         model = keras.Model(x, keras.layers.Dense(10)(h), name="resnet")
         b = BATCH["resnet"]
-        return (model, rng.normal(size=(b, 32, 32, 3)).astype("float32"),
+        return (model,
+                rng.normal(size=(b, IMAGE, IMAGE, 3)).astype("float32"),
                 rng.normal(size=(b, 10)).astype("float32"), "mse", None)
 
     def transformer():
@@ -157,6 +170,8 @@ def child(p):
             micro_batch_choices=p["micro_batches"],
             schedules=p["schedules"], input_shape=shape)
         search_seconds = time.perf_counter() - start
+        print(json.dumps({"model": name, "costs": _costs(remote)}),
+              flush=True)
         rows = []
         for rank, c in enumerate(ranked):
             keras.utils.set_random_seed(0)
@@ -172,11 +187,13 @@ def child(p):
                     num_micro_batches=c.num_micro_batches, remat=c.remat,
                     balance=c.sizes, schedule=c.schedule, input_shape=shape)
                 pipe.compile(keras.optimizers.Adam(1e-4), loss)
-                xs, ys = _repeat(x, 3), _repeat(y, 3)
+                xs, ys = _repeat(x, 2), _repeat(y, 2)
                 bench._fit_steps(keras, pipe, xs, ys, batch)  # trace, warm
                 xs, ys = _repeat(x, p["steps"]), _repeat(y, p["steps"])
                 steps = bench._fit_steps(keras, pipe, xs, ys, batch)
-                entry["measured"] = statistics.median(steps)
+                entry["steps"] = steps
+                entry["measured"] = (min(steps) if p["statistic"] == "min"
+                                     else statistics.median(steps))
                 entry["error"] = entry["predicted"] / entry["measured"] - 1
             except Exception as exc:  # noqa: BLE001 - reported, others go on
                 entry["failed"] = f"{type(exc).__name__}: {exc}"[:300]
@@ -184,6 +201,19 @@ def child(p):
             print(json.dumps(entry), flush=True)
         print(json.dumps({"model": name, "search_seconds": search_seconds,
                           "done": True}), flush=True)
+
+
+def _costs(remote):
+    """The fixed costs the search used (read from the cache it filled)."""
+    from keras_pipe.planning import profiling
+    overhead = profiling.step_overhead(remote)
+    link = profiling.link(remote[0], remote[1])
+    rate = profiling.update_rate(remote[0])
+    return {"step_ms": overhead.step * 1e3, "call_ms": overhead.call * 1e3,
+            "transfer_latency_ms": link.latency * 1e3,
+            "transfer_gb_per_s": link.bytes_per_second / 1e9,
+            "update_us_per_variable": rate.per_variable * 1e6,
+            "update_ns_per_element": rate.per_element * 1e9}
 
 
 def _table(rows):
@@ -204,27 +234,43 @@ def _table(rows):
     return "\n".join(lines)
 
 
-def summary(rows):
-    """Per model: median and max |error|, the pick's regret (Markdown)."""
-    lines = ["| model | configs | median abs error | max abs error | pick | "
-             "pick measured ms | best measured | regret |",
-             "|---|---|---|---|---|---|---|---|"]
-    every = []
+def per_model(rows):
+    """Per model: configurations, median and max |error|, the pick (rank 0
+    of the search), the best measured configuration and the regret."""
+    result = []
     for name in dict.fromkeys(r["model"] for r in rows):
         done = [r for r in rows if r["model"] == name and "measured" in r]
         if not done:
             continue
         errors = [abs(r["error"]) for r in done]
-        every += errors
         pick = min(done, key=lambda r: r["rank"])
         best = min(done, key=lambda r: r["measured"])
+        result.append({
+            "model": name, "configs": len(done),
+            "median_abs_error": statistics.median(errors),
+            "max_abs_error": max(errors), "pick": _name(pick),
+            "pick_measured": pick["measured"], "best": _name(best),
+            "best_measured": best["measured"],
+            "regret": pick["measured"] / best["measured"] - 1})
+    return result
+
+
+def _name(row):
+    return f"{row['schedule']} K={row['num_stages']} M={row['M']}"
+
+
+def summary(rows):
+    """Per model: median and max |error|, the pick's regret (Markdown)."""
+    lines = ["| model | configs | median abs error | max abs error | pick | "
+             "pick measured ms | best measured | regret |",
+             "|---|---|---|---|---|---|---|---|"]
+    for m in per_model(rows):
         lines.append(
-            f"| {name} | {len(done)} | {statistics.median(errors):.0%} | "
-            f"{max(errors):.0%} | {pick['schedule']} K={pick['num_stages']} "
-            f"M={pick['M']} | {pick['measured'] * 1e3:.1f} | "
-            f"{best['schedule']} K={best['num_stages']} M={best['M']} "
-            f"{best['measured'] * 1e3:.1f} ms | "
-            f"{pick['measured'] / best['measured'] - 1:+.0%} |")
+            f"| {m['model']} | {m['configs']} | "
+            f"{m['median_abs_error']:.0%} | {m['max_abs_error']:.0%} | "
+            f"{m['pick']} | {m['pick_measured'] * 1e3:.1f} | {m['best']} "
+            f"{m['best_measured'] * 1e3:.1f} ms | {m['regret']:+.0%} |")
+    every = [abs(r["error"]) for r in rows if "measured" in r]
     if every:
         lines.append(f"\nall models: median |error| "
                      f"{statistics.median(every):.0%}, max {max(every):.0%} "
@@ -238,21 +284,34 @@ def main():
                         "bert")
     parser.add_argument("--micro-batches", default="1,2,4,8")
     parser.add_argument("--schedules", default=None)
-    parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--out", default=None, help="JSON lines of results")
+    parser.add_argument("--steps", type=int, default=6,
+                        help="timed steps per configuration")
+    parser.add_argument("--statistic", choices=("median", "min"),
+                        default="median",
+                        help="the measured step: the median of the epoch's "
+                        "steps, or the least (on a shared machine, the one "
+                        "other jobs disturbed least)")
+    parser.add_argument("--quick", action="store_true",
+                        help=f"a subset: {QUICK}")
+    parser.add_argument("--out", default=None,
+                        help="a JSON file of the rows, costs and summary")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         child(json.loads(args.child))
         return
+    if args.quick:
+        args.models, args.schedules = QUICK["models"], QUICK["schedules"]
+        args.micro_batches = QUICK["micro_batches"]
     bench = _benchmark()
     from keras_pipe.distributed.worker import bind_shim_path
     params = {"models": args.models.split(","),
               "micro_batches": [int(m) for m in
                                 args.micro_batches.split(",")],
               "schedules": args.schedules.split(",") if args.schedules
-              else None, "steps": args.steps}
-    rows = []
+              else None, "steps": args.steps, "statistic": args.statistic}
+    rows, costs, searches = [], {}, {}
+    started, load_before = time.perf_counter(), os.getloadavg()
     with tempfile.TemporaryDirectory() as logdir, \
             bench.Workers(2, logdir) as workers:
         params["cluster"] = workers.addresses
@@ -260,15 +319,18 @@ def main():
             [sys.executable, __file__, "--child", json.dumps(params)],
             env=bench._env(bind_shim_path()), stdout=subprocess.PIPE,
             text=True, cwd=ROOT)
-        out = open(args.out, "w") if args.out else None
         for line in proc.stdout:
             if not line.startswith("{"):
                 continue
             entry = json.loads(line)
-            if out:
-                out.write(line)
-                out.flush()
+            if "costs" in entry:
+                costs[entry["model"]] = entry["costs"]
+                print(f"{entry['model']}: costs " + ", ".join(
+                    f"{k} {v:.3g}" for k, v in entry["costs"].items()),
+                    flush=True)
+                continue
             if entry.get("done"):
+                searches[entry["model"]] = entry["search_seconds"]
                 print(f"{entry['model']}: search took "
                       f"{entry['search_seconds']:.0f} s", flush=True)
                 continue
@@ -280,10 +342,19 @@ def main():
                       f"{entry['error']:+.0%}" if "measured" in entry
                       else entry.get("failed", "")), flush=True)
         proc.wait()
+    seconds = time.perf_counter() - started
     print()
     print(_table(rows))
     print()
     print(summary(rows))
+    print(f"\n{seconds:.0f} s; load average {load_before[0]:.1f} before, "
+          f"{os.getloadavg()[0]:.1f} after")
+    if args.out:
+        pathlib.Path(args.out).write_text(json.dumps({
+            "command": " ".join(sys.argv), "seconds": seconds,
+            "load_average": [load_before, os.getloadavg()],
+            "costs": costs, "search_seconds": searches, "rows": rows,
+            "summary": per_model(rows)}, indent=1))
 
 
 if __name__ == "__main__":

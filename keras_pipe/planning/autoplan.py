@@ -7,9 +7,10 @@ registered by the user), every stages-per-device count it allows and every
 `M`, the cut is the one that minimises the slowest stage's measured work
 (`keras_pipe.planning.profiling`) among the cuts whose stages fit `memory_budget`
 under the fastest remat mode that fits (`keras_pipe.planning.memory`); then the
-whole step is simulated (`keras_pipe.planning.simulator`) with those costs, transfer
-times and a stage call's fixed cost, and the configurations are ranked by
-the simulated step time.
+whole step is simulated (`keras_pipe.planning.simulator`) with those costs,
+transfer times, a stage call's and a step's fixed costs
+(`keras_pipe.calibration`) and each stage's optimizer update, and the
+configurations are ranked by the simulated step time.
 """
 
 import dataclasses
@@ -102,22 +103,38 @@ def _block(prefix):
 
 
 class _Measured:
-    """Costs per micro-batch size, measured (or from FLOPs) once each."""
+    """Costs per micro-batch size, measured (or from FLOPs) once each; the
+    step's fixed costs, transfers and optimizer updates."""
 
-    def __init__(self, graph, shapes, devices, measure, flops_per_second):
+    def __init__(self, graph, shapes, devices, measure, flops_per_second,
+                 optimizer_slots):
         self.graph, self.shapes = graph, shapes
         self.device = devices[0] if devices else None
         self.measure = measure
         self.flops_per_second = flops_per_second
         self._calls = {}
         if measure:
-            self.call_seconds = profiling.stage_call_seconds(self.device)
+            self.overhead = profiling.step_overhead(devices)
             distinct = list(dict.fromkeys(devices or []))
             self.link = (profiling.link(distinct[0], distinct[1])
                          if len(distinct) > 1 else profiling.Link(0.0, 1e12))
+            rate = profiling.update_rate(self.device, optimizer_slots)
         else:
-            self.call_seconds = 2e-4
+            self.overhead = profiling.Overhead(0.0, 2e-4, False)
             self.link = profiling.Link(1e-3, 5e9)
+            rate = profiling.flops_update_rate(optimizer_slots,
+                                               flops_per_second)
+        self.update = _prefix(profiling.update_seconds(graph, rate))
+        self.weighted = np.array([bool(getattr(c.operation,
+                                               "trainable_variables", None))
+                                  for c in graph.calls])
+
+    def prepare(self, all_rows):
+        """Measures every row count at once and `smooth`s them together."""
+        all_rows = sorted(set(all_rows))
+        for rows, costs in zip(all_rows, profiling.smooth(
+                [self.calls(r) for r in all_rows])):
+            self._calls[rows] = costs
 
     def calls(self, rows):
         if rows not in self._calls:
@@ -156,6 +173,10 @@ def _candidate(name, stage_devices, m, batch_size, graph, measured,
     f = _block(_prefix(costs.forward))
     bi = _block(_prefix(costs.backward_input))
     w = _block(_prefix(costs.weight))
+    # A split weight-gradient call ("W") replays the stage's mixing ops on
+    # their stashed inputs (`keras_pipe.engine.weight_grad`): their forward
+    # pass again, counted as the forward of each call with weights.
+    replay = _block(_prefix(np.where(measured.weighted, costs.forward, 0.0)))
     profile = memory_lib.Profile(graph, rows)
     grid, weights, trainable = budget_lib.block_grid(profile, n)
     actions = memory_lib.stage_actions(lambda mm, kk: ticks, m, k)
@@ -207,10 +228,13 @@ def _candidate(name, stage_devices, m, batch_size, graph, measured,
         forward=[float(f[a, e]) for a, e in spans],
         backward=[float(bi[a, e] + w[a, e]) for a, e in spans],
         backward_input=[float(bi[a, e]) for a, e in spans],
-        weight=[float(w[a, e]) for a, e in spans],
-        call=measured.call_seconds, output_bytes=out_bytes,
+        weight=[float(w[a, e] + replay[a, e]) for a, e in spans],
+        call=measured.overhead.call, output_bytes=out_bytes,
         latency=measured.link.latency,
-        bytes_per_second=measured.link.bytes_per_second)
+        bytes_per_second=measured.link.bytes_per_second,
+        update=[float(measured.update[e] - measured.update[a])
+                for a, e in spans],
+        step=measured.overhead.step)
     result = simulator.simulate(ticks, stage_devices, sim_costs, remat, m)
     device_peaks = [0.0] * num_devices
     for j, d in enumerate(stage_devices):
@@ -286,11 +310,12 @@ def search(model, devices=None, num_devices=None, batch_size=None,
                                      what='schedule="auto"')
     allowed = np.array(partition_lib.allowed_cuts(graph), bool)
     measured = _Measured(graph, shapes, list(dict.fromkeys(devices or [])),
-                         measure, flops_per_second)
+                         measure, flops_per_second, optimizer_slots)
     ranked, needs = [], []
     ms = sorted({min(_validation.check_positive_int("micro_batch_choices",
                                                    m), batch_size)
                  for m in micro_batch_choices})
+    measured.prepare(-(-batch_size // m) for m in ms)
     for name, stage_devices in layouts(num_devices):
         if schedules is not None and name not in schedules:
             continue

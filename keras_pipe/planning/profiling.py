@@ -33,10 +33,14 @@ import tensorflow as tf
 
 from keras_pipe.planning.balance import cost as cost_lib
 
-__all__ = ["CallCosts", "Link", "cache_path", "call_costs", "flops_costs",
-           "link", "stage_call_seconds"]
+__all__ = ["CallCosts", "Link", "Overhead", "UpdateRate", "cache_path",
+           "call_costs", "cached", "flops_costs",
+           "flops_update_rate", "link", "set_overhead_probe", "smooth",
+           "step_overhead", "stage_call_seconds", "update_rate",
+           "update_seconds"]
 
-_VERSION = 1
+_VERSION = 2
+_MAX_RUNS = 4096  # runs per timed loop at most
 
 
 @dataclasses.dataclass
@@ -75,6 +79,36 @@ class Link:
         return self.latency + num_bytes / self.bytes_per_second
 
 
+@dataclasses.dataclass
+class Overhead:
+    """The fixed costs of a training step, apart from its layers' work.
+
+    Attributes:
+        step: seconds of a step that computes nothing: `fit`'s own loop on
+            the client, the batch sent in, the step function's dispatch to
+            each device, the results back.
+        call: seconds each stage call adds inside a step.
+        measured: `True` when timed on the devices.
+    """
+
+    step: float
+    call: float
+    measured: bool = True
+
+
+@dataclasses.dataclass
+class UpdateRate:
+    """An optimizer update: `per_variable + per_element * size` seconds a
+    variable."""
+
+    per_variable: float
+    per_element: float
+
+    def seconds(self, sizes):
+        """Seconds to update variables of `sizes` elements."""
+        return sum(self.per_variable + self.per_element * n for n in sizes)
+
+
 def cache_path():
     """The JSON file measured costs are kept in."""
     root = os.environ.get("KERAS_PIPE_CACHE")
@@ -103,6 +137,19 @@ def _store(key, value):
         warnings.warn(f"keras_pipe could not write its cost cache {path}: "
                       f"{exc}. Costs will be measured again next time.",
                       stacklevel=3)
+
+
+def cached(parts, compute, cache=True):
+    """`compute()`, kept in the cache under `parts` (JSON values)."""
+    key = _key(*parts)
+    if cache:
+        hit = _load().get(key)
+        if hit is not None:
+            return hit
+    value = compute()
+    if cache:
+        _store(key, value)
+    return value
 
 
 def _key(*parts):
@@ -143,21 +190,41 @@ def _timed(function, args, repeats):
     return float(np.min(samples))
 
 
-def _repeated(body, times):
-    """A tf.function running `body(flat)` `times` times one after another.
+def _probe(outputs):
+    """A finite scalar that needs every element-producing output: the sum
+    of their first elements, clipped (a NaN or inf fed back would change
+    what the next run computes)."""
+    firsts = [tf.cast(tf.reshape(t, [-1])[0], tf.float32) for t in outputs
+              if t is not None and t.shape.num_elements() != 0]
+    if not firsts:
+        return tf.constant(0.0)
+    total = tf.add_n(firsts)
+    total = tf.where(tf.math.is_finite(total), total, 0.0)
+    return tf.clip_by_value(total, -1.0, 1.0)
+
+
+def _loop(body, device=None):
+    """A tf.function running `body(flat)` `n` times in a `tf.while_loop`,
+    every op of it on `device`.
+
+    Each run reads the last one's outputs (a data edge through `_probe`),
+    so no optimizer merges, hoists or prunes the identical runs, and the
+    loop runs on the device without a call per run: one call's own cost
+    (a remote call's round trip) is paid once however large `n` is. The
+    whole loop is pinned to `device`: a loop counter left on the client
+    would make every run a round trip to a remote device.
     """
-    @tf.function
-    def run(*flat):
-        out = None
-        for n in range(times):
-            if n:
-                # Each run reads the last one's result: a data edge, so no
-                # optimizer merges or reorders the identical runs.
-                probe = tf.cast(tf.reshape(out[0], [-1])[0], tf.float32)
-                flat = [t + tf.cast(probe * 0.0, t.dtype)
-                        if t.dtype.is_floating else t for t in flat]
-            out = [t for t in body(flat) if t is not None]
-        return out
+    @tf.function(reduce_retracing=True)  # one trace for most row counts
+    def run(n, *flat):
+        with tf.device(device) if device else contextlib.nullcontext():
+            def step(count, probe):
+                moved = [t + tf.cast(probe * 0.0, t.dtype)
+                         if t.dtype.is_floating else t for t in flat]
+                return count + 1, _probe(body(moved))
+
+            _, probe = tf.while_loop(lambda count, _: count < n, step,
+                                     [tf.constant(0), tf.constant(0.0)])
+            return tf.identity(probe)
     return run
 
 
@@ -175,17 +242,29 @@ def _dense(gradients):
             for g in gradients if g is not None]
 
 
-def _functions(call, training):
+def _functions(call, training, device=None):
     """Three tf.functions: forward; forward and input gradients; forward
-    and all gradients. Stateless: the model's variables do not change."""
-    variables = [v for v in (getattr(call.operation, "trainable_variables",
-                                     None) or [])]
+    and all gradients. Stateless: the model's variables do not change.
 
-    def forward(flat):
-        values = {id(x): t for x, t in zip(call.inputs, flat)}
-        with keras.StatelessScope():
-            call.run(values, training=training)
-        return [values[id(x)] for x in call.outputs]
+    The layer reads copies of its variables made on `device` once (a
+    `keras.StatelessScope` mapping), as a stage reads the variables placed
+    with it: the model's own variables live on the client, and reading
+    them from a remote device would time a transfer of every weight at
+    every run.
+    """
+    operation = call.operation
+    variables = list(getattr(operation, "variables", None) or [])
+    trainable = {id(v) for v in (getattr(operation, "trainable_variables",
+                                         None) or [])}
+    with tf.device(device) if device else contextlib.nullcontext():
+        copies = [tf.identity(v.value) for v in variables]
+
+    def forward(flat, values):
+        tensors = {id(x): t for x, t in zip(call.inputs, flat)}
+        with keras.StatelessScope(state_mapping=list(zip(variables,
+                                                         values))):
+            call.run(tensors, training=training)
+        return [tensors[id(x)] for x in call.outputs]
 
     def loss(outputs):
         terms = [tf.reduce_sum(tf.cast(y, tf.float32)) for y in outputs
@@ -193,42 +272,80 @@ def _functions(call, training):
         return tf.add_n(terms) if terms else tf.constant(0.0)
 
     def run_forward(flat):
-        return forward(flat)
+        return forward(flat, copies)
+
+    def gradients(flat, weights):
+        values = list(copies)
+        with tf.GradientTape() as tape:
+            for t in flat:
+                if t.dtype.is_floating:
+                    tape.watch(t)
+            sources = [t for t in flat if t.dtype.is_floating]
+            if weights:
+                values = [tf.identity(t) for t in copies]
+                for v, t in zip(variables, values):
+                    if id(v) in trainable:
+                        tape.watch(t)
+                        sources.append(t)
+            y = loss(forward(flat, values))
+        return _dense(tape.gradient(y, sources)) + [y]
 
     def run_input(flat):
-        with tf.GradientTape() as tape:
-            for t in flat:
-                if t.dtype.is_floating:
-                    tape.watch(t)
-            y = loss(forward(flat))
-        sources = [t for t in flat if t.dtype.is_floating]
-        return _dense(tape.gradient(y, sources)) + [y]
+        return gradients(flat, False)
 
     def run_all(flat):
-        with tf.GradientTape() as tape:
-            for t in flat:
-                if t.dtype.is_floating:
-                    tape.watch(t)
-            y = loss(forward(flat))
-        sources = [t for t in flat if t.dtype.is_floating] + [
-            v.value for v in variables]
-        return _dense(tape.gradient(y, sources)) + [y]
+        return gradients(flat, True)
 
     return run_forward, run_input, run_all
 
 
-def _per_run(body, inputs, repeats, times):
-    """Seconds of one `body` run: `times` chained runs in one call, less
-    one run, over `times - 1` (the call's own cost cancels)."""
-    one = _timed(_repeated(body, 1), inputs, repeats)
-    if times == 1:
-        return one
-    many = _timed(_repeated(body, times), inputs, repeats)
-    return max(many - one, 0.0) / (times - 1)
+_LOOPS = {}  # (id(call), training, device) -> (call, its three loops)
+
+
+def _loops(call, training, device):
+    """The `_loop`s of `_functions(call, ...)`, made once per call and
+    device: a search measures each call at several row counts, and tracing
+    dominates measuring."""
+    key = (id(call), training, device)
+    if key not in _LOOPS or _LOOPS[key][0] is not call:
+        if len(_LOOPS) > 1024:  # another model's: let them go
+            _LOOPS.clear()
+        _LOOPS[key] = (call, [_loop(f, device) for f in _functions(
+            call, training, device)])
+    return _LOOPS[key][1]
+
+
+def _per_run(run, inputs, repeats, target, device=None):
+    """Seconds of one run of a `_loop` `run` on a shared machine.
+
+    Runs `n` in one loop on the device, `n` grown (from single timings)
+    until the loop takes `target` seconds more than one run does; the
+    difference over `n - 1` (least of `repeats` warm calls each, at that
+    `n` and at 1) is one run without the call's own cost. Timing one run
+    of tens of microseconds against a remote call's millisecond round trip
+    is noise; a loop of `target` seconds shrinks the round trip's share of
+    it `n` times.
+    """
+    def least(n, times):
+        with tf.device(device) if device else contextlib.nullcontext():
+            count = tf.constant(n)
+        return _timed(run, [count] + list(inputs), times)
+
+    one, n = least(1, repeats), 4
+    many = least(n, 2)  # a first guess of `n`, then `repeats` at that `n`
+    while True:
+        if many - one >= target or n >= _MAX_RUNS:
+            many = min(many, least(n, repeats))
+            if many - one >= target / 2 or n >= _MAX_RUNS:
+                return max(many - one, 0.0) / (n - 1)
+        per = (many - one) / (n - 1)
+        grow = target / per + 1 if per > 0 else 4 * n
+        n = int(min(_MAX_RUNS, max(2 * n, grow)))
+        many = least(n, 1)
 
 
 def call_costs(graph, rows, device=None, shapes=None, training=True,
-               repeats=5, times=4, cache=True):
+               repeats=5, target=0.005, cache=True):
     """Measured seconds of each layer call of `graph` for `rows` rows.
 
     ```python
@@ -239,10 +356,11 @@ def call_costs(graph, rows, device=None, shapes=None, training=True,
 
     Each call runs alone in three `tf.function`s on `device` (forward;
     forward and input gradients; forward and every gradient) on random
-    inputs, under a `keras.StatelessScope`, each `times` times in a chain
-    and once: the difference over `times - 1` (least of `repeats` warm
-    runs) is one run without the function call's own cost. That gives its
-    forward time, and the differences its input and weight gradient times.
+    inputs, under a `keras.StatelessScope`, each `n` times in a loop on the
+    device and once: the difference over `n - 1` (least of `repeats` warm
+    calls, `n` grown until the loop lasts `target` seconds) is one run
+    without the call's own cost. That gives its forward time, and the
+    differences its input and weight gradient times.
 
     Args:
         graph: a `keras_pipe.planning.graph.Graph`.
@@ -252,8 +370,10 @@ def call_costs(graph, rows, device=None, shapes=None, training=True,
         shapes: `{id(KerasTensor): shape}` (`balance.shapes.infer_shapes`).
             Defaults to `None` (the graph's shapes, unknowns as 1).
         training: the `training` flag. Defaults to `True`.
-        repeats: timed runs per function. Defaults to `5`.
-        times: chained runs per timed function. Defaults to `4`.
+        repeats: timed calls per loop length. Defaults to `5`.
+        target: seconds a timed loop lasts at least (more runs per loop
+            average out more of a shared machine's noise). Defaults to
+            `0.005`.
         cache: read and write the cache (`cache_path()`). Defaults to
             `True`.
 
@@ -261,7 +381,7 @@ def call_costs(graph, rows, device=None, shapes=None, training=True,
         A `CallCosts`.
     """
     key = _key("calls", _graph_signature(graph, shapes), _device_name(device),
-               rows, training, times)
+               rows, training, target)
     if cache:
         hit = _load().get(key)
         if hit is not None:
@@ -270,12 +390,15 @@ def call_costs(graph, rows, device=None, shapes=None, training=True,
     with tf.device(device) if device else contextlib.nullcontext():
         for call in graph.calls:
             inputs = [cost_lib.sample_input(x, rows, shapes) for x in call.inputs]
-            run_forward, run_input, run_all = _functions(call, training)
-            f = _per_run(run_forward, inputs, repeats, times)
-            fi = max(_per_run(run_input, inputs, repeats, times), f)
+            run_forward, run_input, run_all = _loops(call, training, device)
+            f = _per_run(run_forward, inputs, repeats, target,
+                         device)
+            fi = max(_per_run(run_input, inputs, repeats, target,
+                                  device), f)
             fa = fi
             if getattr(call.operation, "trainable_variables", None):
-                fa = max(_per_run(run_all, inputs, repeats, times), fi)
+                fa = max(_per_run(run_all, inputs, repeats, target,
+                                      device), fi)
             forward.append(f)
             backward_input.append(fi - f)
             weight.append(fa - fi)
@@ -283,6 +406,46 @@ def call_costs(graph, rows, device=None, shapes=None, training=True,
     if cache:
         _store(key, dataclasses.asdict(result))
     return result
+
+
+def _theil_sen(xs, ys):
+    """The line through `(xs, ys)` with the median pairwise slope and the
+    median intercept: one wild point of several moves it little."""
+    slopes = [(ys[b] - ys[a]) / (xs[b] - xs[a])
+              for a in range(len(xs)) for b in range(a + 1, len(xs))
+              if xs[b] != xs[a]]
+    slope = float(np.median(slopes)) if slopes else 0.0
+    return slope, float(np.median([y - slope * x for x, y in zip(xs, ys)]))
+
+
+def smooth(costs):
+    """`CallCosts` at several row counts, each time replaced by a line in
+    the rows fitted through all of them (`a + b * rows`, Theil-Sen).
+
+    A time measured on a shared machine is sometimes far off (a loop that
+    another process interrupted at every call); a call's time is close to
+    a fixed cost plus a cost per row, and a line through four row counts
+    that ignores its worst point corrects the one that is off. Times stay
+    at least zero; costs from FLOPs are returned as they are.
+
+    ```python
+    at = {r: CallCosts(r, [t], [0.0], [0.0]) for r, t in
+          [(8, 1.0), (16, 2.0), (32, 99.0), (64, 8.0)]}
+    smooth(list(at.values()))[2].forward  # [4.0]: the line 0 + rows / 8
+    ```
+    """
+    if len(costs) < 3 or not all(c.measured for c in costs):
+        return list(costs)
+    rows = [c.rows for c in costs]
+    fitted = {}
+    for kind in ("forward", "backward_input", "weight"):
+        columns = list(zip(*[getattr(c, kind) for c in costs]))
+        lines = [_theil_sen(rows, list(times)) for times in columns]
+        fitted[kind] = [[max(a + b * r, 0.0) for b, a in lines]
+                        for r in rows]
+    return [CallCosts(r, fitted["forward"][n], fitted["backward_input"][n],
+                      fitted["weight"][n], True)
+            for n, r in enumerate(rows)]
 
 
 def flops_costs(graph, rows, flops_per_second=2e10, shapes=None):
@@ -384,3 +547,95 @@ def link(source=None, target=None, sizes=(2**10, 2**22), repeats=9,
     if cache:
         _store(key, dataclasses.asdict(result))
     return result
+
+
+def update_rate(device=None, optimizer_slots=2, repeats=3, target=0.005,
+                cache=True):
+    """Measured seconds of an Adam-like update, per variable and element.
+
+    Times, on `device`, the update of one variable of 256 and one of 2**16
+    elements (a layer's size, cache-resident as most are) with
+    `optimizer_slots` moment slots, in a loop (`_per_run`); a line through
+    the two gives the cost a variable has whatever its size and the cost
+    an element adds.
+    """
+    def compute():
+        sizes = (256, 2**16)
+        seconds = []
+        with tf.device(device) if device else contextlib.nullcontext():
+            for size in sizes:
+                state = [tf.ones([size]) for _ in range(1 + optimizer_slots)]
+                seconds.append(_per_run(_loop(_update_body(state), device),
+                                        [tf.ones([size])], repeats, target,
+                                        device))
+        slope = max((seconds[1] - seconds[0]) / (sizes[1] - sizes[0]), 0.0)
+        return {"per_variable": max(seconds[0] - slope * sizes[0], 0.0),
+                "per_element": slope}
+
+    return UpdateRate(**cached(("update", _device_name(device),
+                                optimizer_slots, target), compute, cache))
+
+
+def _update_body(state):
+    """One update of the weight `state[0]` from a gradient and the moment
+    slots `state[1:]` (the loop feeds the gradient only: the one input it
+    perturbs)."""
+    def body(flat):
+        gradient, weight, slots = flat[0], state[0], state[1:]
+        new = []
+        for n, slot in enumerate(slots):
+            term = gradient if n == 0 else gradient * gradient
+            new.append(slot * 0.9 + term * 0.1)
+        if len(new) >= 2:
+            step = new[0] / (tf.sqrt(new[1]) + 1e-7)
+        else:
+            step = new[0] if new else gradient
+        return [weight - 1e-3 * step] + new
+    return body
+
+
+def flops_update_rate(optimizer_slots=2, flops_per_second=2e10):
+    """An `UpdateRate` from FLOPs, the fallback: `3 + 3 * optimizer_slots`
+    operations an element."""
+    return UpdateRate(0.0, (3 + 3 * optimizer_slots) / flops_per_second)
+
+
+def update_seconds(graph, rate):
+    """Per layer call, seconds to update the weights it owns (a layer
+    called twice owns its weights at its first call)."""
+    seen, result = set(), []
+    for call in graph.calls:
+        sizes = []
+        for v in getattr(call.operation, "trainable_variables", None) or []:
+            if id(v) not in seen:
+                seen.add(id(v))
+                sizes.append(int(np.prod(v.shape)))
+        result.append(rate.seconds(sizes))
+    return result
+
+
+_OVERHEAD_PROBE = []
+
+
+def set_overhead_probe(probe):
+    """Sets `probe(devices) -> Overhead`, the measurement of a step's fixed
+    costs on `devices`.
+
+    It runs training steps of a pipeline that computes next to nothing,
+    which this package (below the Keras model) cannot build: `keras_pipe`
+    sets it when imported (`keras_pipe.calibration`).
+    """
+    _OVERHEAD_PROBE[:] = [probe]
+
+
+def step_overhead(devices, cache=True):
+    """The fixed costs of a step on `devices` (an `Overhead`), measured
+    once per devices and cached; without a probe set, a stage call's cost
+    (`stage_call_seconds`) and no step cost."""
+    if not _OVERHEAD_PROBE:
+        return Overhead(0.0, stage_call_seconds(
+            devices[0] if devices else None, cache=cache), False)
+    probe = _OVERHEAD_PROBE[0]
+    return Overhead(**cached(
+        ("overhead", [_device_name(d) for d in devices or [None]]),
+        lambda: dataclasses.asdict(probe(list(devices or []))), cache))
