@@ -336,6 +336,10 @@ def _gradient_sizes(model, variables, x, y, sample_weight):
 
 def _train(model, loss, optimizer, x, y, sample_weight, steps):
     model.compile(_fresh(optimizer), loss=loss, jit_compile=False)
+    # Slots made before the first step: made inside it, they make TF trace
+    # Keras' train function twice (PipelineModel.compile does the same).
+    if not model.optimizer.built:
+        model.optimizer.build(model.trainable_variables)
     return [float(np.ravel(model.train_on_batch(
         x, y, sample_weight=sample_weight))[0]) for _ in range(steps)]
 
