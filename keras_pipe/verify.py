@@ -31,7 +31,9 @@ BATCH_NORM = ("BatchNormalization at M > 1: training normalizes each "
               "num_micro_batches=1 is exact")
 NOISE = ("gradient at float-rounding level (a key bias under softmax, a "
          "parameter the loss does not depend on): Adam, RMSprop and the like "
-         "normalize the noise into full steps of either sign")
+         "normalize the noise into full steps of either sign; or a statistic "
+         "that moved and differs at rounding level (at most 1e-5 of the largest "
+         "update)")
 MIXED_PRECISION = ("mixed precision: float16/bfloat16 computations rounded "
                    "in another order")
 
@@ -73,8 +75,11 @@ class VerificationReport:
         set_aside: the random layers (Dropout, ...) switched off.
         tolerance: the largest difference relative to the update accepted.
         noise: paths of the variables whose gradient is at rounding level
-            (at most 1e-5 of the largest): their difference is named, not
-            flagged, and left out of `largest`.
+            (at most 1e-5 of the largest), or, for variables without a
+            gradient (moving statistics), whose update and difference are
+            (at most 1e-5 of the largest update): their difference is
+            named, not flagged,
+            and left out of `largest`.
     """
 
     ok: bool
@@ -243,7 +248,7 @@ def verify(model, x, y, loss=None, optimizer=None, num_stages=None,
     start = [v.numpy() for v in unsplit.weights]
     set_aside = _set_aside_randomness(pipe.layers)
     try:
-        expected_pred = _predict(_Unsplit(unsplit), x)
+        expected_pred = _call(unsplit, x)
         actual_pred = _predict(pipe, x)
         reference = _Unsplit(unsplit)
         losses_keras = _train(reference, loss, optimizer, x, y,
@@ -278,8 +283,15 @@ def verify(model, x, y, loss=None, optimizer=None, num_stages=None,
     off = [r for r in rows if r.relative > tolerance]
     largest_gradient = max((r.gradient for r in rows
                             if r.gradient is not None), default=0.0)
-    noise = [r.path for r in off if r.gradient is not None
-             and r.gradient <= 1e-5 * largest_gradient]
+    largest_update = max((r.update for r in rows), default=0.0)
+    # A trained variable whose gradient is rounding, or a statistic (no
+    # gradient) that moved, and differs, at rounding level of the largest
+    # update (not one that only the pipeline moved): a moving mean after
+    # a layer whose input is already centered records rounding and the
+    # noise steps of the layers before.
+    noise = [r.path for r in off if (
+        r.gradient <= 1e-5 * largest_gradient if r.gradient is not None
+        else max(r.update, r.difference) <= 1e-5 * largest_update)]
     if noise:
         causes.append(f"{NOISE}: {', '.join(noise[:4])}"
                       + (" ..." if len(noise) > 4 else ""))
@@ -313,6 +325,14 @@ def _fresh(optimizer):
     if isinstance(optimizer, keras.optimizers.Optimizer):
         return optimizer.__class__.from_config(optimizer.get_config())
     return keras.optimizers.get(optimizer)
+
+
+def _call(model, x):
+    """`model`'s inference outputs on `x`, as numpy: one eager call (Keras'
+    `predict` would trace a function for this one batch)."""
+    outputs = model(keras.tree.map_structure(tf.convert_to_tensor, x),
+                    training=False)
+    return keras.tree.map_structure(lambda t: np.asarray(t), outputs)
 
 
 def _predict(model, x):
