@@ -362,7 +362,7 @@ BATCH_NORM = ("BatchNormalization at M > 1: training normalizes each "
 def _devices_for(case, devices):
     """One device per stage; two stages per device for the V and loop
     schedules that need it (`keras_pipe.schedule.stage_placement`)."""
-    from keras_pipe.engine import schedule  # noqa: PLC0415
+    from keras_pipe import schedule  # noqa: PLC0415
     placement = {"zbv": "v", "interleaved_1f1b": "loop"}.get(case.schedule)
     if placement is None:
         return devices[:case.num_stages]
