@@ -248,7 +248,7 @@ def verify(model, x, y, loss=None, optimizer=None, num_stages=None,
     start = [v.numpy() for v in unsplit.weights]
     set_aside = _set_aside_randomness(pipe.layers)
     try:
-        expected_pred = _call(unsplit, x)
+        expected_pred = _predict(_Unsplit(unsplit), x)
         actual_pred = _predict(pipe, x)
         reference = _Unsplit(unsplit)
         losses_keras = _train(reference, loss, optimizer, x, y,
@@ -325,14 +325,6 @@ def _fresh(optimizer):
     if isinstance(optimizer, keras.optimizers.Optimizer):
         return optimizer.__class__.from_config(optimizer.get_config())
     return keras.optimizers.get(optimizer)
-
-
-def _call(model, x):
-    """`model`'s inference outputs on `x`, as numpy: one eager call (Keras'
-    `predict` would trace a function for this one batch)."""
-    outputs = model(keras.tree.map_structure(tf.convert_to_tensor, x),
-                    training=False)
-    return keras.tree.map_structure(lambda t: np.asarray(t), outputs)
 
 
 def _predict(model, x):

@@ -50,11 +50,14 @@ class Case:
     schedule: str
     expect: str = EQUAL        # EQUAL or BATCH_NORM_NAMED
     xfail: str = None          # reason, for a known difference
+    learning_rate: float = 1e-2
+    one_device: bool = False   # every stage on the first device
 
     @property
     def id(self):
         return (f"{self.name}-K{self.num_stages}-M{self.num_micro_batches}"
-                f"-{self.schedule}")
+                f"-{self.schedule}" + ("-one_device" if self.one_device
+                                        else ""))
 
 
 # ------------------------------------------------------------------ inputs
@@ -322,6 +325,13 @@ T5_XFAIL = ("T5's relative attention bias: a batch-independent gather with "
             "(docs/exactness.md, 'Not exact'); fixed in "
             "engine/gradients.py by a parallel change")
 
+CONVNEXT_XFAIL = (
+    "verify's plain Keras run fails: ConvNeXt's depthwise Conv2D(groups=C) "
+    "runs as an XLA function on device 0, which cannot read a kernel that "
+    "from_model placed on the second stage's device (InvalidArgumentError "
+    "'Trying to access resource ... located in device CPU:1 from device "
+    "CPU:0'); on one device the case is equal")
+
 CASES = [
     # KerasHub text classifiers
     Case("BertTextClassifier", _bert, 2, 2, "zb_h2"),
@@ -351,8 +361,12 @@ CASES = [
     Case("EfficientNet", _efficientnet, 2, 1, "gpipe"),
     Case("EfficientNetV2", _efficientnet_v2, 2, 2, "zb_h1",
          BATCH_NORM_NAMED),
-    Case("ConvNeXt", _convnext, 2, 2, "zb_h2"),
-    Case("VGG16", _vgg16, 2, 4, "1f1b"),
+    Case("ConvNeXt", _convnext, 2, 2, "zb_h2", xfail=CONVNEXT_XFAIL),
+    Case("ConvNeXt", _convnext, 2, 2, "zb_h2", one_device=True),
+    # At 1e-2 the first step sends VGG16's loss to 9.3e5 and the rounding
+    # of the micro-batch sums grows to 6.7e-2 of the update by step 3
+    # (losses equal to 6 digits): a trajectory too unstable to compare.
+    Case("VGG16", _vgg16, 2, 4, "1f1b", learning_rate=1e-4),
 ]
 
 BATCH_NORM = ("BatchNormalization at M > 1: training normalizes each "
@@ -364,6 +378,8 @@ def _devices_for(case, devices):
     schedules that need it (`keras_pipe.schedule.stage_placement`)."""
     from keras_pipe import schedule  # noqa: PLC0415
     placement = {"zbv": "v", "interleaved_1f1b": "loop"}.get(case.schedule)
+    if case.one_device:
+        return devices[:1] * case.num_stages
     if placement is None:
         return devices[:case.num_stages]
     return [devices[d] for d in schedule.stage_placement(
@@ -376,7 +392,8 @@ def run_case(case, devices):
     keras.utils.set_random_seed(0)
     model, x, y, kwargs = case.build()
     return keras_pipe.verify(
-        model, x, y, loss=CE, optimizer=keras.optimizers.Adam(1e-2),
+        model, x, y, loss=CE,
+        optimizer=keras.optimizers.Adam(case.learning_rate),
         num_stages=case.num_stages, num_micro_batches=case.num_micro_batches,
         schedule=case.schedule, devices=_devices_for(case, devices), steps=3,
         **kwargs)
