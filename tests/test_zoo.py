@@ -322,7 +322,7 @@ def _vgg16():
 
 T5_XFAIL = ("T5's relative attention bias: a batch-independent gather with "
             "repeated buckets, its micro-batch rows concatenated "
-            "(docs/exactness.md, 'Not exact'); fixed in "
+            "(docs/exactness.md, 'Not exact'); being fixed in "
             "engine/gradients.py by a parallel change")
 
 CONVNEXT_XFAIL = (
