@@ -78,8 +78,7 @@ class VerificationReport:
             (at most 1e-5 of the largest), or, for variables without a
             gradient (moving statistics), whose update and difference are
             (at most 1e-5 of the largest update): their difference is
-            named, not flagged,
-            and left out of `largest`.
+            named, not flagged, and left out of `largest`.
     """
 
     ok: bool
