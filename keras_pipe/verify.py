@@ -31,7 +31,9 @@ BATCH_NORM = ("BatchNormalization at M > 1: training normalizes each "
               "num_micro_batches=1 is exact")
 NOISE = ("gradient at float-rounding level (a key bias under softmax, a "
          "parameter the loss does not depend on): Adam, RMSprop and the like "
-         "normalize the noise into full steps of either sign")
+         "normalize the noise into full steps of either sign; or a statistic "
+         "that moved and differs at rounding level (at most 1e-5 of the largest "
+         "update)")
 MIXED_PRECISION = ("mixed precision: float16/bfloat16 computations rounded "
                    "in another order")
 
@@ -73,8 +75,10 @@ class VerificationReport:
         set_aside: the random layers (Dropout, ...) switched off.
         tolerance: the largest difference relative to the update accepted.
         noise: paths of the variables whose gradient is at rounding level
-            (at most 1e-5 of the largest): their difference is named, not
-            flagged, and left out of `largest`.
+            (at most 1e-5 of the largest), or, for variables without a
+            gradient (moving statistics), whose update and difference are
+            (at most 1e-5 of the largest update): their difference is
+            named, not flagged, and left out of `largest`.
     """
 
     ok: bool
@@ -278,8 +282,15 @@ def verify(model, x, y, loss=None, optimizer=None, num_stages=None,
     off = [r for r in rows if r.relative > tolerance]
     largest_gradient = max((r.gradient for r in rows
                             if r.gradient is not None), default=0.0)
-    noise = [r.path for r in off if r.gradient is not None
-             and r.gradient <= 1e-5 * largest_gradient]
+    largest_update = max((r.update for r in rows), default=0.0)
+    # A trained variable whose gradient is rounding, or a statistic (no
+    # gradient) that moved, and differs, at rounding level of the largest
+    # update (not one that only the pipeline moved): a moving mean after
+    # a layer whose input is already centered records rounding and the
+    # noise steps of the layers before.
+    noise = [r.path for r in off if (
+        r.gradient <= 1e-5 * largest_gradient if r.gradient is not None
+        else max(r.update, r.difference) <= 1e-5 * largest_update)]
     if noise:
         causes.append(f"{NOISE}: {', '.join(noise[:4])}"
                       + (" ..." if len(noise) > 4 else ""))
@@ -336,6 +347,10 @@ def _gradient_sizes(model, variables, x, y, sample_weight):
 
 def _train(model, loss, optimizer, x, y, sample_weight, steps):
     model.compile(_fresh(optimizer), loss=loss, jit_compile=False)
+    # Slots made before the first step: made inside it, they make TF trace
+    # Keras' train function twice (PipelineModel.compile does the same).
+    if not model.optimizer.built:
+        model.optimizer.build(model.trainable_variables)
     return [float(np.ravel(model.train_on_batch(
         x, y, sample_weight=sample_weight))[0]) for _ in range(steps)]
 

@@ -1,15 +1,29 @@
 """Model-zoo equivalence sweep: keras_pipe.verify on KerasHub tiny configs
-and keras.applications, cut into 2-3 stages.
+and the keras.applications families, cut into 2-3 stages.
 
-Each case: predictions at the start and 3 Adam steps against plain Keras
-on one device, within verify's tolerance (1e-3 of each variable's update;
-measured values are ~1e-6, see docs/exactness.md). BatchNormalization at
-M > 1 is the one stated exception: verify names it and flags nothing else.
-Built from config (no download), dropout set aside by verify.
+Each case is one `keras_pipe.verify` call: predictions at the start and 3
+Adam steps (lr 1e-2) against plain Keras on one device, within verify's
+tolerance (1e-3 of each variable's update; measured values are ~1e-5, see
+docs/zoo.md). M=1 and M>1 are separate cases on different models and the
+schedules rotate over the cases (gpipe, 1f1b, zb_h1, zb_h2,
+interleaved_1f1b, zbv), not every model x every schedule. Every model is
+built from its constructor at a tiny size (no download); the
+keras.applications families use their generic builders
+(`keras.src.applications.<family>.<Family>(blocks...)`) at one block per
+stack where the named models (ResNet50, DenseNet121, ...) would cost a
+minute of tracing each. BatchNormalization at M > 1 is the one stated
+exception: verify must name it (plain BatchNormalization, and
+`keras_pipe.layers.defer_batch_norm`'s DeferredBatchNormalization, which
+defers only the moving statistics) and flag nothing else.
 
-    python -m tests.test_zoo [MODEL ...]   prints the table of
-                                           docs/exactness.md
+    python -m tests.test_zoo [MODEL ...]   prints the table of docs/zoo.md
+                                           with each case's CPU seconds
 """
+
+import dataclasses
+import os
+import sys
+import time
 
 import keras
 import numpy as np
@@ -20,100 +34,422 @@ pytestmark = pytest.mark.slow
 keras_hub = pytest.importorskip("keras_hub")
 
 CE = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-SEQ, VOCAB = 8, 40
+SEQ, VOCAB, BATCH, CLASSES = 8, 32, 8, 3
+
+EQUAL, BATCH_NORM_NAMED = "equal", "BatchNormalization at M>1 (named)"
 
 
-def _vit():
-    backbone = keras_hub.models.ViTBackbone(
-        image_shape=(16, 16, 3), patch_size=8, num_layers=2, num_heads=2,
-        hidden_dim=8, mlp_dim=16)
-    model = keras_hub.models.ViTImageClassifier(
-        backbone=backbone, num_classes=3, preprocessor=None)
-    x = np.random.default_rng(0).normal(size=(8, 16, 16, 3)).astype("float32")
-    return model, x, {}
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One verify call: `build() -> (model, x, y, from_model kwargs)`."""
+
+    name: str
+    build: object
+    num_stages: int
+    num_micro_batches: int
+    schedule: str
+    expect: str = EQUAL        # EQUAL or BATCH_NORM_NAMED
+    xfail: str = None          # reason, for a known difference
+    learning_rate: float = 1e-2
+    one_device: bool = False   # every stage on the first device
+
+    @property
+    def id(self):
+        return (f"{self.name}-K{self.num_stages}-M{self.num_micro_batches}"
+                f"-{self.schedule}" + ("-one_device" if self.one_device
+                                        else ""))
+
+
+# ------------------------------------------------------------------ inputs
+
+def _labels():
+    return (np.arange(BATCH) % CLASSES).astype("int32")
+
+
+def _tokens(*names, seed=0):
+    rng = np.random.default_rng(seed)
+    x = {"token_ids": rng.integers(1, VOCAB, (BATCH, SEQ)).astype("int32"),
+         "padding_mask": np.ones((BATCH, SEQ), "int32")}
+    if "segment_ids" in names:
+        x["segment_ids"] = np.zeros((BATCH, SEQ), "int32")
+    return x
+
+
+def _next_tokens():
+    return np.random.default_rng(1).integers(
+        0, VOCAB, (BATCH, SEQ)).astype("int32")
+
+
+def _images(size, channels=3):
+    return np.random.default_rng(0).normal(
+        size=(BATCH, size, size, channels)).astype("float32")
+
+
+def _shapes(x):
+    return {"input_shape": {k: (None,) + v.shape[1:] for k, v in x.items()}}
+
+
+# ------------------------------------------------- KerasHub text and LMs
+
+def _classifier(task, backbone, *names):
+    model = task(backbone=backbone, num_classes=CLASSES, preprocessor=None)
+    x = _tokens(*names)
+    return model, x, _labels(), _shapes(x)
 
 
 def _bert():
-    backbone = keras_hub.models.BertBackbone(
-        vocabulary_size=VOCAB, num_layers=2, num_heads=2, hidden_dim=8,
-        intermediate_dim=16, max_sequence_length=SEQ)
-    model = keras_hub.models.BertTextClassifier(
-        backbone=backbone, num_classes=3, preprocessor=None)
+    return _classifier(keras_hub.models.BertTextClassifier,
+                       keras_hub.models.BertBackbone(
+                           vocabulary_size=VOCAB, num_layers=1, num_heads=2,
+                           hidden_dim=8, intermediate_dim=16,
+                           max_sequence_length=SEQ), "segment_ids")
+
+
+def _distilbert():
+    return _classifier(keras_hub.models.DistilBertTextClassifier,
+                       keras_hub.models.DistilBertBackbone(
+                           vocabulary_size=VOCAB, num_layers=1, num_heads=2,
+                           hidden_dim=8, intermediate_dim=16,
+                           max_sequence_length=SEQ))
+
+
+def _roberta():
+    return _classifier(keras_hub.models.RobertaTextClassifier,
+                       keras_hub.models.RobertaBackbone(
+                           vocabulary_size=VOCAB, num_layers=2, num_heads=2,
+                           hidden_dim=8, intermediate_dim=16,
+                           max_sequence_length=SEQ))
+
+
+def _albert():
+    return _classifier(keras_hub.models.AlbertTextClassifier,
+                       keras_hub.models.AlbertBackbone(
+                           vocabulary_size=VOCAB, num_layers=1, num_heads=2,
+                           embedding_dim=8, hidden_dim=8, intermediate_dim=16,
+                           num_groups=1, max_sequence_length=SEQ),
+                       "segment_ids")
+
+
+def _deberta():
+    return _classifier(keras_hub.models.DebertaV3TextClassifier,
+                       keras_hub.models.DebertaV3Backbone(
+                           vocabulary_size=VOCAB, num_layers=1, num_heads=2,
+                           hidden_dim=8, intermediate_dim=16,
+                           max_sequence_length=SEQ, bucket_size=4))
+
+
+def _causal_lm(task, backbone):
+    model = task(backbone=backbone, preprocessor=None)
+    x = _tokens()
+    return model, x, _next_tokens(), _shapes(x)
+
+
+def _gpt2():
+    return _causal_lm(keras_hub.models.GPT2CausalLM,
+                      keras_hub.models.GPT2Backbone(
+                          vocabulary_size=VOCAB, num_layers=1, num_heads=2,
+                          hidden_dim=8, intermediate_dim=16,
+                          max_sequence_length=SEQ))
+
+
+def _gemma():
+    return _causal_lm(keras_hub.models.GemmaCausalLM,
+                      keras_hub.models.GemmaBackbone(
+                          vocabulary_size=VOCAB, num_layers=2,
+                          num_query_heads=2, num_key_value_heads=1,
+                          hidden_dim=8, intermediate_dim=16, head_dim=4))
+
+
+def _llama():
+    return _causal_lm(keras_hub.models.LlamaCausalLM,
+                      keras_hub.models.LlamaBackbone(
+                          vocabulary_size=VOCAB, num_layers=2,
+                          num_query_heads=2, num_key_value_heads=1,
+                          hidden_dim=8, intermediate_dim=16))
+
+
+def _mistral():
+    return _causal_lm(keras_hub.models.MistralCausalLM,
+                      keras_hub.models.MistralBackbone(
+                          vocabulary_size=VOCAB, num_layers=1,
+                          num_query_heads=2, num_key_value_heads=1,
+                          hidden_dim=8, intermediate_dim=16,
+                          sliding_window=SEQ))
+
+
+def _qwen():
+    return _causal_lm(keras_hub.models.QwenCausalLM,
+                      keras_hub.models.QwenBackbone(
+                          vocabulary_size=VOCAB, num_layers=2,
+                          num_query_heads=2, num_key_value_heads=1,
+                          hidden_dim=8, intermediate_dim=16))
+
+
+def _seq2seq(task, backbone):
+    model = task(backbone=backbone, preprocessor=None)
     rng = np.random.default_rng(0)
-    x = {"token_ids": rng.integers(1, VOCAB, (8, SEQ)).astype("int32"),
-         "padding_mask": np.ones((8, SEQ), "int32"),
-         "segment_ids": np.zeros((8, SEQ), "int32")}
-    return model, x, {"input_shape": {k: (None, SEQ) for k in x}}
+    x = {"encoder_token_ids": rng.integers(1, VOCAB, (BATCH, SEQ)),
+         "encoder_padding_mask": np.ones((BATCH, SEQ)),
+         "decoder_token_ids": rng.integers(1, VOCAB, (BATCH, SEQ)),
+         "decoder_padding_mask": np.ones((BATCH, SEQ))}
+    x = {k: v.astype("int32") for k, v in x.items()}
+    return model, x, _next_tokens(), _shapes(x)
 
 
-def _mobilenet():
-    model = keras.applications.MobileNetV3Small(
-        input_shape=(32, 32, 3), weights=None, classes=3,
-        include_preprocessing=False, classifier_activation=None,
-        minimalistic=True, alpha=0.75)
-    x = np.random.default_rng(0).normal(size=(8, 32, 32, 3)).astype("float32")
-    return model, x, {}
+def _bart():
+    return _seq2seq(keras_hub.models.BartSeq2SeqLM,
+                    keras_hub.models.BartBackbone(
+                        vocabulary_size=VOCAB, num_layers=1, num_heads=2,
+                        hidden_dim=8, intermediate_dim=16,
+                        max_sequence_length=SEQ))
 
 
-# (name, builder, stages, M, schedule, BatchNormalization expected)
+def _t5():
+    return _seq2seq(keras_hub.models.T5Seq2SeqLM,
+                    keras_hub.models.T5Backbone(
+                        vocabulary_size=VOCAB, num_layers=1, num_heads=2,
+                        hidden_dim=8, intermediate_dim=16))
+
+
+# --------------------------------------------------- KerasHub image models
+
+def _image_classifier(task, backbone, size):
+    model = task(backbone=backbone, num_classes=CLASSES, preprocessor=None)
+    return model, _images(size), _labels(), {}
+
+
+def _vit():
+    return _image_classifier(
+        keras_hub.models.ViTImageClassifier,
+        keras_hub.models.ViTBackbone(
+            image_shape=(16, 16, 3), patch_size=8, num_layers=2,
+            num_heads=2, hidden_dim=8, mlp_dim=16), 16)
+
+
+def _hub_resnet():
+    return _image_classifier(
+        keras_hub.models.ResNetImageClassifier,
+        keras_hub.models.ResNetBackbone(
+            input_conv_filters=[64], input_conv_kernel_sizes=[3],
+            stackwise_num_filters=[64, 8], stackwise_num_blocks=[1, 1],
+            stackwise_num_strides=[1, 2], block_type="basic_block",
+            image_shape=(16, 16, 3)), 16)
+
+
+# ------------------------------------------- keras.applications families
+
+def _application(model, size, defer=False):
+    if defer:
+        import keras_pipe  # noqa: PLC0415 (after the devices are made)
+        model = keras_pipe.layers.defer_batch_norm(model)
+    return model, _images(size), _labels(), {}
+
+
+_TOP = dict(weights=None, classes=CLASSES, classifier_activation=None)
+
+
+def _mobilenet_v3():
+    from keras.src.applications import mobilenet_v3  # noqa: PLC0415
+
+    def stack_fn(x, kernel, activation, se_ratio):
+        x = mobilenet_v3._inverted_res_block(
+            x, 1, 16, 3, 2, se_ratio, mobilenet_v3.relu, 0)
+        return mobilenet_v3._inverted_res_block(
+            x, 4, 16, kernel, 1, se_ratio, activation, 1)
+
+    return _application(mobilenet_v3.MobileNetV3(
+        stack_fn, 64, input_shape=(32, 32, 3), model_type="small",
+        include_top=True, weights=None, classes=CLASSES,
+        classifier_activation=None, include_preprocessing=False,
+        name="mobilenet_v3"), 32)
+
+
+def _resnet(preact, defer=False):
+    from keras.src.applications import resnet  # noqa: PLC0415
+
+    def stack_fn(x):
+        if preact:  # (a v2 stack of 1 block names two layers alike)
+            return resnet.stack_residual_blocks_v2(x, 4, 2, name="conv2")
+        x = resnet.stack_residual_blocks_v1(x, 4, 1, name="conv2")
+        return resnet.stack_residual_blocks_v1(x, 8, 1, name="conv3")
+
+    return _application(resnet.ResNet(
+        stack_fn, preact, use_bias=True, input_shape=(32, 32, 3),
+        name="resnet_v2" if preact else "resnet", **_TOP), 32, defer)
+
+
+def _densenet():
+    from keras.src.applications import densenet  # noqa: PLC0415
+    return _application(densenet.DenseNet(
+        [1, 1, 1, 1], input_shape=(32, 32, 3), **_TOP), 32)
+
+
+def _efficientnet():
+    from keras.src.applications import efficientnet  # noqa: PLC0415
+    blocks = [dict(kernel_size=3, repeats=1, filters_in=32, filters_out=16,
+                   expand_ratio=1, id_skip=True, strides=1, se_ratio=0.25),
+              dict(kernel_size=3, repeats=1, filters_in=16, filters_out=24,
+                   expand_ratio=6, id_skip=True, strides=2, se_ratio=0.25)]
+    return _application(efficientnet.EfficientNet(
+        0.25, 1.0, 32, blocks_args=blocks, input_shape=(32, 32, 3),
+        **_TOP), 32)
+
+
+def _efficientnet_v2():
+    from keras.src.applications import efficientnet_v2  # noqa: PLC0415
+    blocks = [dict(kernel_size=3, num_repeat=1, input_filters=24,
+                   output_filters=24, expand_ratio=1, se_ratio=0.0,
+                   strides=1, conv_type=1),
+              dict(kernel_size=3, num_repeat=1, input_filters=24,
+                   output_filters=32, expand_ratio=4, se_ratio=0.25,
+                   strides=2, conv_type=0)]
+    return _application(efficientnet_v2.EfficientNetV2(
+        0.25, 1.0, 32, blocks_args=blocks, input_shape=(32, 32, 3),
+        include_preprocessing=False, **_TOP), 32)
+
+
+def _convnext():
+    from keras.src.applications import convnext  # noqa: PLC0415
+    return _application(convnext.ConvNeXt(
+        [1, 1, 1, 1], [8, 16, 16, 16], input_shape=(32, 32, 3),
+        include_preprocessing=False, **_TOP), 32)
+
+
+def _vgg16():
+    return _application(keras.applications.VGG16(
+        input_shape=(32, 32, 3), **_TOP), 32)
+
+
+T5_XFAIL = ("T5's relative attention bias: a batch-independent gather with "
+            "repeated buckets, its micro-batch rows concatenated "
+            "(docs/exactness.md, 'Not exact'); being fixed in "
+            "engine/gradients.py by a parallel change")
+
+CONVNEXT_XFAIL = (
+    "verify's plain Keras run fails: ConvNeXt's depthwise Conv2D(groups=C) "
+    "runs as an XLA function on device 0, which cannot read a kernel that "
+    "from_model placed on the second stage's device (InvalidArgumentError "
+    "'Trying to access resource ... located in device CPU:1 from device "
+    "CPU:0'); on one device the case is equal")
+
 CASES = [
-    ("ViTImageClassifier", _vit, 3, 1, "gpipe", False),
-    ("ViTImageClassifier", _vit, 3, 4, "1f1b", False),
-    ("BertTextClassifier", _bert, 2, 2, "zb_h2", False),
-    ("MobileNetV3Small", _mobilenet, 2, 1, "gpipe", False),
-    ("MobileNetV3Small", _mobilenet, 2, 2, "1f1b", True),
+    # KerasHub text classifiers
+    Case("BertTextClassifier", _bert, 2, 2, "zb_h2"),
+    Case("DistilBertTextClassifier", _distilbert, 2, 1, "gpipe"),
+    Case("RobertaTextClassifier", _roberta, 3, 4, "1f1b"),
+    Case("AlbertTextClassifier", _albert, 2, 2, "zb_h1"),
+    Case("DebertaV3TextClassifier", _deberta, 2, 2, "gpipe"),
+    # KerasHub causal LMs
+    Case("GPT2CausalLM", _gpt2, 2, 2, "1f1b"),
+    Case("GemmaCausalLM", _gemma, 4, 2, "zbv"),
+    Case("LlamaCausalLM", _llama, 3, 1, "gpipe"),
+    Case("MistralCausalLM", _mistral, 2, 4, "zb_h2"),
+    Case("QwenCausalLM", _qwen, 4, 2, "interleaved_1f1b"),
+    # KerasHub seq2seq
+    Case("BartSeq2SeqLM", _bart, 2, 2, "1f1b"),
+    Case("T5Seq2SeqLM", _t5, 2, 2, "gpipe", xfail=T5_XFAIL),
+    # KerasHub image classifiers
+    Case("ViTImageClassifier", _vit, 3, 4, "1f1b"),
+    Case("ResNetImageClassifier", _hub_resnet, 2, 1, "zb_h1"),
+    # keras.applications
+    Case("MobileNetV3", _mobilenet_v3, 2, 1, "1f1b"),
+    Case("ResNet", lambda: _resnet(False), 2, 1, "gpipe"),
+    Case("ResNet+defer_batch_norm", lambda: _resnet(False, True), 2, 2,
+         "interleaved_1f1b", BATCH_NORM_NAMED),
+    Case("ResNetV2", lambda: _resnet(True), 3, 1, "zb_h2"),
+    Case("DenseNet", _densenet, 2, 1, "zb_h2"),
+    Case("EfficientNet", _efficientnet, 2, 1, "gpipe"),
+    Case("EfficientNetV2", _efficientnet_v2, 2, 2, "zb_h1",
+         BATCH_NORM_NAMED),
+    Case("ConvNeXt", _convnext, 2, 2, "zb_h2", xfail=CONVNEXT_XFAIL),
+    Case("ConvNeXt", _convnext, 2, 2, "zb_h2", one_device=True),
+    # At 1e-2 the first step sends VGG16's loss to 9.3e5 and the rounding
+    # of the micro-batch sums grows to 6.7e-2 of the update by step 3
+    # (losses equal to 6 digits): a trajectory too unstable to compare.
+    Case("VGG16", _vgg16, 2, 4, "1f1b", learning_rate=1e-4),
 ]
-
 
 BATCH_NORM = ("BatchNormalization at M > 1: training normalizes each "
               "micro-batch")
 
 
+def _devices_for(case, devices):
+    """One device per stage; two stages per device for the V and loop
+    schedules that need it (`keras_pipe.schedule.stage_placement`)."""
+    from keras_pipe import schedule  # noqa: PLC0415
+    placement = {"zbv": "v", "interleaved_1f1b": "loop"}.get(case.schedule)
+    if case.one_device:
+        return devices[:1] * case.num_stages
+    if placement is None:
+        return devices[:case.num_stages]
+    return [devices[d] for d in schedule.stage_placement(
+        case.num_stages, case.num_stages // 2, placement)]
+
+
 def run_case(case, devices):
     """`keras_pipe.verify` on one case; returns its report."""
-    import keras_pipe  # after the devices are made, in __main__
-    _, build, num_stages, m, schedule, _ = case
+    import keras_pipe  # noqa: PLC0415 (after the devices are made)
     keras.utils.set_random_seed(0)
-    model, x, kwargs = build()
-    y = (np.arange(8) % 3).astype("int32")
+    model, x, y, kwargs = case.build()
     return keras_pipe.verify(
-        model, x, y, loss=CE, optimizer=keras.optimizers.Adam(1e-2),
-        num_stages=num_stages, num_micro_batches=m, schedule=schedule,
-        devices=devices[:num_stages], steps=3, **kwargs)
+        model, x, y, loss=CE,
+        optimizer=keras.optimizers.Adam(case.learning_rate),
+        num_stages=case.num_stages, num_micro_batches=case.num_micro_batches,
+        schedule=case.schedule, devices=_devices_for(case, devices), steps=3,
+        **kwargs)
 
 
-@pytest.mark.parametrize("case", CASES, ids=[
-    f"{c[0]}-K{c[2]}-M{c[3]}-{c[4]}" for c in CASES])
+def verdict(report):
+    if report.ok:
+        return EQUAL
+    if report.flagged:
+        return "FLAGGED"
+    return BATCH_NORM_NAMED if any(
+        c.startswith(BATCH_NORM) for c in report.causes) else "explained"
+
+
+@pytest.mark.parametrize("case", [
+    pytest.param(c, marks=[pytest.mark.xfail(strict=True, reason=c.xfail)]
+                 if c.xfail else []) for c in CASES], ids=[c.id for c in CASES])
 def test_zoo_model_trains_as_keras(devices, case):
     report = run_case(case, devices)
-    batch_norm = case[5]
-    assert not report.flagged, report
     assert report.prediction_difference < 1e-4, report
-    # Rounding-level gradients (attention key biases) may be named too.
-    if batch_norm:
-        assert report.causes[0].startswith(BATCH_NORM) and not report.ok, (
-            report)
+    assert verdict(report) == case.expect, report
+    if case.expect == BATCH_NORM_NAMED:
+        assert report.causes[0].startswith(BATCH_NORM), report
     else:
-        assert report.ok and not any(c.startswith(BATCH_NORM)
-                                     for c in report.causes), report
+        assert not any(c.startswith(BATCH_NORM) for c in report.causes), (
+            report)
+
+
+def main(names):
+    import keras_pipe  # noqa: PLC0415
+    devices = keras_pipe.logical_cpu_devices(4, inter_op_threads=16)
+    print("| model | stages | M | schedule | prediction diff | step diff "
+          "| verdict | CPU s |")
+    print("|---|---|---|---|---|---|---|---|")
+    total = 0.0
+    for case in CASES:
+        if names and case.name not in names:
+            continue
+        start = time.process_time()
+        try:
+            report = run_case(case, devices)
+        except Exception as error:  # noqa: BLE001 (a row, not the end)
+            print(f"| {case.name} | ERROR {error!r:.300} |", flush=True)
+            continue
+        seconds = time.process_time() - start
+        total += seconds
+        print(f"| {case.name} | {case.num_stages} | "
+              f"{case.num_micro_batches} | {case.schedule} | "
+              f"{report.prediction_difference:.1e} | {report.largest:.1e} | "
+              f"{verdict(report)}{' (xfail)' if case.xfail else ''} | "
+              f"{seconds:.1f} |", flush=True)
+        if verdict(report) != case.expect:
+            print(report, flush=True)
+    print(f"total CPU {total:.0f} s, load average "
+          f"{os.getloadavg()[0]:.1f}", flush=True)
 
 
 if __name__ == "__main__":
-    import keras_pipe
-    devices = keras_pipe.logical_cpu_devices(4)
-    print("| model | stages | M | schedule | prediction diff | step diff "
-          "| loss step 3 (keras / pipeline) | verdict |")
-    print("|---|---|---|---|---|---|---|---|")
-    import sys
-    for case in CASES:
-        if len(sys.argv) > 1 and case[0] not in sys.argv[1:]:
-            continue
-        r = run_case(case, devices)
-        verdict = "equal" if r.ok else (
-            "BatchNormalization at M>1 (named)" if r.causes else "FLAGGED")
-        print(f"| {case[0]} | {case[2]} | {case[3]} | {case[4]} | "
-              f"{r.prediction_difference:.1e} | {r.largest:.1e} | "
-              f"{r.losses_keras[-1]:.5f} / {r.losses_pipeline[-1]:.5f} | "
-              f"{verdict} |", flush=True)
-        if not r.ok:
-            print(r, flush=True)
+    main(sys.argv[1:])
