@@ -1,20 +1,36 @@
 """Predicted vs measured peak memory per stage (validates keras_pipe.planning.memory).
 
-    python tools/memory_model.py --out docs/memory_model.json  # ~6 min
-    python tools/memory_model.py --predict docs/memory_model.json
-                                   # new predictions, stored measurements
+    python tools/memory_model.py --out docs/memory_model.json
+        # logical devices: mlp, resnet, transformer, gpt2 x LOGICAL_GRID
+    python tools/memory_model.py --workers --out docs/worker_memory_model.json
+        # 2 worker processes: the same models, bigger, x WORKER_GRID
+    python tools/memory_model.py --quick [--workers]   # one small case
+    python tools/memory_model.py [--workers] --predict FILE.json
+        # new predictions for stored measurements (after a model change)
 
-Each stage `j` of a K-stage cut is measured alone at its place in the
-schedule: the pipeline runs stage `j`'s real layers on logical CPU device
-`j`, a weightless head averaging its outputs next, identity stages
-elsewhere, so the process-wide TF allocator peak
+Logical devices (`keras_pipe.planning.memory.predict` against TF's
+allocator peak): each stage `j` of a K-stage cut is measured alone at its
+place in the schedule: the pipeline runs stage `j`'s real layers on
+logical CPU device `j`, a weightless head averaging its outputs next,
+identity stages elsewhere, so the process-wide allocator peak
 (`tf.config.experimental.get_memory_info`; logical CPU devices share one
-allocator, so per-device stats of a full pipeline are not separable) is
-the peak of that stage's device, plus the mini-batch it is fed, which the
-prediction counts too (`first=True`). Measured: the peak of a warm
-training step minus the allocator's bytes before the pipeline was built,
-plus the stage's weights (the model, built before, already holds them).
-One child process per model.
+allocator) is the peak of that stage's device, plus the mini-batch it is
+fed, which the prediction counts too (`first=True`). Measured: the peak of
+a warm training step minus the allocator's bytes before the pipeline was
+built, plus the stage's weights (the model, built before, holds them).
+TF's default CPU allocator keeps no statistics ("Allocator stats not
+available") unless `tsl::EnableCPUAllocatorStats()` ran, so every child
+runs with `TF_CPU_ALLOCATOR_USE_BFC=true` (the BFC allocator always
+counts). One child process per model.
+
+Workers (`keras_pipe.planning.memory.predict_resident` against resident
+memory): per configuration two fresh `python -m keras_pipe.distributed.worker`
+processes (glibc heap as the worker sets it, `keras_pipe.distributed.heap`;
+TF's default allocator) and a client that connects, runs one op on each,
+resets each worker's `VmHWM` to its `VmRSS` (`/proc/<pid>/clear_refs`),
+then builds `from_model(num_stages=2, balance="params")`, compiles and
+runs two training steps. Measured: each worker's `VmHWM` minus its idle
+`VmRSS`.
 """
 
 import argparse
