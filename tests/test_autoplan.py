@@ -108,7 +108,9 @@ def test_a_memory_budget_is_met_and_the_error_names_the_least_that_fits():
                        r"\d+ bytes") as info:
         _search_small(model, memory_budget=10_000)
     least = int(str(info.value).split("fits is ")[1].split(" ")[0])
-    assert 10_000 < least < max(free.peak_memory)
+    # Equal when the optimizer step is every configuration's peak (Adam's
+    # update holds ~one buffer per variable: `memory.update_temporaries`).
+    assert 10_000 < least <= max(free.peak_memory)
     # The least is exact: it fits, one byte less does not.
     ranked = _search_small(model, memory_budget=least)
     assert all(max(c.peak_memory) <= least for c in ranked)

@@ -132,3 +132,66 @@ def test_cost_memory_accepts_a_remat_list():
                          num_micro_batches=4, remat=["never", "always"],
                          batch_size=32)
     assert sum(part.sizes) == 5
+
+
+def test_an_optimizer_with_slots_holds_a_buffer_per_variable_in_its_step():
+    # Measured (BFC allocator peak of `optimizer.apply` in a tf.function):
+    # SGD holds two products at a time, Adam about one buffer per variable
+    # more (`memory.update_temporaries`).
+    model = _mlp(width=256, depth=6)
+    part = partition.cut(model, 2, balance=[3, 4])
+    block = memory.Profile(part.graph, 1).block(0, 3)
+    sizes = memory.features(block)
+    assert memory.update_temporaries(0) @ sizes == 2 * block.largest_variable
+    assert memory.update_temporaries(2) @ sizes == (
+        block.trainable + 2 * block.largest_variable)
+    # One row, one micro-batch: the optimizer step is the peak.
+    sgd = memory.predict(part, 1, 1, "never", optimizer_slots=0)[0]
+    adam = memory.predict(part, 1, 1, "never", optimizer_slots=2)[0]
+    assert adam.optimizer_slots == 2 * block.trainable
+    assert adam.transient - sgd.transient == block.trainable
+    assert adam.gradients == sgd.gradients == block.trainable
+
+
+def test_a_rematerialized_backward_holds_old_and_new_sums():
+    # `(inputs, params, state, seeds, sums) -> (grads, new sums)`: the
+    # call's inputs live until it returns. Before: trainable + one variable.
+    model = _mlp(width=256, depth=6)
+    part = partition.cut(model, 2, balance=[3, 4])
+    block = memory.Profile(part.graph, 1).block(0, 3)
+    peak = memory.predict(part, 2, 2, "always", optimizer_slots=0)[0]
+    assert peak.gradients == 2 * block.trainable
+    first = memory.predict(part, 1, 1, "always", optimizer_slots=0)[0]
+    assert first.gradients == block.trainable    # M = 1: no sums yet
+
+
+def test_unknown_dimensions_take_the_given_input_shape():
+    # A sequence model: `(None, None, 8)` inputs. Before, the prediction
+    # set every unknown dimension to 1 (a sequence of one token).
+    x = keras.Input((None, 8))
+    h = keras.layers.Dense(16, activation="relu")(x)
+    h = keras.layers.Dense(16, activation="relu")(h)
+    model = keras.Model(x, keras.layers.Dense(2)(h))
+    part = partition.cut(model, 2, balance=[1, 2])
+    shaped = partition.cut(model, 2, balance="flops",
+                           input_shape=(None, 10, 8), batch_size=4)
+    assert shaped.sizes == [1, 2]
+    one = memory.Profile(part.graph, 4).block(0, 1)
+    ten = memory.Profile(shaped.graph, 4, shaped.shapes).block(0, 1)
+    assert ten.activations == 10 * one.activations == 4 * 10 * 16 * 4
+    # `predict` takes the shapes of the cut, or the ones given.
+    given = memory.predict(part, 4, 2, "never", input_shape=(None, 10, 8))
+    assert given == memory.predict(shaped, 4, 2, "never")
+    assert given[0].total > memory.predict(part, 4, 2, "never")[0].total
+
+
+def test_a_worker_peak_is_the_larger_of_its_step_and_its_build():
+    model = _mlp(width=256, depth=6)
+    part = partition.cut(model, 2, balance=[3, 4])
+    block = memory.Profile(part.graph, 1).block(0, 3)
+    step = memory.predict(part, 64, 2, "never", optimizer_slots=0)
+    resident = memory.predict_resident(part, 64, 2, "never",
+                                       optimizer_slots=0)
+    assert resident[0].build == block.weights + 2 * block.largest_variable
+    assert resident[0].total == max(step[0].total, resident[0].build)
+    assert [r.total for r in resident] == [s.total for s in step]

@@ -152,7 +152,8 @@ def _least_peak(actions, m, j, k, grid, weights, trainable,
     """Per block, the stage's least peak over the remat modes."""
     fixed = weights + optimizer_slots * trainable
     return np.min([fixed + (grid @ memory_lib.moments(
-        actions, mode, m, j == 0, j == k - 1).sum(axis=1).T).max(axis=-1)
+        actions, mode, m, j == 0, j == k - 1, optimizer_slots).sum(
+            axis=1).T).max(axis=-1)
         for mode in _MODES], axis=0)
 
 
@@ -190,7 +191,8 @@ def _candidate(name, stage_devices, m, batch_size, graph, measured,
         fixed = weights + optimizer_slots * trainable
         for index, mode in enumerate(modes):
             forms = memory_lib.moments(actions[j], mode, m, j == 0,
-                                       j == k - 1).sum(axis=1)
+                                       j == k - 1, optimizer_slots).sum(
+                                           axis=1)
             peak = fixed + (grid @ forms.T).max(axis=-1)
             recomputed = {"never": 0, "except_last": m - 1,
                           "always": m}[mode]

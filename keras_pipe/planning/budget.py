@@ -220,8 +220,9 @@ def search(model, num_stages, memory_budget, batch_size, schedule="gpipe",
             mode_j = np.full((n + 1, n + 1), -1)
             need_j = np.full((n + 1, n + 1), np.inf)
             for index, mode in enumerate(_MODES):
-                forms = memory_lib.moments(actions[j], mode, m, j == 0,
-                                           j == num_stages - 1).sum(axis=1)
+                forms = memory_lib.moments(
+                    actions[j], mode, m, j == 0, j == num_stages - 1,
+                    optimizer_slots).sum(axis=1)
                 peak = fixed + (grid @ forms.T).max(axis=-1)
                 recomputed = {"never": 0, "except_last": m - 1,
                               "always": m}[mode]

@@ -43,10 +43,11 @@ import tensorflow as tf
 from keras_pipe import _validation
 from keras_pipe.engine import schedule as schedule_lib
 from keras_pipe.planning.balance import cost as cost_lib
+from keras_pipe.planning.balance import shapes as shapes_lib
 
 __all__ = ["Block", "FEATURES", "Profile", "StageMemory", "features",
-           "in_flight", "moments", "predict", "stage_actions",
-           "stage_memory"]
+           "in_flight", "moments", "predict", "predict_resident",
+           "stage_actions", "stage_memory", "update_temporaries"]
 
 # Activations whose gradient needs only the output (the tape keeps nothing
 # more than the layer's output): other activations also keep their input.
@@ -150,12 +151,12 @@ def _gradient_needs(op):
     return True, output_only
 
 
-def _inner_recompute_bytes(call, rows):
+def _inner_recompute_bytes(call, rows, shapes=None):
     """Tensors inside a layer that its gradient keeps (not its output)."""
-    out = sum(cost_lib.tensor_bytes(x, rows) for x in call.outputs)
+    out = sum(cost_lib.tensor_bytes(x, rows, shapes) for x in call.outputs)
     op = call.operation
     if isinstance(op, keras.layers.MultiHeadAttention):
-        return _saved_bytes(call, rows, recompute=True) - out
+        return _saved_bytes(call, rows, True, shapes) - out
     if isinstance(op, (keras.layers.LayerNormalization,
                        keras.layers.GroupNormalization)):
         return out
@@ -169,19 +170,20 @@ def _inner_recompute_bytes(call, rows):
     return 0
 
 
-def _saved_bytes(call, rows, recompute=False):
+def _saved_bytes(call, rows, recompute=False, shapes=None):
     """Bytes the tape keeps for one call of `rows` rows: its outputs, and
     the inner tensors of attention, normalization and activations whose
     gradient needs more than the output. (`recompute`: attention's inner
     tensors as a recompute keeps them.)"""
-    out = sum(cost_lib.tensor_bytes(x, rows) for x in call.outputs)
+    out = sum(cost_lib.tensor_bytes(x, rows, shapes) for x in call.outputs)
     op = call.operation
     if isinstance(op, keras.layers.MultiHeadAttention):
-        query = cost_lib.dims(call.inputs[0].shape, rows)
+        query = cost_lib.dims(cost_lib.shape_of(call.inputs[0], shapes), rows)
         t_q = math.prod(query[1:-1])
         t_v = t_q
         if len(call.inputs) > 1:
-            t_v = math.prod(cost_lib.dims(call.inputs[1].shape, rows)[1:-1])
+            t_v = math.prod(cost_lib.dims(
+                cost_lib.shape_of(call.inputs[1], shapes), rows)[1:-1])
         value_dim = op.value_dim or op.key_dim
         heads = op.num_heads
         # Query (and its scaled copy), key, value and attention output.
@@ -222,7 +224,7 @@ class Profile:
     (prefix sums), which the planner's search needs.
     """
 
-    def __init__(self, graph, rows):
+    def __init__(self, graph, rows, shapes=None):
         self.graph, self.rows = graph, rows
         n = len(graph.calls)
         needs_input = {}
@@ -233,20 +235,21 @@ class Profile:
                 needs_input[id(x)] = needs_input.get(id(x), False) or wants
         self.saved, self.recomputed, self.mixed = [0], [0], [0]
         for call in graph.calls:
-            self.saved.append(self.saved[-1] + _saved_bytes(call, rows))
+            self.saved.append(self.saved[-1] + _saved_bytes(
+                call, rows, shapes=shapes))
             self.mixed.append(self.mixed[-1] + (sum(
-                cost_lib.tensor_bytes(x, rows) for x in call.outputs)
+                cost_lib.tensor_bytes(x, rows, shapes) for x in call.outputs)
                 if getattr(call.operation, "trainable_weights", None)
                 else 0))
-            kept = _inner_recompute_bytes(call, rows)
+            kept = _inner_recompute_bytes(call, rows, shapes)
             op = call.operation
             own = isinstance(op, keras.layers.Layer) and _gradient_needs(
                 op)[1]
             for x in call.outputs:
                 if own or needs_input.get(id(x), False):
-                    kept += cost_lib.tensor_bytes(x, rows)
+                    kept += cost_lib.tensor_bytes(x, rows, shapes)
             self.recomputed.append(self.recomputed[-1] + kept)
-        self.out = [sum(cost_lib.tensor_bytes(x, rows) for x in c.outputs)
+        self.out = [sum(cost_lib.tensor_bytes(x, rows, shapes) for x in c.outputs)
                      for c in graph.calls]
         weights, trainable, largest_var = [0], [0], [0] * n
         seen = set()
@@ -277,13 +280,13 @@ class Profile:
         sizes = {}
         for x in list(graph.inputs) + [x for c in graph.calls
                                        for x in c.outputs]:
-            sizes[id(x)] = cost_lib.tensor_bytes(x, rows)
+            sizes[id(x)] = cost_lib.tensor_bytes(x, rows, shapes)
         self.gap = [sum(sizes[k] for k in made
                          if made[k] <= g < needed.get(k, -2))
                      for g in range(n - 1)]
-        self.input_bytes = sum(cost_lib.tensor_bytes(x, rows)
+        self.input_bytes = sum(cost_lib.tensor_bytes(x, rows, shapes)
                                for x in graph.inputs)
-        self.output_bytes = sum(cost_lib.tensor_bytes(x, rows)
+        self.output_bytes = sum(cost_lib.tensor_bytes(x, rows, shapes)
                                 for x in graph.outputs)
 
     def block(self, a, b):
@@ -333,13 +336,15 @@ def _unit(name, times=1.0):
     return vector
 
 
-def moments(actions, mode, num_micro_batches, first=False, last=False):
+def moments(actions, mode, num_micro_batches, first=False, last=False,
+            optimizer_slots=0):
     """The moments a stage's peak may fall at, as linear forms of its sizes.
 
     Each moment is a `(4, len(FEATURES))` array: per category of
     `StageMemory` (boundary, activations, gradients, transient), the
     coefficients of a `Block`'s sizes. The planner evaluates them for every
-    candidate block at once.
+    candidate block at once. `optimizer_slots` (Adam 2, SGD 0) sets what
+    the optimizer step holds (`update_temporaries`).
     """
     m = num_micro_batches
     zero = np.zeros(len(FEATURES))
@@ -393,10 +398,11 @@ def moments(actions, mode, num_micro_batches, first=False, last=False):
             continue
         if remat:
             # One traced call: recompute, backward, and the running sums,
-            # each variable's gradient added as soon as it is made.
+            # `(..., sums) -> (..., new sums)`: the call's inputs stay
+            # alive until it returns, so old and new sums coexist (measured
+            # on workers: SGD, M = 2, "always": weights + 2 x trainable).
             recompute = _unit("recompute")
-            grads = _unit("trainable") + (
-                _unit("largest_variable") if sums.any() else zero)
+            grads = _unit("trainable", 2 if sums.any() else 1)
             passing = _unit("outputs") + _unit("inputs") + _unit(
                 "largest")
         else:
@@ -414,8 +420,30 @@ def moments(actions, mode, num_micro_batches, first=False, last=False):
         sums = _unit("trainable")
     # The optimizer step: summed gradients and the update's temporaries.
     result.append(np.stack([zero, zero, _unit("trainable"),
-                            fixed + _unit("largest_variable", 2)]))
+                            fixed + update_temporaries(optimizer_slots)]))
     return np.unique(np.stack(result), axis=0)
+
+
+def update_temporaries(optimizer_slots):
+    """What the optimizer step holds besides the summed gradients, as a
+    linear form of a `Block`'s sizes.
+
+    The step updates every variable in one traced function; TF's executor
+    runs two variables' chains at a time (inter-op threads) and inlines an
+    op's consumer, so a plain SGD step holds two products `lr * g`: two
+    largest variables. An optimizer with slots (Adam) reads and updates its
+    slots per variable in chains the executor starts for every variable
+    before it finishes one, so about one buffer per trainable variable is
+    alive at once, plus the two in progress. Measured with the BFC
+    allocator's peak of `optimizer.apply` in a `tf.function`
+    (Keras 3.15, TF 2.21): SGD over 1-16 variables 1-2 largest; Adam over
+    n x 16 MiB variables, n = 1, 2, 3, 4, 8: 32, 64, 80, 80, 160 MiB, and
+    16 x 4 MiB: 76 MiB (trainable + 2 largest: 48, 64, 80, 96, 160, 72).
+    """
+    form = _unit("largest_variable", 2)
+    if optimizer_slots:
+        form = form + _unit("trainable")
+    return form
 
 
 def _deferred_runs(actions, remat_of):
@@ -454,7 +482,8 @@ def stage_memory(block, actions, mode, num_micro_batches, optimizer_slots=2,
     Returns:
         A `StageMemory`.
     """
-    forms = moments(actions, mode, num_micro_batches, first, last)
+    forms = moments(actions, mode, num_micro_batches, first, last,
+                    optimizer_slots)
     values = forms @ features(block)          # (moments, categories)
     peak = values[int(np.argmax(values.sum(axis=1)))]
     return StageMemory(
@@ -464,7 +493,7 @@ def stage_memory(block, actions, mode, num_micro_batches, optimizer_slots=2,
 
 
 def predict(partition, batch_size, num_micro_batches, remat="except_last",
-            schedule="gpipe", optimizer_slots=2):
+            schedule="gpipe", optimizer_slots=2, input_shape=None):
     """Predicted peak memory of each stage of a `Partition` in training.
 
     ```python
@@ -486,6 +515,10 @@ def predict(partition, batch_size, num_micro_batches, remat="except_last",
             `"gpipe"`.
         optimizer_slots: optimizer variables per trainable weight (2 for
             Adam, 1 for SGD with momentum, 0 for SGD). Defaults to `2`.
+        input_shape: the model inputs' shapes, for dimensions the model
+            leaves unknown (a sequence length); as in `partition.cut`.
+            Defaults to `None`: the shapes the partition was cut with, or
+            1 for an unknown dimension.
 
     Returns:
         A list of `StageMemory`, one per stage.
@@ -499,7 +532,11 @@ def predict(partition, batch_size, num_micro_batches, remat="except_last",
     modes = _validation.check_remat(remat, k)
     rows = -(-batch_size // num_micro_batches)
     m = min(num_micro_batches, batch_size)
-    profile = Profile(partition.graph, rows)
+    shapes = partition.shapes
+    if input_shape is not None:
+        shapes = shapes_lib.infer_shapes(partition.graph, input_shape,
+                                         what="the memory prediction")
+    profile = Profile(partition.graph, rows, shapes)
     actions = stage_actions(schedule, m, k)
     result, start = [], 0
     for j, size in enumerate(partition.sizes):
@@ -508,4 +545,51 @@ def predict(partition, batch_size, num_micro_batches, remat="except_last",
         result.append(stage_memory(block, actions[j], modes[j], m,
                                    optimizer_slots, first=j == 0,
                                    last=j == k - 1))
+    return result
+
+
+@dataclasses.dataclass
+class ResidentMemory(StageMemory):
+    """Predicted resident peak of a stage's worker process (bytes), net of
+    the idle worker: the larger of the training step's peak (the fields of
+    `StageMemory`) and the build's (`build`).
+    """
+
+    build: int = 0   # weights + initial values in transit at build
+
+    @property
+    def total(self):
+        return max(super().total, self.build)
+
+
+def predict_resident(partition, batch_size, num_micro_batches,
+                     remat="except_last", schedule="gpipe",
+                     optimizer_slots=2, input_shape=None):
+    """Predicted resident peak of each stage's worker process in training.
+
+    Net of an idle worker (after a client connected and ran one op), the
+    base a memory budget for a worker is net of: TF's own share (~650 MiB
+    here: kernels, thread pools, gRPC) is in it. The step's peak is the
+    allocator peak of `predict`: with freed blocks of 1 MiB or more given
+    back to the OS (`keras_pipe.distributed.heap`, on in every worker),
+    resident memory follows the allocator's bytes in use, and the small
+    blocks TF keeps (graphs, executors) are below the measurement's noise
+    (~10 MiB). The build can peak on its own: the weights and the initial
+    values the client sends, up to two variables in transit (`build`).
+    Measured by `tools/memory_model.py --workers`. Arguments as in
+    `predict`.
+
+    Returns:
+        A list of `ResidentMemory`, one per stage.
+    """
+    result, start = [], 0
+    profile = Profile(partition.graph, 1)
+    for size, peak in zip(partition.sizes, predict(
+            partition, batch_size, num_micro_batches, remat, schedule,
+            optimizer_slots, input_shape)):
+        block = profile.block(start, start + size)
+        start += size
+        result.append(ResidentMemory(
+            **vars(peak),
+            build=block.weights + 2 * block.largest_variable))
     return result
