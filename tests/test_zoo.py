@@ -320,11 +320,6 @@ def _vgg16():
         input_shape=(32, 32, 3), **_TOP), 32)
 
 
-T5_XFAIL = ("T5's relative attention bias: a batch-independent gather with "
-            "repeated buckets, its micro-batch rows concatenated "
-            "(docs/exactness.md, 'Not exact'); being fixed in "
-            "engine/gradients.py by a parallel change")
-
 CONVNEXT_XFAIL = (
     "verify's plain Keras run fails: ConvNeXt's depthwise Conv2D(groups=C) "
     "runs as an XLA function on device 0, which cannot read a kernel that "
@@ -347,7 +342,7 @@ CASES = [
     Case("QwenCausalLM", _qwen, 4, 2, "interleaved_1f1b"),
     # KerasHub seq2seq
     Case("BartSeq2SeqLM", _bart, 2, 2, "1f1b"),
-    Case("T5Seq2SeqLM", _t5, 2, 2, "gpipe", xfail=T5_XFAIL),
+    Case("T5Seq2SeqLM", _t5, 2, 2, "gpipe"),
     # KerasHub image classifiers
     Case("ViTImageClassifier", _vit, 3, 4, "1f1b"),
     Case("ResNetImageClassifier", _hub_resnet, 2, 1, "zb_h1"),
