@@ -1,9 +1,12 @@
 """Capacity in one number: the widest MLP one process trains, against two workers.
 
-    python tools/capacity_demo.py --out /tmp/capacity.json
+    python tools/capacity_demo.py --depth 24 --low 1536 --high 3072 \
+        --pipelined-high 4096 --adam --out /tmp/capacity.json
+    python tools/capacity_demo.py --depth 24 --widths 2432 3072  # repeats only
 
-(each trial starts its processes and takes 1-3 minutes on 2 shared cores;
-the search and 5 repeats: 30+ minutes; narrow it with --low/--high)
+(each trial starts its processes and takes 1-5 minutes on 2 shared cores;
+narrow the search with --low/--high/--pipelined-high, or skip it with
+--widths)
 
 Every process that holds model memory (the unsplit process; each worker)
 runs under one resident-memory limit, `--limit-mib`, enforced by a
@@ -18,22 +21,32 @@ over an `RLIMIT_AS` cap uncapped trained under it). Reading `VmHWM`, not
 `VmRSS`, makes the limit exact: a spike between two polls is still seen
 at the next one (the kill then comes up to one poll late).
 
-The model: `DEPTH` x Dense(width, relu) + Dense(10) on 1024 inputs, batch
-64, SGD, 3 steps (`train_on_batch`). For a width:
-* unsplit: plain Keras in one process (its own default: XLA), watched;
-* pipelined: two watched workers (`python -m keras_pipe.distributed.worker`, which
-  returns freed buffers to the OS: `keras_pipe.distributed.heap`) and an unwatched
-  client that holds no stage; `keras_pipe.plan(memory_budget=limit - an
-  idle worker's resident size, optimizer_slots=0)` chooses the cut, M and
-  per-stage remat; the client builds the model (it holds its initial
-  values until they are sent) and trains.
+The model: `--depth` x Dense(width, relu) + Dense(10) on 1024 inputs,
+batch 64, SGD, 3 steps (`train_on_batch`). For a width:
+* unsplit: plain Keras in one process, no remat (activations are small
+  here: 64 rows), jit_compile "auto" (False on CPU), and the workers' heap
+  settings (`keras_pipe.distributed.heap`), so that the comparison is like
+  for like (without them the unsplit process holds more: conservative);
+* pipelined: two watched workers (`python -m keras_pipe.distributed.worker`)
+  and an unwatched client that holds no stage; `keras_pipe.plan(
+  memory_budget=..., optimizer_slots=0)` chooses the cut, M and per-stage
+  remat; the client builds the model (it holds its initial values until
+  they are sent) and trains.
+
+The planner's memory model predicts a stage on a logical device, not a
+worker's resident peak (issue 30, item 2, under way elsewhere). So, by
+default, one calibration run at the widest unsplit width measures each
+worker's peak net of an idle worker against the prediction, and the
+planner then gets `(limit - idle worker) / scale` with `scale` the largest
+ratio. `--planner-scale 0.01` instead lets the planner choose the cut, M
+and remat with no memory verdict of its own: the watchdog alone judges.
 
 A bisection over widths (multiples of 128) finds the widest that trains
 unsplit and the widest that trains pipelined; then `--repeats` runs at the
 pipelined width check that the unsplit run is killed for memory and the
 workers stay under the limit, every time. Losses of the unsplit and the
 pipelined run at the unsplit width are compared (SGD: equal to 1e-5);
-`--adam` adds one Adam run of each at that width, reported as runs.
+`--adam` adds one Adam run of each at half that width, reported as runs.
 """
 
 import argparse
@@ -350,6 +363,10 @@ def main(argv=None):
                         "the widest unsplit width); --no-calibration "
                         "plans with the bare budget")
     parser.add_argument("--no-calibration", action="store_true")
+    parser.add_argument("--planner-scale", type=float, default=None,
+                        help="no calibration run: the planner gets budget "
+                        "/ this (e.g. 0.01: the planner chooses the cut, M "
+                        "and remat, the watchdog alone judges memory)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--adam", action="store_true",
                         help="one Adam run of each at half the unsplit width")
@@ -402,9 +419,9 @@ def main(argv=None):
         return result
 
     def calibrated(w_unsplit):
-        if args.no_calibration:
-            report["scale"] = 1.0
-            return 1.0
+        if args.no_calibration or args.planner_scale is not None:
+            report["scale"] = args.planner_scale or 1.0
+            return report["scale"]
         width = args.calibrate_width or w_unsplit
         scale, result = calibrate(width, limit, budget, idle["peaks"])
         net = [round((p - i) / MiB)

@@ -10,10 +10,10 @@ balance="params")`, compiles and trains. After each phase the client reads
 each worker's `VmRSS` and `VmHWM` (resident now, resident peak) from
 `/proc/<pid>/status`, then resets the peak (`/proc/<pid>/clear_refs`), so
 each phase's HWM is the peak of that phase; everything is net of the idle
-worker after the first op. The unsplit model is measured the same way in its own process (net of
-the process after one op). Every process returns freed buffers to the OS
-(`keras_pipe.distributed.heap`) unless `--malloc-defaults`. Prints one table
-and, with `--out`, JSON.
+worker after the first op. The unsplit model is measured the same way in
+its own process (net of the process after one op). Every process returns
+freed buffers to the OS (`keras_pipe.distributed.heap`) unless
+`--malloc-defaults`. Prints one table and, with `--out`, JSON.
 """
 
 import argparse
@@ -221,10 +221,11 @@ def table(report):
                          for w, i in zip(ws, idle))
         lines.append(f"  {name:24} {cells} {mib(c['VmRSS'])}")
     peaks = net_peaks(report)
+    weights = p["stage_weight_bytes"]
     lines.append(f"peaks (max over phases, MiB): unsplit "
                  f"{peaks['unsplit'] / MiB:.1f}; workers "
                  f"{[round(w / MiB, 1) for w in peaks['workers']]} = "
-                 f"{[round(w / b, 2) for w, b in zip(peaks['workers'], p['stage_weight_bytes'])]}"
+                 f"{[round(w / b, 2) for w, b in zip(peaks['workers'], weights)]}"
                  f" x stage weights, "
                  f"{[round(w / peaks['unsplit'], 2) for w in peaks['workers']]}"
                  f" x unsplit")
