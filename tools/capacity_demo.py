@@ -418,6 +418,11 @@ def main(argv=None):
             f"{_why(result)}{plan}")
         return result
 
+    def save(data):
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(data, f, indent=1)
+
     def calibrated(w_unsplit):
         if args.no_calibration or args.planner_scale is not None:
             report["scale"] = args.planner_scale or 1.0
@@ -459,6 +464,7 @@ def main(argv=None):
         ok = bool(u.get("killed")) and not p.get("failed")
         repeats.append({"unsplit": u, "pipelined": p, "ok": ok})
         say(f"repeat {r + 1}: {'as expected' if ok else 'NOT as expected'}")
+        save(dict(report, repeats=repeats))
     report["repeats"] = repeats
     say(f"{sum(r['ok'] for r in repeats)} of {len(repeats)} runs at width "
         f"{w_pipe}: the unsplit process killed for memory, the workers "
@@ -467,6 +473,7 @@ def main(argv=None):
         u = unsplit(w_unsplit)
         p = pipelined(w_unsplit)
         report["sgd"] = {"unsplit": u, "pipelined": p}
+        save(report)
         if "loss" in u and "loss" in p:
             diff = max(abs(a - b) for a, b in zip(u["loss"], p["loss"]))
             say(f"SGD losses at width {w_unsplit}: unsplit {u['loss']}, "
@@ -484,9 +491,7 @@ def main(argv=None):
     report["seconds"] = time.time() - start
     say(f"total {report['seconds'] / 60:.1f} min; load average "
         f"{os.getloadavg()}")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=1)
+    save(report)
 
 
 if __name__ == "__main__":
