@@ -97,14 +97,14 @@ def apply_in_turn(update_ops, gradients, variables, weight_ops, device_of):
     upstream, gated = set(), 0
     for device, chain in chains.items():
         for before, n in zip(chain, chain[1:]):
-            gates = [op for op in weight_ops[id(variables[n])]
-                     if op not in upstream]
             with tf.device(device), tf.control_dependencies(
-                    updates[before]):
+                    list(updates[before])):
                 done = tf.no_op(name="applied")
             upstream |= _upstream([done], None, upstream)
-            if any(op in upstream for op in weight_ops[id(variables[n])]):
-                continue
+            gates = weight_ops[id(variables[n])]
+            if any(op in upstream for op in gates):
+                continue  # it feeds that update already: a cycle
+            # The first ops of the gradient's own computation wait.
             gate_set = set(gates)
             for op in gates:
                 if not any(t.op in gate_set for t in op.inputs):
