@@ -286,6 +286,11 @@ def clip_by_norm(optimizer, gradient):
     return optimizer._clip_by_norm(gradient)
 
 
+def add_control_inputs(op, inputs):
+    """Makes graph op `op` wait for `inputs` (ops), after it was built."""
+    op._add_control_inputs(list(inputs))
+
+
 def cast_seed(seed):
     """A drawn seed as Keras' TF random backend casts it."""
     return tf_random._cast_seed(seed)

@@ -5,7 +5,7 @@ import tensorflow as tf
 
 from keras_pipe import _compat, _validation, reporting
 from keras_pipe.distributed import cluster
-from keras_pipe.engine import building, placement
+from keras_pipe.engine import building, placement, release
 from keras_pipe.engine import executor as executor_lib
 from keras_pipe.engine import losses as losses_lib
 from keras_pipe.engine import replicas as replicas_lib
@@ -357,12 +357,15 @@ class PipelineModel(model_io.SavingMethods, keras.Model):
 
     @_not_autograph
     def compute_loss_and_gradients(self, x, y=None, sample_weight=None,
-                                   training=True, observer=None):
+                                   training=True, observer=None,
+                                   weight_ops=None):
         """One forward and backward pass, without an optimizer step.
 
         Runs in graph mode (inside a `tf.function`), as `train_step` does,
         with the model's `schedule`. `observer` stamps every stage call
-        (the Timeline's recorder).
+        (the Timeline's recorder). `weight_ops`, a dict or None, is filled
+        with the ops that compute only one variable's gradient
+        (`Executor.loss_and_gradients`).
 
         Returns:
             `(loss, y_pred, gradients)`, gradients in the order of
@@ -376,7 +379,7 @@ class PipelineModel(model_io.SavingMethods, keras.Model):
             x, self.num_micro_batches, training, self._remat_modes, head,
             self.trainable_variables, placement.device_of,
             weight_loss=tf.add_n(weight_losses) if weight_losses else None,
-            observer=observer)
+            observer=observer, weight_ops=weight_ops)
 
     def _build_compile_loss(self, x, y):
         """Builds the compiled loss (its metrics) outside stateless scopes."""
@@ -395,8 +398,9 @@ class PipelineModel(model_io.SavingMethods, keras.Model):
             self._batch_norm_warned = reporting.warn_batch_norm(
                 self._stage_layers, self.num_micro_batches)
         observer = self._step_observer() if self._step_observer else None
+        weight_ops = {}
         loss, y_pred, gradients = self.compute_loss_and_gradients(
-            x, y, sample_weight, observer=observer)
+            x, y, sample_weight, observer=observer, weight_ops=weight_ops)
         if observer is not None:
             observer.finish()
         batch_size = tf.shape(
@@ -404,7 +408,13 @@ class PipelineModel(model_io.SavingMethods, keras.Model):
         self._loss_tracker.update_state(loss, sample_weight=batch_size)
         variables = self.trainable_variables
         if variables:
+            graph = tf.compat.v1.get_default_graph()
+            first = len(graph.get_operations())
             self.optimizer.apply_gradients(zip(gradients, variables))
+            # Each device's weight gradients made one at a time, each
+            # after the previous one is applied (engine/release.py).
+            release.apply_in_turn(graph.get_operations()[first:], gradients,
+                                  variables, weight_ops, placement.device_of)
         return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
     @_not_autograph

@@ -1,9 +1,12 @@
 """Capacity in one number: the widest MLP one process trains, against two workers.
 
-    python tools/capacity_demo.py --out /tmp/capacity.json
+    python tools/capacity_demo.py --depth 24 --low 1536 --high 3072 \
+        --pipelined-high 4096 --adam --out /tmp/capacity.json
+    python tools/capacity_demo.py --depth 24 --widths 2432 3072  # repeats only
 
-(each trial starts its processes and takes 1-3 minutes on 2 shared cores;
-the search and 5 repeats: 30+ minutes; narrow it with --low/--high)
+(each trial starts its processes and takes 1-5 minutes on 2 shared cores;
+narrow the search with --low/--high/--pipelined-high, or skip it with
+--widths)
 
 Every process that holds model memory (the unsplit process; each worker)
 runs under one resident-memory limit, `--limit-mib`, enforced by a
@@ -18,22 +21,32 @@ over an `RLIMIT_AS` cap uncapped trained under it). Reading `VmHWM`, not
 `VmRSS`, makes the limit exact: a spike between two polls is still seen
 at the next one (the kill then comes up to one poll late).
 
-The model: `DEPTH` x Dense(width, relu) + Dense(10) on 1024 inputs, batch
-64, SGD, 3 steps (`train_on_batch`). For a width:
-* unsplit: plain Keras in one process (its own default: XLA), watched;
-* pipelined: two watched workers (`python -m keras_pipe.distributed.worker`, which
-  returns freed buffers to the OS: `keras_pipe.distributed.heap`) and an unwatched
-  client that holds no stage; `keras_pipe.plan(memory_budget=limit - an
-  idle worker's resident size, optimizer_slots=0)` chooses the cut, M and
-  per-stage remat; the client builds the model (it holds its initial
-  values until they are sent) and trains.
+The model: `--depth` x Dense(width, relu) + Dense(10) on 1024 inputs,
+batch 64, SGD, 3 steps (`train_on_batch`). For a width:
+* unsplit: plain Keras in one process, no remat (activations are small
+  here: 64 rows), jit_compile "auto" (False on CPU), and the workers' heap
+  settings (`keras_pipe.distributed.heap`), so that the comparison is like
+  for like (without them the unsplit process holds more: conservative);
+* pipelined: two watched workers (`python -m keras_pipe.distributed.worker`)
+  and an unwatched client that holds no stage; `keras_pipe.plan(
+  memory_budget=..., optimizer_slots=0)` chooses the cut, M and per-stage
+  remat; the client builds the model (it holds its initial values until
+  they are sent) and trains.
+
+The planner's memory model predicts a stage on a logical device, not a
+worker's resident peak (issue 30, item 2, under way elsewhere). So, by
+default, one calibration run at the widest unsplit width measures each
+worker's peak net of an idle worker against the prediction, and the
+planner then gets `(limit - idle worker) / scale` with `scale` the largest
+ratio. `--planner-scale 0.01` instead lets the planner choose the cut, M
+and remat with no memory verdict of its own: the watchdog alone judges.
 
 A bisection over widths (multiples of 128) finds the widest that trains
 unsplit and the widest that trains pipelined; then `--repeats` runs at the
 pipelined width check that the unsplit run is killed for memory and the
 workers stay under the limit, every time. Losses of the unsplit and the
 pipelined run at the unsplit width are compared (SGD: equal to 1e-5);
-`--adam` adds one Adam run of each at that width, reported as runs.
+`--adam` adds one Adam run of each at half that width, reported as runs.
 """
 
 import argparse
@@ -48,7 +61,8 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MiB = 2**20
-DEPTH, INPUTS, CLASSES, BATCH, STEPS = 7, 1024, 10, 64, 3
+INPUTS, CLASSES, BATCH, STEPS = 1024, 10, 64, 3
+DEPTH = 16  # set from --depth
 
 
 def status(pid="self"):
@@ -112,6 +126,7 @@ def _env():
 
 
 def build_model(keras, width):
+    """`DEPTH` x Dense(width, relu) + Dense(10) on `INPUTS` inputs."""
     layers = [keras.Input((INPUTS,))]
     layers += [keras.layers.Dense(width, activation="relu")
                for _ in range(DEPTH)]
@@ -183,7 +198,8 @@ def child_client(args):
     keras.utils.set_random_seed(0)
     model = build_model(keras, args.width)
     try:
-        p = keras_pipe.plan(model, devices=devices, memory_budget=args.budget,
+        p = keras_pipe.plan(model, devices=devices,
+                            memory_budget=int(args.budget / args.scale),
                             batch_size=BATCH,
                             optimizer_slots=0 if args.optimizer == "sgd"
                             else 2)
@@ -223,8 +239,9 @@ def _free_port():
 def run_unsplit(width, limit, optimizer="sgd"):
     watchdog = Watchdog(limit)
     try:
-        result = _child("unsplit", ["--width", str(width), "--optimizer",
-                                    optimizer], watchdog, "unsplit")
+        result = _child("unsplit", ["--width", str(width), "--depth",
+                                    str(DEPTH), "--optimizer", optimizer],
+                        watchdog, "unsplit")
     finally:
         watchdog.close()
     result["peak"] = watchdog.peaks.get("unsplit")
@@ -233,8 +250,11 @@ def run_unsplit(width, limit, optimizer="sgd"):
     return result
 
 
-def run_pipelined(width, limit, budget=None, optimizer="sgd", idle=False):
-    """Two watched workers and a client; with `idle`, one tiny op each."""
+def run_pipelined(width, limit, budget=None, optimizer="sgd", idle=False,
+                  scale=1.0):
+    """Two watched workers and a client; with `idle`, one tiny op each.
+
+    The planner gets `budget / scale` (see `calibrate`)."""
     cluster = [f"127.0.0.1:{_free_port()}" for _ in range(2)]
     watchdog = Watchdog(limit)
     workers = []
@@ -253,8 +273,9 @@ def run_pipelined(width, limit, budget=None, optimizer="sgd", idle=False):
             result = _child("idle", args)
         else:
             result = _child("client", args + [
-                "--width", str(width), "--budget", str(budget),
-                "--optimizer", optimizer])
+                "--width", str(width), "--depth", str(DEPTH), "--budget",
+                str(budget), "--scale", repr(scale), "--optimizer",
+                optimizer])
         time.sleep(3 * watchdog.interval)
     finally:
         watchdog.close()
@@ -265,6 +286,27 @@ def run_pipelined(width, limit, budget=None, optimizer="sgd", idle=False):
     if watchdog.killed:
         result.update(failed=True, killed=watchdog.killed)
     return result
+
+
+def calibrate(width, limit, budget, idle_peaks):
+    """How the planner's predicted stage peaks compare with the workers'.
+
+    `keras_pipe.planning.memory` predicts a stage's peak on a logical
+    device, not a worker's resident peak (issue 30, item 2). One run at
+    `width`, planned with the budget, gives per worker its measured peak
+    net of an idle worker over the predicted one; the largest ratio then
+    scales the predictions of every width (the planner gets
+    `budget / scale`). The watchdog still enforces the limit.
+    """
+    result = run_pipelined(width, limit, budget)
+    if "planner" in result:  # a plan to measure, within the limit or not
+        result = run_pipelined(width, limit, budget, scale=0.25)
+    if result.get("failed") or "predicted_peaks" not in result:
+        raise RuntimeError(f"calibration run at width {width} failed: "
+                           f"{_why(result)}")
+    ratios = [(p - i) / q for p, i, q in zip(
+        result["peaks"], idle_peaks, result["predicted_peaks"])]
+    return max(ratios), result
 
 
 def widest(trains, low, high, step=128):
@@ -299,9 +341,12 @@ def _why(result):
 
 
 def main(argv=None):
+    global DEPTH
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--limit-mib", type=int, default=1280,
                         help="resident-memory limit per process (VmHWM)")
+    parser.add_argument("--depth", type=int, default=DEPTH,
+                        help="Dense layers of the model")
     parser.add_argument("--low", type=int, default=1024,
                         help="a width that trains unsplit")
     parser.add_argument("--high", type=int, default=8192,
@@ -309,9 +354,24 @@ def main(argv=None):
     parser.add_argument("--pipelined-high", type=int, default=None,
                         help="a width that does not train on 2 workers "
                         "(default: --high)")
+    parser.add_argument("--widths", type=int, nargs=2, default=None,
+                        metavar=("UNSPLIT", "PIPELINED"),
+                        help="skip the search: the widest unsplit and "
+                        "pipelined widths found before")
+    parser.add_argument("--calibrate-width", type=int, default=None,
+                        help="width of the calibration run (default: "
+                        "the widest unsplit width); --no-calibration "
+                        "plans with the bare budget")
+    parser.add_argument("--no-calibration", action="store_true")
+    parser.add_argument("--planner-scale", type=float, default=None,
+                        help="no calibration run: the planner gets budget "
+                        "/ this (e.g. 0.01: the planner chooses the cut, M "
+                        "and remat, the watchdog alone judges memory)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--adam", action="store_true",
-                        help="one Adam run of each at the unsplit width")
+                        help="one Adam run of each at half the unsplit width")
+    parser.add_argument("--no-losses", action="store_true",
+                        help="skip the SGD loss comparison")
     parser.add_argument("--out", default=None)
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--cluster", default=None, help=argparse.SUPPRESS)
@@ -319,23 +379,30 @@ def main(argv=None):
                         help=argparse.SUPPRESS)
     parser.add_argument("--budget", type=int, default=None,
                         help=argparse.SUPPRESS)
+    parser.add_argument("--scale", type=float, default=1.0,
+                        help=argparse.SUPPRESS)
     parser.add_argument("--optimizer", default="sgd", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    DEPTH = args.depth
     if args.child:
         out = {"unsplit": child_unsplit, "client": child_client,
                "idle": child_idle}[args.child](args)
         print(json.dumps(out))
         return
+    start = time.time()
     limit = args.limit_mib * MiB
     say = lambda text: print(text, flush=True)  # noqa: E731
+    say(f"load average {os.getloadavg()}; model {DEPTH} x Dense(width) + "
+        f"Dense(10) on {INPUTS} inputs, batch {BATCH}, SGD, {STEPS} steps")
     idle = run_pipelined(None, limit, idle=True)
     worker_idle = max(idle["peaks"])
     budget = limit - worker_idle
-    report = {"limit": limit, "idle_worker_peaks": idle["peaks"],
-              "budget": budget}
+    report = {"limit": limit, "depth": DEPTH,
+              "idle_worker_peaks": idle["peaks"], "budget": budget,
+              "argv": sys.argv[1:]}
     say(f"limit per process (resident peak, watchdog): {args.limit_mib:,} "
-        f"MiB; idle worker {worker_idle / MiB:,.0f} MiB; planner budget "
-        f"per worker {budget / MiB:,.0f} MiB")
+        f"MiB; idle worker {worker_idle / MiB:,.0f} MiB; budget per worker "
+        f"{budget / MiB:,.0f} MiB")
 
     def unsplit(width):
         result = run_unsplit(width, limit)
@@ -344,58 +411,87 @@ def main(argv=None):
         return result
 
     def pipelined(width):
-        result = run_pipelined(width, limit, budget)
+        result = run_pipelined(width, limit, budget, scale=scale)
         plan = (f" (cut {result['sizes']}, M={result['num_micro_batches']}"
                 f", remat {result['remat']})" if "sizes" in result else "")
         say(f"  pipelined width {width}: {params(width):>12,} params: "
             f"{_why(result)}{plan}")
         return result
 
-    start = time.time()
-    w_unsplit, trials_u = widest(unsplit, args.low, args.high)
-    w_pipe, trials_p = widest(pipelined, w_unsplit,
-                              args.pipelined_high or args.high)
+    def save(data):
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(data, f, indent=1)
+
+    def calibrated(w_unsplit):
+        if args.no_calibration or args.planner_scale is not None:
+            report["scale"] = args.planner_scale or 1.0
+            return report["scale"]
+        width = args.calibrate_width or w_unsplit
+        scale, result = calibrate(width, limit, budget, idle["peaks"])
+        net = [round((p - i) / MiB)
+               for p, i in zip(result["peaks"], idle["peaks"])]
+        report.update(scale=scale, calibration={
+            "width": width, "scale": scale, "run": result})
+        say(f"calibration at width {width}: worker peaks net of idle {net}"
+            f" MiB, predicted "
+            f"{[round(q / MiB) for q in result['predicted_peaks']]}: "
+            f"the planner gets budget / {scale:.2f}")
+        return scale
+
+    if args.widths:
+        w_unsplit, w_pipe = args.widths
+    else:
+        w_unsplit, trials_u = widest(unsplit, args.low, args.high)
+        report["trials_unsplit"] = trials_u
+        scale = calibrated(w_unsplit)
+        w_pipe, trials_p = widest(pipelined, w_unsplit,
+                                  args.pipelined_high or args.high)
+        report["trials_pipelined"] = trials_p
+    if args.widths:
+        scale = calibrated(w_unsplit)
     ratio = params(w_pipe) / params(w_unsplit)
     report.update(unsplit_width=w_unsplit, pipelined_width=w_pipe,
                   unsplit_params=params(w_unsplit),
-                  pipelined_params=params(w_pipe), ratio=ratio,
-                  trials_unsplit=trials_u, trials_pipelined=trials_p)
+                  pipelined_params=params(w_pipe), ratio=ratio)
     say(f"widest unsplit: {w_unsplit} ({params(w_unsplit):,} params); "
         f"widest on 2 workers: {w_pipe} ({params(w_pipe):,} params): "
         f"{ratio:.2f}x the parameters")
     repeats = []
     for r in range(args.repeats):
-        u = run_unsplit(w_pipe, limit)
-        p = run_pipelined(w_pipe, limit, budget)
+        u = unsplit(w_pipe)
+        p = pipelined(w_pipe)
         ok = bool(u.get("killed")) and not p.get("failed")
         repeats.append({"unsplit": u, "pipelined": p, "ok": ok})
-        say(f"repeat {r + 1}: unsplit {_why(u)}; pipelined {_why(p)}: "
-            f"{'as expected' if ok else 'NOT as expected'}")
+        say(f"repeat {r + 1}: {'as expected' if ok else 'NOT as expected'}")
+        save(dict(report, repeats=repeats))
     report["repeats"] = repeats
-    say(f"{sum(r['ok'] for r in repeats)} of {len(repeats)} runs: the "
-        f"unsplit process killed for memory, the workers under the limit")
-    u = next(r for w, r in trials_u if w == w_unsplit) if any(
-        w == w_unsplit for w, _ in trials_u) else run_unsplit(w_unsplit, limit)
-    p = run_pipelined(w_unsplit, limit, budget)
-    report["sgd"] = {"unsplit": u, "pipelined": p}
-    if "loss" in u and "loss" in p:
-        diff = max(abs(a - b) for a, b in zip(u["loss"], p["loss"]))
-        say(f"SGD losses at width {w_unsplit}: unsplit {u['loss']}, "
-            f"pipelined {p['loss']}: max difference {diff:.2e} "
-            f"({'equal' if diff <= 1e-5 else 'NOT equal'} to 1e-5)")
+    say(f"{sum(r['ok'] for r in repeats)} of {len(repeats)} runs at width "
+        f"{w_pipe}: the unsplit process killed for memory, the workers "
+        f"under the limit")
+    if not args.no_losses:
+        u = unsplit(w_unsplit)
+        p = pipelined(w_unsplit)
+        report["sgd"] = {"unsplit": u, "pipelined": p}
+        save(report)
+        if "loss" in u and "loss" in p:
+            diff = max(abs(a - b) for a, b in zip(u["loss"], p["loss"]))
+            say(f"SGD losses at width {w_unsplit}: unsplit {u['loss']}, "
+                f"pipelined {p['loss']}: max difference {diff:.2e} "
+                f"({'equal' if diff <= 1e-5 else 'NOT equal'} to 1e-5)")
     if args.adam:
-        ua = run_unsplit(w_unsplit // 2, limit, "adam")
-        pa = run_pipelined(w_unsplit // 2, limit, budget, "adam")
-        report["adam"] = {"width": w_unsplit // 2, "unsplit": ua,
-                          "pipelined": pa}
-        say(f"Adam runs at width {w_unsplit // 2}: unsplit "
-            f"{ua.get('loss', _why(ua))}, pipelined "
-            f"{pa.get('loss', _why(pa))}")
+        half = w_unsplit // 2 // 128 * 128
+        ua = run_unsplit(half, limit, "adam")
+        pa = run_pipelined(half, limit, budget, "adam", scale=scale)
+        report["adam"] = {"width": half, "unsplit": ua, "pipelined": pa}
+        say(f"Adam runs at width {half} (runs, not an equality test: "
+            f"Adam turns float-level differences of tiny gradients into "
+            f"lr-sized steps): unsplit {ua.get('loss', _why(ua))}, "
+            f"pipelined {pa.get('loss', _why(pa))}")
     report["seconds"] = time.time() - start
-    say(f"total {report['seconds'] / 60:.1f} min")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=1)
+    say(f"total {report['seconds'] / 60:.1f} min; load average "
+        f"{os.getloadavg()}")
+    save(report)
 
 
 if __name__ == "__main__":

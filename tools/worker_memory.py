@@ -8,11 +8,12 @@ process that connects, runs one op on each worker, then builds the model
 (7 x Dense(WIDTH), batch 64), cuts it with `from_model(num_stages=2,
 balance="params")`, compiles and trains. After each phase the client reads
 each worker's `VmRSS` and `VmHWM` (resident now, resident peak) from
-`/proc/<pid>/status`; everything is net of the idle worker after the first
-op. The unsplit model is measured the same way in its own process (net of
-the process after one op). Every process returns freed buffers to the OS
-(`keras_pipe.distributed.heap`) unless `--malloc-defaults`. Prints one table
-and, with `--out`, JSON.
+`/proc/<pid>/status`, then resets the peak (`/proc/<pid>/clear_refs`), so
+each phase's HWM is the peak of that phase; everything is net of the idle
+worker after the first op. The unsplit model is measured the same way in
+its own process (net of the process after one op). Every process returns
+freed buffers to the OS (`keras_pipe.distributed.heap`) unless
+`--malloc-defaults`. Prints one table and, with `--out`, JSON.
 """
 
 import argparse
@@ -36,6 +37,13 @@ def status(pid="self"):
             if key in ("VmHWM", "VmRSS"):
                 result[key] = int(value.split()[0]) * 1024
     return result
+
+
+def reset_peak(pid="self"):
+    """Resets the process's VmHWM to its VmRSS (Linux `clear_refs` 5), so
+    that the next reading is the peak of what ran since."""
+    with open(f"/proc/{pid}/clear_refs", "w") as f:
+        f.write("5")
 
 
 def _env():
@@ -72,18 +80,24 @@ def child_unsplit(args):
     import numpy as np
     import tensorflow as tf
     tf.reduce_sum(tf.ones([8])).numpy()
-    phases = [("idle", status())]
+    phases = []
+
+    def mark(name):
+        phases.append((name, status()))
+        reset_peak()
+
+    mark("idle")
     keras.utils.set_random_seed(0)
     model = build_model(keras, args.width, args.depth)
-    phases.append(("built", status()))
+    mark("built")
     model.compile(_optimizer(keras, args.optimizer),
                   keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     x, y = _data(np, args.steps)
     model.train_on_batch(x[:BATCH], y[:BATCH])
-    phases.append(("first step", status()))
+    mark("first step")
     history = model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0,
                         shuffle=False)
-    phases.append(("fit", status()))
+    mark("fit")
     return {"phases": phases, "loss": history.history["loss"],
             "params": model.count_params()}
 
@@ -106,6 +120,8 @@ def child_client(args):
 
     def mark(name):
         phases.append((name, [status(p) for p in pids], status()))
+        for p in pids:
+            reset_peak(p)
 
     mark("idle")
     keras.utils.set_random_seed(0)
@@ -170,6 +186,16 @@ def measure(args):
     return {"unsplit": unsplit, "pipelined": client, "args": vars(args)}
 
 
+def net_peaks(report):
+    """Resident peaks over all phases, net of idle: unsplit and per worker."""
+    u = report["unsplit"]["phases"]
+    unsplit = max(s["VmHWM"] for _, s in u[1:]) - u[0][1]["VmHWM"]
+    p = report["pipelined"]["phases"]
+    workers = [max(ws[t]["VmHWM"] for _, ws, _ in p[1:]) - p[0][1][t]["VmHWM"]
+               for t in range(len(p[0][1]))]
+    return {"unsplit": unsplit, "workers": workers}
+
+
 def table(report):
     mib = lambda b: f"{b / MiB:8.1f}"  # noqa: E731
     lines = []
@@ -194,6 +220,15 @@ def table(report):
         cells = " ".join(f"{mib(w['VmRSS'] - i)} {mib(w['VmHWM'] - i)}"
                          for w, i in zip(ws, idle))
         lines.append(f"  {name:24} {cells} {mib(c['VmRSS'])}")
+    peaks = net_peaks(report)
+    weights = p["stage_weight_bytes"]
+    lines.append(f"peaks (max over phases, MiB): unsplit "
+                 f"{peaks['unsplit'] / MiB:.1f}; workers "
+                 f"{[round(w / MiB, 1) for w in peaks['workers']]} = "
+                 f"{[round(w / b, 2) for w, b in zip(peaks['workers'], weights)]}"
+                 f" x stage weights, "
+                 f"{[round(w / peaks['unsplit'], 2) for w in peaks['workers']]}"
+                 f" x unsplit")
     lines.append(f"losses: unsplit {u['loss']} pipelined {p['loss']}")
     return "\n".join(lines)
 

@@ -27,7 +27,7 @@ import keras
 import tensorflow as tf
 
 from keras_pipe import _compat
-from keras_pipe.engine import attached, microbatch
+from keras_pipe.engine import attached, microbatch, release
 from keras_pipe.engine import schedule as schedule_lib
 from keras_pipe.engine.gradients import sum_gradients, sum_micro_batches
 from keras_pipe.engine.replicas import replica_of
@@ -96,6 +96,8 @@ class Step:
             sum of its gradients (None until the first one).
         last: per device, the tensors of the last call issued there: the
             next call on that device waits for them.
+        weight_calls: `weight_calls[(r, j)]`, the ops and the running sums
+            of the last W call of stage `j` of replica `r`.
         total_rows: the rows of the global batch (int or scalar tensor).
         loss: the full-batch loss, once computed within the step.
         seeded_by_parts: whether micro-batches are seeded from their own
@@ -119,6 +121,7 @@ class Step:
     last: dict = dataclasses.field(default_factory=dict)
     loss: object = None
     seeded_by_parts: bool = False
+    weight_calls: dict = dataclasses.field(default_factory=dict)
     _shares: dict = dataclasses.field(default_factory=dict)
 
     @property
@@ -211,7 +214,7 @@ class Executor:
 
     def loss_and_gradients(self, inputs, num_micro_batches, training, remat,
                            head, variables, device_of, weight_loss=None,
-                           observer=None):
+                           observer=None, weight_ops=None):
         """One forward and backward pass of the schedule, no optimizer step.
 
         Args:
@@ -225,6 +228,10 @@ class Executor:
             weight_loss: the regularization losses of the weights (a scalar
                 that reaches the variables directly), or None.
             observer: stamps every stage call (the Timeline's recorder).
+            weight_ops: a dict to fill with `{id(variable): ops}`, the ops
+                that compute only that variable's gradient in a W call run
+                in place (for `keras_pipe.engine.release.apply_in_turn`),
+                or None.
 
         Returns:
             `(loss, y_pred, gradients)`: the full-batch loss, the merged
@@ -246,7 +253,27 @@ class Executor:
                                   unconnected_gradients="none")
             parts += [(v, g) for v, g in zip(variables, direct)
                       if g is not None]
+        if weight_ops is not None:
+            weight_ops.update(self._weight_ops(step))
         return loss, y_pred, sum_on_devices(variables, parts, device_of)
+
+    def _weight_ops(self, step):
+        """`{id(variable): ops}`: the ops of the stages' last W calls that
+        compute only that variable's final sum (one replica only)."""
+        if self.num_replicas > 1:
+            return {}
+        found, shared = {}, set()
+        for (r, j), (ops, totals) in step.weight_calls.items():
+            sums = step.sums[r][j]
+            if any(s is not t for s, t in zip(sums, totals)):
+                continue  # summed again after the W call
+            variables = self.replicas[r][j].trainable_variables
+            for v, own in zip(variables, release.exclusive_ops(ops, sums)):
+                if id(v) in found:
+                    shared.add(id(v))
+                if own:
+                    found[id(v)] = own
+        return {k: v for k, v in found.items() if k not in shared}
 
     def start(self, inputs, num_micro_batches, training, remat,
               differentiable):
@@ -603,6 +630,8 @@ class Executor:
         runner = self.runner(step, i, j)
         sums = step.sums[step.replica[i]][j]
         stashes = [step.cells[ii][j].stash for ii, _ in group]
+        graph = tf.compat.v1.get_default_graph()
+        first = len(graph.get_operations())
         totals = runner.backward_weight(
             step.params[step.replica[i]][j], stashes, sums, training=True,
             name=f"stage{j}/mb{i}/weight",
@@ -610,6 +639,8 @@ class Executor:
             observer=observer)
         step.last[runner.device] = _first(totals)
         sums[:] = totals
+        step.weight_calls[(step.replica[i], j)] = (
+            graph.get_operations()[first:], list(totals))
         for ii, _ in group:
             step.cells[ii][j].stash = None
     def gradient_parts(self, step):

@@ -1,0 +1,98 @@
+"""Weight gradients released as applied (`keras_pipe.engine.release`).
+
+Without the chain, a stage's W call makes every weight gradient of the
+stage before the optimizer frees any (a worker held its weights plus all
+its gradients, `tests/test_worker_memory.py`). With it, on each device the
+ops that make one variable's gradient wait for the previous variable's
+update. Exactness is the transparency tests' (train_on_batch against plain
+Keras); these check the graph: which ops wait, and that nothing is chained
+where an update reads every gradient.
+"""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import keras_pipe
+from keras_pipe import model as model_lib
+from keras_pipe.engine import release
+
+
+def _mlp(width=32, depth=4):
+    return keras.Sequential(
+        [keras.Input((16,))]
+        + [keras.layers.Dense(width, activation="relu") for _ in range(depth)]
+        + [keras.layers.Dense(3)])
+
+
+def _trained(devices, monkeypatch, optimizer, remat="never", m=2):
+    """Trains one step; returns what `apply_in_turn` saw and did."""
+    seen, original = {}, release.apply_in_turn
+
+    def spy(update_ops, gradients, variables, weight_ops, device_of):
+        seen.update(gated=original(
+            update_ops, gradients, variables, weight_ops, device_of),
+            weight_ops=dict(weight_ops), variables=list(variables))
+        return seen["gated"]
+
+    monkeypatch.setattr(model_lib.release, "apply_in_turn", spy)
+    pipe = keras_pipe.PipelineModel.from_model(
+        _mlp(), num_stages=2, devices=devices[:2], num_micro_batches=m,
+        balance="params", remat=remat)
+    pipe.compile(optimizer, keras.losses.SparseCategoricalCrossentropy(
+        from_logits=True))
+    x = np.random.default_rng(0).normal(size=(8, 16)).astype("float32")
+    y = np.arange(8) % 3
+    loss = pipe.train_on_batch(x, y)
+    assert np.isfinite(loss)
+    return seen
+
+
+@pytest.mark.slow
+def test_each_weight_gradient_waits_for_the_previous_update(devices,
+                                                            monkeypatch):
+    seen = _trained(devices, monkeypatch, keras.optimizers.SGD(0.1))
+    variables = seen["variables"]
+    # Every variable's W ops are known; on each of the 2 devices all but
+    # the first variable of the chain wait.
+    assert set(seen["weight_ops"]) == {id(v) for v in variables}
+    waiting = [op for ops in seen["weight_ops"].values() for op in ops
+               if any(c.type == "NoOp" and c.name.split("/")[-1].startswith(
+                   "applied") for c in op.control_inputs)]
+    assert seen["gated"] == len(waiting) >= len(variables) - 2
+    for op in waiting:
+        applied = next(c for c in op.control_inputs if c.type == "NoOp")
+        assert any(u.type.startswith("AssignSub")
+                   for u in applied.control_inputs), applied.control_inputs
+
+
+@pytest.mark.slow
+def test_nothing_is_chained_where_an_update_reads_every_gradient(
+        devices, monkeypatch):
+    # A global norm reads every gradient before any update: no gain, and a
+    # chain would make a cycle.
+    seen = _trained(devices, monkeypatch,
+                    keras.optimizers.SGD(0.1, global_clipnorm=1.0))
+    assert seen["weight_ops"] and seen["gated"] == 0
+
+
+@pytest.mark.slow
+def test_a_fused_backward_pass_has_no_weight_ops(devices, monkeypatch):
+    # With remat each backward call makes every gradient of its stage in
+    # one traced call: no op computes one variable's gradient alone.
+    seen = _trained(devices, monkeypatch, keras.optimizers.SGD(0.1),
+                    remat="always")
+    assert seen["weight_ops"] == {} and seen["gated"] == 0
+
+
+def test_exclusive_ops_are_those_only_one_tensor_needs():
+    graph = tf.Graph()
+    with graph.as_default():
+        a = tf.constant(1.0, name="a")
+        shared = tf.identity(a, name="shared")
+        x = tf.identity(shared, name="x")
+        y = tf.square(shared, name="y")
+        ops = [shared.op, x.op, y.op]
+        own = release.exclusive_ops(ops, [x, y, None, a])
+    assert [[op.name for op in o] for o in own] == [["x"], ["y"], [], []]
