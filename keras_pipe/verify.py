@@ -336,11 +336,16 @@ def _copy_on(model, device, values):
             copy = keras.models.clone_model(model)
     except Exception:  # noqa: BLE001 (any failure: run on the model itself)
         copy = None
-    if copy is None or [(v.path, tuple(v.shape)) for v in copy.weights] != [
-            (v.path, tuple(v.shape)) for v in model.weights]:
+    # The same layers built in the same order: the same variables, in
+    # order (auto-named inner layers take other names: not compared).
+    if copy is None or [tuple(v.shape) for v in copy.weights] != [
+            tuple(v.shape) for v in model.weights]:
         copy = model
     else:
         placement.place_variables(copy, device)
+        # A layer rebuilt from its config makes its own Dropout anew, at
+        # the rate it was given: set aside there too (the copy is dropped).
+        _set_aside_randomness([copy])
     _assign(copy.weights, values)
     return copy
 

@@ -164,8 +164,8 @@ def test_position_table_four_micro_batches(devices, optimizer):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("schedule,num_micro_batches,remat", [
-    ("gpipe", 2, "always"), ("gpipe", 4, "except_last"), ("1f1b", 4, "never"),
-    ("zb_h2", 2, "never"), ("1f1b", 2, "always")])
+    ("gpipe", 2, "always"), ("gpipe", 4, "except_last"), ("gpipe", 2, "never"),
+    ("1f1b", 4, "never"), ("zb_h2", 2, "never"), ("1f1b", 2, "always")])
 @pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
 def test_position_table_schedules(devices, optimizer, num_micro_batches,
                                   schedule, remat):
@@ -174,9 +174,13 @@ def test_position_table_schedules(devices, optimizer, num_micro_batches,
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("num_micro_batches,remat", [(4, "never"),
+                                                    (2, "always")])
 @pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
-def test_position_table_replicas(devices, optimizer):
-    _assert_pipeline_matches(devices, optimizer, 4, "gpipe", replicas=2)
+def test_position_table_replicas(devices, optimizer, num_micro_batches,
+                                 remat):
+    _assert_pipeline_matches(devices, optimizer, num_micro_batches, "gpipe",
+                             replicas=2, remat=remat)
 
 
 @pytest.mark.slow

@@ -41,3 +41,34 @@ def test_grouped_conv_cut_over_two_devices_is_verified(devices):
     assert placement.device_of(grouped).endswith("CPU:1")
     for v, s in zip(model.weights, start):
         np.testing.assert_array_equal(v.numpy(), s)
+
+
+class Noisy(keras.layers.Layer):
+    """Dense then a Dropout of its own, made from the constructor's rate."""
+
+    def __init__(self, units, rate, **kwargs):
+        super().__init__(**kwargs)
+        self.units, self.rate = units, rate
+        self.dense = keras.layers.Dense(units, activation="tanh")
+        self.dropout = keras.layers.Dropout(rate)
+
+    def call(self, x, training=False):
+        return self.dropout(self.dense(x), training=training)
+
+    def get_config(self):
+        return {**super().get_config(), "units": self.units,
+                "rate": self.rate}
+
+
+def test_dropout_inside_a_layer_is_set_aside_in_the_reference(devices):
+    # The reference is a clone: a layer rebuilt from its config makes its
+    # Dropout anew at rate 0.5, which verify must set aside there too.
+    inputs = keras.Input((6,))
+    h = Noisy(8, 0.5, name="noisy")(inputs)
+    model = keras.Model(inputs, keras.layers.Dense(3, name="logits")(h))
+    x = np.random.default_rng(0).normal(size=(8, 6)).astype("float32")
+    y = (np.arange(8) % 3).astype("int32")
+    report = keras_pipe.verify(model, x, y, loss=CE, optimizer="adam",
+                               devices=devices[:2])
+    assert report.ok, report
+    assert model.get_layer("noisy").dropout.rate == 0.5
