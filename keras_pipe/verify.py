@@ -157,7 +157,10 @@ def verify(model, x, y, loss=None, optimizer=None, num_stages=None,
     """Checks that the pipeline trains `model` as plain Keras does.
 
     From the same weights, runs `steps` optimizer steps of plain Keras on the
-    unsplit model and of the pipeline on the batch `(x, y)`, compares
+    unsplit model (a copy of it with every variable on the first stage's
+    device, where Keras can clone it: some layers, a grouped `Conv2D`, run
+    as XLA functions that read no variable on another device) and of the
+    pipeline on the batch `(x, y)`, compares
     `predict` at the start and every float variable at the end, and puts the
     weights back. Dropout and other random layers are set aside (rate 0)
     for the check: the pipeline draws its masks per row, not as Keras does.

@@ -11,7 +11,10 @@ built from its constructor at a tiny size (no download); the
 keras.applications families use their generic builders
 (`keras.src.applications.<family>.<Family>(blocks...)`) at one block per
 stack where the named models (ResNet50, DenseNet121, ...) would cost a
-minute of tracing each. BatchNormalization at M > 1 is the one stated
+minute of tracing each (MobileNet itself at alpha 0.25; Xception,
+InceptionV3 and NASNet, 48-72 s of CPU each, run by name only). Stages are
+on different devices: verify's plain Keras run is on a copy of the model
+on the first one. BatchNormalization at M > 1 is the one stated
 exception: verify must name it (plain BatchNormalization, and
 `keras_pipe.layers.defer_batch_norm`'s DeferredBatchNormalization, which
 defers only the moving statistics) and flag nothing else.
