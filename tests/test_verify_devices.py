@@ -72,3 +72,30 @@ def test_dropout_inside_a_layer_is_set_aside_in_the_reference(devices):
                                devices=devices[:2])
     assert report.ok, report
     assert model.get_layer("noisy").dropout.rate == 0.5
+
+
+class Shift(keras.layers.Layer):
+    """Adds a fixed array: no config Keras can rebuild it from."""
+
+    def __init__(self, offset, **kwargs):
+        super().__init__(**kwargs)
+        self.offset = offset
+
+    def call(self, x):
+        return x + self.offset
+
+
+def test_a_model_keras_cannot_clone_runs_as_it_is(devices):
+    # clone_model fails (Shift takes an array it cannot serialize): plain
+    # Keras runs the model itself, here with both stages on one device.
+    inputs = keras.Input((6,))
+    h = keras.layers.Dense(8, activation="tanh", name="first")(inputs)
+    h = Shift(np.linspace(0, 1, 8).astype("float32"), name="shift")(h)
+    model = keras.Model(inputs, keras.layers.Dense(3, name="logits")(h))
+    with np.testing.assert_raises(Exception):
+        keras.models.clone_model(model)
+    x = np.random.default_rng(0).normal(size=(8, 6)).astype("float32")
+    y = (np.arange(8) % 3).astype("int32")
+    report = keras_pipe.verify(model, x, y, loss=CE, optimizer="adam",
+                               devices=devices[:1] * 2)
+    assert report.ok, report
