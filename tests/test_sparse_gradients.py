@@ -121,6 +121,17 @@ OPTIMIZERS = {
 }
 
 
+# The other optimizers and clipping modes, once each (zb_h2, M=4, remat).
+MORE_OPTIMIZERS = {
+    "adagrad": lambda: keras.optimizers.Adagrad(0.1),
+    "adamw": lambda: keras.optimizers.AdamW(0.01),
+    "sgd_global_clipnorm": lambda: keras.optimizers.SGD(
+        0.1, global_clipnorm=0.05),
+    "sgd_clipvalue": lambda: keras.optimizers.SGD(0.1, clipvalue=0.005),
+}
+OPTIMIZERS_ALL = {**OPTIMIZERS, **MORE_OPTIMIZERS}
+
+
 def _steps(model, optimizer, x, y, steps=3):
     model.compile(optimizer, loss=keras.losses.SparseCategoricalCrossentropy(
         from_logits=True), jit_compile=False)
@@ -134,7 +145,7 @@ def _assert_pipeline_matches(devices, optimizer, num_micro_batches,
     model = _model(tokens or same_ids, relative)
     start = [v.numpy() for v in model.weights]
     with tf.device("/device:CPU:0"):
-        expected_losses = _steps(model, OPTIMIZERS[optimizer](), x, y)
+        expected_losses = _steps(model, OPTIMIZERS_ALL[optimizer](), x, y)
     expected = [v.numpy() for v in model.weights]
     for v, value in zip(model.weights, start):
         v.assign(value)
@@ -143,7 +154,7 @@ def _assert_pipeline_matches(devices, optimizer, num_micro_batches,
         schedule=schedule, remat=remat)
     if replicas > 1:
         pipe.replicate(devices[:2 * replicas])
-    losses = _steps(pipe, OPTIMIZERS[optimizer](), x, y)
+    losses = _steps(pipe, OPTIMIZERS_ALL[optimizer](), x, y)
     np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
     for v, s, e in zip(model.weights, start, expected):
         update = np.abs(e - s).max()
@@ -159,6 +170,12 @@ def _assert_pipeline_matches(devices, optimizer, num_micro_batches,
 def test_position_table_four_micro_batches(devices, optimizer):
     # zb_h2 with remat: weight gradients of micro-batches summed as they
     # come (before the fix, Adam/RMSprop/clipnorm saw every position 4x).
+    _assert_pipeline_matches(devices, optimizer, 4, "zb_h2", remat="always")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("optimizer", sorted(MORE_OPTIMIZERS))
+def test_position_table_other_optimizers(devices, optimizer):
     _assert_pipeline_matches(devices, optimizer, 4, "zb_h2", remat="always")
 
 
