@@ -15,6 +15,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_pipe import _compat
+from keras_pipe.engine import placement
 from keras_pipe.model import PipelineModel
 
 __all__ = ["VariableDifference", "VerificationReport", "verify"]
@@ -156,7 +157,10 @@ def verify(model, x, y, loss=None, optimizer=None, num_stages=None,
     """Checks that the pipeline trains `model` as plain Keras does.
 
     From the same weights, runs `steps` optimizer steps of plain Keras on the
-    unsplit model and of the pipeline on the batch `(x, y)`, compares
+    unsplit model (a copy of it with every variable on the first stage's
+    device, where Keras can clone it: some layers, a grouped `Conv2D`, run
+    as XLA functions that read no variable on another device) and of the
+    pipeline on the batch `(x, y)`, compares
     `predict` at the start and every float variable at the end, and puts the
     weights back. Dropout and other random layers are set aside (rate 0)
     for the check: the pipeline draws its masks per row, not as Keras does.
@@ -243,19 +247,26 @@ def verify(model, x, y, loss=None, optimizer=None, num_stages=None,
                                else num_micro_batches),
             schedule=schedule or "gpipe", **pipeline_kwargs)
         unsplit = model
-    variables = [v for v in unsplit.weights if _is_float(v)]
+    floats = [i for i, v in enumerate(unsplit.weights) if _is_float(v)]
+    variables = [unsplit.weights[i] for i in floats]
     start = [v.numpy() for v in unsplit.weights]
     set_aside = _set_aside_randomness(pipe.layers)
     try:
-        expected_pred = _predict(_Unsplit(unsplit), x)
+        # Plain Keras runs on a copy whose variables are all on the first
+        # stage's device: the pipeline's are spread over its devices, and
+        # Keras runs some layers (a grouped Conv2D) as XLA functions,
+        # which read no variable on another device.
+        copy = _copy_on(unsplit, pipe.devices[0], start)
+        reference = _Unsplit(copy)
+        expected_pred = _predict(reference, x)
         actual_pred = _predict(pipe, x)
-        reference = _Unsplit(unsplit)
         losses_keras = _train(reference, loss, optimizer, x, y,
                               sample_weight, steps)
-        expected = [v.numpy() for v in variables]
-        _assign(unsplit.weights, start)
-        grads = _gradient_sizes(reference, variables, x, y, sample_weight)
-        _assign(unsplit.weights, start)  # the pass moved BN statistics
+        copied = [copy.weights[i] for i in floats]
+        expected = [v.numpy() for v in copied]
+        _assign(copy.weights, start)
+        grads = _gradient_sizes(reference, copied, x, y, sample_weight)
+        _assign(copy.weights, start)  # the pass moved BN statistics
         losses_pipe = _train(pipe, loss, optimizer, x, y, sample_weight,
                              steps)
         actual = [v.numpy() for v in variables]
@@ -263,15 +274,14 @@ def verify(model, x, y, loss=None, optimizer=None, num_stages=None,
         _assign(unsplit.weights, start)
         for layer, attribute, value in set_aside:
             setattr(layer, attribute, value)
-    initial = {id(v): s for v, s in zip(unsplit.weights, start)}
     rows = []
-    for v, e, a in zip(variables, expected, actual):
-        s = initial[id(v)]
+    for i, v, e, a, c in zip(floats, variables, expected, actual, copied):
+        s = start[i]
         rows.append(VariableDifference(
             v.path, tuple(v.shape),
             float(np.max(np.abs(e.astype("float64") - s), initial=0.0)),
             float(np.max(np.abs(a.astype("float64") - e), initial=0.0)),
-            grads[id(v)]))
+            grads[id(c)]))
     rows.sort(key=lambda r: r.relative, reverse=True)
     scale = max(float(np.max(np.abs(e), initial=0.0))
                 for e in keras.tree.flatten(expected_pred)) or 1.0
@@ -317,6 +327,30 @@ def _is_float(variable):
 def _assign(variables, values):
     for v, value in zip(variables, values):
         v.assign(value)
+
+
+def _copy_on(model, device, values):
+    """A clone of `model` with its own variables, all on `device`, set to
+    `values` (one per `model.weights`); `model` itself when Keras cannot
+    clone it (a subclassed layer without a working `get_config`) into the
+    same variables, with the values assigned all the same."""
+    try:
+        with tf.device(device):
+            copy = keras.models.clone_model(model)
+    except Exception:  # noqa: BLE001 (any failure: run on the model itself)
+        copy = None
+    # The same layers built in the same order: the same variables, in
+    # order (auto-named inner layers take other names: not compared).
+    if copy is None or [tuple(v.shape) for v in copy.weights] != [
+            tuple(v.shape) for v in model.weights]:
+        copy = model
+    else:
+        placement.place_variables(copy, device)
+        # A layer rebuilt from its config makes its own Dropout anew, at
+        # the rate it was given: set aside there too (the copy is dropped).
+        _set_aside_randomness([copy])
+    _assign(copy.weights, values)
+    return copy
 
 
 def _fresh(optimizer):

@@ -121,6 +121,17 @@ OPTIMIZERS = {
 }
 
 
+# The other optimizers and clipping modes, once each (zb_h2, M=4, remat).
+MORE_OPTIMIZERS = {
+    "adagrad": lambda: keras.optimizers.Adagrad(0.1),
+    "adamw": lambda: keras.optimizers.AdamW(0.01),
+    "sgd_global_clipnorm": lambda: keras.optimizers.SGD(
+        0.1, global_clipnorm=0.05),
+    "sgd_clipvalue": lambda: keras.optimizers.SGD(0.1, clipvalue=0.005),
+}
+OPTIMIZERS_ALL = {**OPTIMIZERS, **MORE_OPTIMIZERS}
+
+
 def _steps(model, optimizer, x, y, steps=3):
     model.compile(optimizer, loss=keras.losses.SparseCategoricalCrossentropy(
         from_logits=True), jit_compile=False)
@@ -134,7 +145,7 @@ def _assert_pipeline_matches(devices, optimizer, num_micro_batches,
     model = _model(tokens or same_ids, relative)
     start = [v.numpy() for v in model.weights]
     with tf.device("/device:CPU:0"):
-        expected_losses = _steps(model, OPTIMIZERS[optimizer](), x, y)
+        expected_losses = _steps(model, OPTIMIZERS_ALL[optimizer](), x, y)
     expected = [v.numpy() for v in model.weights]
     for v, value in zip(model.weights, start):
         v.assign(value)
@@ -143,7 +154,7 @@ def _assert_pipeline_matches(devices, optimizer, num_micro_batches,
         schedule=schedule, remat=remat)
     if replicas > 1:
         pipe.replicate(devices[:2 * replicas])
-    losses = _steps(pipe, OPTIMIZERS[optimizer](), x, y)
+    losses = _steps(pipe, OPTIMIZERS_ALL[optimizer](), x, y)
     np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
     for v, s, e in zip(model.weights, start, expected):
         update = np.abs(e - s).max()
@@ -163,9 +174,15 @@ def test_position_table_four_micro_batches(devices, optimizer):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("optimizer", sorted(MORE_OPTIMIZERS))
+def test_position_table_other_optimizers(devices, optimizer):
+    _assert_pipeline_matches(devices, optimizer, 4, "zb_h2", remat="always")
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule,num_micro_batches,remat", [
-    ("gpipe", 2, "always"), ("gpipe", 4, "except_last"), ("1f1b", 4, "never"),
-    ("zb_h2", 2, "never"), ("1f1b", 2, "always")])
+    ("gpipe", 2, "always"), ("gpipe", 4, "except_last"), ("gpipe", 2, "never"),
+    ("1f1b", 4, "never"), ("zb_h2", 2, "never"), ("1f1b", 2, "always")])
 @pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
 def test_position_table_schedules(devices, optimizer, num_micro_batches,
                                   schedule, remat):
@@ -174,9 +191,13 @@ def test_position_table_schedules(devices, optimizer, num_micro_batches,
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("num_micro_batches,remat", [(4, "never"),
+                                                    (2, "always")])
 @pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
-def test_position_table_replicas(devices, optimizer):
-    _assert_pipeline_matches(devices, optimizer, 4, "gpipe", replicas=2)
+def test_position_table_replicas(devices, optimizer, num_micro_batches,
+                                 remat):
+    _assert_pipeline_matches(devices, optimizer, num_micro_batches, "gpipe",
+                             replicas=2, remat=remat)
 
 
 @pytest.mark.slow
