@@ -669,3 +669,32 @@ def test_the_benchmarks_import_no_torch():
                           text=True, env=dict(os.environ,
                                               TF_CPP_MIN_LOG_LEVEL="3"))
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_build_then_warm_builds_every_run_before_warming_any():
+    # keras.utils.set_random_seed (each build) clears TF's kernel cache: a
+    # run warmed before another run's build would instantiate its step
+    # function again at its first measured fit (docs/performance.md).
+    calls, errors = [], []
+
+    def build(label):
+        def run():
+            calls.append(("build", label))
+            if label == "bad build":
+                raise ValueError("no")
+            return label
+        return run
+
+    def warm(built):
+        calls.append(("warm", built))
+        if built == "bad warm":
+            raise RuntimeError("stuck")
+        return f"run {built}"
+
+    runs = {label: (build(label), warm)
+            for label in ("a", "bad build", "bad warm", "b")}
+    warmed = harness.build_then_warm(runs, errors)
+    assert warmed == {"a": "run a", "b": "run b"}
+    assert [kind for kind, _ in calls] == ["build"] * 4 + ["warm"] * 3
+    assert errors == [{"run": "bad build", "error": "ValueError: no"},
+                      {"run": "bad warm", "error": "RuntimeError: stuck"}]

@@ -237,6 +237,39 @@ def _per(before, after, amount):
             for a, b in zip(before, after)]
 
 
+def build_then_warm(runs, errors):
+    """Builds every run, then warms every run up: `{label: warm value}`.
+
+    `runs` maps a label to `(build, warm)`: `build()` makes the run's model
+    (seeding the random generators first), `warm(built)` runs its first
+    steps and returns what the rounds call. Every build comes before any
+    warm-up: `keras.utils.set_random_seed` (through `tf.random.set_seed`)
+    clears TF's kernel cache, so a step function warmed before the next
+    model's build is instantiated again (placement, graph optimization,
+    partition, registration on the workers) at its next call, the first
+    step of its first measured `fit`. That one-off costs the client 8.6 s
+    of CPU for a 4-block Transformer at M=8 (docs/performance.md), which
+    the client's CPU per step of a measured `fit` counted as per-step work
+    (216-1521 ms on the Transformer in the 3 December run). A run that
+    raises is reported in `errors` and left out.
+    """
+    built = {}
+    for label, (build, _) in runs.items():
+        try:
+            built[label] = build()
+        except Exception as exc:  # noqa: BLE001 - reported, others go on
+            errors.append({"run": label, "error": f"{type(exc).__name__}: "
+                           f"{exc}"})
+    warmed = {}
+    for label, value in built.items():
+        try:
+            warmed[label] = runs[label][1](value)
+        except Exception as exc:  # noqa: BLE001 - reported, others go on
+            errors.append({"run": label, "error": f"{type(exc).__name__}: "
+                           f"{exc}"})
+    return warmed
+
+
 def _interleave(runs, rounds, pids, errors):
     """Each run of `runs` once per round, in turn: noise hits them alike.
 

@@ -22,6 +22,7 @@ from tools.benchmarks.harness import (
     _free_port,
     _interleave,
     _tf_env,
+    build_then_warm,
     child,
     median,
     run_child,
@@ -97,27 +98,33 @@ def child_keras_pipeline(p):
     runs, errors = {}, []
     with keras_pipe.local_workers(num_workers=2, cores=p["cores"]) as devices:
         pids = _worker_pids() + [os.getpid()]
-        for schedule, m in p["configs"]:
-            label = f"{schedule} M={m}"
+
+        def build(schedule, m):
             order = peer_jobs.FOUR_STAGE_LAYOUTS.get(schedule, (0, 1))
-            try:
-                keras.utils.set_random_seed(0)
-                model = keras_pipe.PipelineModel(
-                    peer_jobs.keras_stages(keras, job, len(order)),
-                    devices=[devices[w] for w in order],
-                    num_micro_batches=m, schedule=schedule, remat="never")
-                model.build((None, *peer_jobs.input_shape(job)))
-                _keras_compile(keras, model, job)
-                _fit_steps(keras, model, x[:warm], y[:warm], job["batch"])
-            except Exception as exc:  # noqa: BLE001 - reported, others go on
-                errors.append({"run": label,
-                               "error": f"{type(exc).__name__}: {exc}"})
-                continue
-            runs[label] = {
-                "config": (schedule, len(order), m), "steps": [], "cpu": [],
-                "wait": [], "cpu_per_step": [],
-                "run": lambda model=model: (_fit_steps(
-                    keras, model, x, y, job["batch"]), p["steps"])}
+            keras.utils.set_random_seed(0)
+            model = keras_pipe.PipelineModel(
+                peer_jobs.keras_stages(keras, job, len(order)),
+                devices=[devices[w] for w in order],
+                num_micro_batches=m, schedule=schedule, remat="never")
+            model.build((None, *peer_jobs.input_shape(job)))
+            _keras_compile(keras, model, job)
+            return model
+
+        def warm_up(model):
+            _fit_steps(keras, model, x[:warm], y[:warm], job["batch"])
+            return lambda: (_fit_steps(keras, model, x, y, job["batch"]),
+                            p["steps"])
+
+        configs = {f"{s} M={m}": (s, m) for s, m in p["configs"]}
+        warmed = build_then_warm(
+            {label: (lambda c=c: build(*c), warm_up)
+             for label, c in configs.items()}, errors)
+        for label, run in warmed.items():
+            schedule, m = configs[label]
+            k = len(peer_jobs.FOUR_STAGE_LAYOUTS.get(schedule, (0, 1)))
+            runs[label] = {"config": (schedule, k, m), "steps": [],
+                           "cpu": [], "wait": [], "cpu_per_step": [],
+                           "run": run}
         _interleave(runs, p["rounds"], pids, errors)
     out = []
     for _label, r in runs.items():

@@ -18,6 +18,7 @@ from tools.benchmarks.harness import (
     _tf_env,
     _throughput_data,
     baseline_1core,
+    build_then_warm,
     child,
     median,
     run_child,
@@ -271,53 +272,63 @@ def child_throughput(p):
             return r["steps"], p["baseline"]["steps"]
         runs[BASELINE_LABEL] = {"run": run_baseline, "steps": [], "cpu": [],
                                 "wait": [], "cpu_per_step": []}
-    for config in throughput_configs(p):
-        label = config_label(config)
+
+    def build(config):
         k, m = config["num_stages"], config["num_micro_batches"]
+        if config["kind"] == "bare":
+            nonlocal bare
+            if bare is None:
+                bare = _BarePipeline(tf, keras, remote, p, x, y,
+                                     p.get("xla_updates", False))
+            return bare
+        keras.utils.set_random_seed(0)
+        if k == 1:
+            stages = [_mlp(keras, p["layers"], p["width"], "whole")]
+        else:
+            stages = _split(keras, p["layers"], p["width"], k)
+        order = FOUR_STAGE_SCHEDULES.get(config["schedule"], (0, 1))
+        model = keras_pipe.PipelineModel(
+            stages, devices=[remote[w] for w in order[:k]],
+            num_micro_batches=m, remat=p["remat"],
+            schedule=config["schedule"])
+        model.build((None, p["width"]))
+        model.compile(keras.optimizers.Adam(1e-4), "mse",
+                      steps_per_execution=config.get("steps_per_execution", 1),
+                      jit_compile=config.get(
+                          "xla_updates", p.get("xla_updates", False)))
+        return model
+
+    def warm_up(config, built):
+        """The first steps (traced, instantiated); returns the round's run
+        and the seconds they took."""
+        m = config["num_micro_batches"]
         start = time.perf_counter()
-        try:
-            if config["kind"] == "bare":
-                if bare is None:
-                    bare = _BarePipeline(tf, keras, remote, p, x, y,
-                                         p.get("xla_updates", False))
-                bare.steps(m, 3)  # trace and warm up
-                run = (lambda m=m, bare=bare: (bare.steps(m, p["steps"]),  # noqa: E731
-                                               p["steps"]))
-            else:
-                keras.utils.set_random_seed(0)
-                if k == 1:
-                    stages = [_mlp(keras, p["layers"], p["width"], "whole")]
-                else:
-                    stages = _split(keras, p["layers"], p["width"], k)
-                order = FOUR_STAGE_SCHEDULES.get(config["schedule"], (0, 1))
-                model = keras_pipe.PipelineModel(
-                    stages, devices=[remote[w] for w in order[:k]],
-                    num_micro_batches=m, remat=p["remat"],
-                    schedule=config["schedule"])
-                model.build((None, p["width"]))
-                spe = config.get("steps_per_execution", 1)
-                model.compile(keras.optimizers.Adam(1e-4), "mse",
-                              steps_per_execution=spe,
-                              jit_compile=config.get(
-                                  "xla_updates", p.get("xla_updates", False)))
-                _fit_steps(keras, model, *(
-                    warm if spe == 1 else (x[:2 * spe * p["batch"]],
-                                           y[:2 * spe * p["batch"]])),
-                    p["batch"])
-                # With steps_per_execution, the clock ticks once per
-                # execution of `spe` steps.
-                n = p["steps"] // spe * spe
-                rows = n * p["batch"]
-                run = (lambda model=model, spe=spe, n=n, rows=rows: ([  # noqa: E731
-                    t / spe for t in _fit_steps(keras, model, x[:rows],
-                                                y[:rows], p["batch"])], n))
-        except Exception as exc:  # noqa: BLE001 - reported, others go on
-            errors.append({"run": label, "error": f"{type(exc).__name__}: "
-                           f"{exc}"})
-            continue
-        runs[label] = {"config": config, "run": run, "steps": [],
+        if config["kind"] == "bare":
+            built.steps(m, 3)  # trace and warm up
+            return ((lambda: (built.steps(m, p["steps"]), p["steps"])),
+                    time.perf_counter() - start)
+        spe = config.get("steps_per_execution", 1)
+        _fit_steps(keras, built, *(
+            warm if spe == 1 else (x[:2 * spe * p["batch"]],
+                                   y[:2 * spe * p["batch"]])),
+            p["batch"])
+        # With steps_per_execution, the clock ticks once per
+        # execution of `spe` steps.
+        n = p["steps"] // spe * spe
+        rows = n * p["batch"]
+        return ((lambda: ([t / spe for t in _fit_steps(
+            keras, built, x[:rows], y[:rows], p["batch"])], n)),
+            time.perf_counter() - start)
+
+    configs = {config_label(c): c for c in throughput_configs(p)}
+    warmed = build_then_warm(
+        {label: ((lambda c=c: build(c)),
+                 (lambda built, c=c: warm_up(c, built)))
+         for label, c in configs.items()}, errors)
+    for label, (run, seconds) in warmed.items():
+        runs[label] = {"config": configs[label], "run": run, "steps": [],
                        "cpu": [], "wait": [], "cpu_per_step": [],
-                       "first_fit_seconds": time.perf_counter() - start}
+                       "first_fit_seconds": seconds}
     pids = p["worker_pids"] + [os.getpid()]  # the workers, then the client
     try:
         _interleave(runs, p["rounds"], pids, errors)
