@@ -225,8 +225,11 @@ def defer_weight_runs(actions, device_of, eligible, num_stages=None):
     forward pass between them there) a deferred `"W"` would wait behind
     every later `"B"` of the run and so behind the other device, and run in
     the tail of the step instead of in the gaps: there, and for every other
-    eligible `"B"`, the `"W"` comes right after its `"B"`, so that the
-    input gradient leaves before the weight gradients are computed.
+    eligible `"B"` whose input gradient goes to another device, the `"W"`
+    comes right after its `"B"`, so that the input gradient leaves before
+    the weight gradients are computed. A `"B"` of the first stage, or one
+    whose previous stage shares its device, stays whole (a split would only
+    add a call).
 
     ```python
     >>> ticks = gpipe(3, 1)
@@ -235,8 +238,8 @@ def defer_weight_runs(actions, device_of, eligible, num_stages=None):
     ['0F0', '0F1', '0F2', '0B2', '0B1', '0B0', '0W2', '0W1', '0W0']
     >>> actions = defer_weight_runs([a for t in one_f_one_b(2, 2) for a in t],
     ...                             lambda a: a.j, lambda a: True, 2)
-    >>> [str(a) for a in actions if a.j == 0]
-    ['0F0', '0F1', '0B0', '0W0', '0B1', '0W1']
+    >>> [str(a) for a in actions if a.j == 1]
+    ['1F0', '1B0', '1W0', '1F1', '1B1', '1W1']
     ```
 
     Args:
@@ -273,8 +276,19 @@ def defer_weight_runs(actions, device_of, eligible, num_stages=None):
         if id(run) in deferred:
             after[run[-1]] = weights
         elif num_stages is not None:
-            after.update((n, [w]) for n, w in zip(run, weights))
+            after.update((n, [w]) for n, w in zip(run, weights)
+                         if _sends_back(actions[n], device_of))
     return [b for n, a in enumerate(actions) for b in [a] + after.get(n, [])]
+
+
+def _sends_back(action, device_of):
+    """Whether the input gradient of `"B"` `action` goes to another device
+    (its stage has a previous stage, held elsewhere): only then does a
+    split let it leave sooner. The first stage's, or one that stays on its
+    device, would only pay a second call."""
+    if action.j == 0:
+        return False
+    return device_of(Action("B", action.i, action.j - 1)) != device_of(action)
 
 
 def _deferred_runs(actions, runs, num_stages):
