@@ -261,3 +261,17 @@ def test_a_tied_variable_is_counted_on_the_stage_of_its_last_call():
     size = (8 * 8 + 8) * 4
     assert profile.block(0, 2).weights == size
     assert profile.block(2, 3).weights == size
+
+
+def test_a_tied_variable_counts_at_build_on_every_stage_that_uses_it():
+    # Stage 0's build places the shared layer's variables on its device
+    # before stage 1's build moves them on: both builds hold them.
+    x = keras.Input((8,))
+    shared = keras.layers.Dense(8)
+    h = keras.layers.Dense(8)(shared(x))
+    model = keras.Model(x, shared(h))
+    part = partition.cut(model, 2, balance=[2, 1])
+    resident = memory.predict_resident(part, 4, 1, "never", "gpipe", 0)
+    size = (8 * 8 + 8) * 4
+    assert resident[0].build == 2 * size + 2 * 8 * 8 * 4
+    assert resident[1].build == size + 2 * 8 * 8 * 4

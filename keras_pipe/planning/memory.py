@@ -736,7 +736,9 @@ def predict_resident(partition, batch_size, num_micro_batches,
     resident memory follows the allocator's bytes in use, and the small
     blocks TF keeps (graphs, executors) are below the measurement's noise
     (~10 MiB). The build can peak on its own: the weights and the initial
-    values the client sends, up to two variables in transit (`build`).
+    values the client sends, up to two variables in transit (`build`); a
+    tied variable counts at build on every stage that uses it, since each
+    stage's build places it on its device before the last one keeps it.
     Measured by `tools/memory_model.py --workers`. Arguments as in
     `predict`.
 
@@ -744,13 +746,16 @@ def predict_resident(partition, batch_size, num_micro_batches,
         A list of `ResidentMemory`, one per stage.
     """
     result, start = [], 0
-    profile = Profile(partition.graph, 1)
+    calls = partition.graph.calls
     for size, peak in zip(partition.sizes, predict(
             partition, batch_size, num_micro_batches, remat, schedule,
             optimizer_slots, input_shape)):
-        block = profile.block(start, start + size)
+        # At build each stage places every variable its layers use on its
+        # device, tied ones too (a later stage moves them on).
+        used = {id(v): _variable_bytes(v) for call in calls[start:start + size]
+                for v in getattr(call.operation, "weights", None) or []}
         start += size
         result.append(ResidentMemory(
             **vars(peak),
-            build=block.weights + 2 * block.largest_variable))
+            build=sum(used.values()) + 2 * max(used.values(), default=0)))
     return result
