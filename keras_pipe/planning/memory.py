@@ -572,7 +572,13 @@ def moments(actions, mode, num_micro_batches, first=False, last=False,
             fixed + passing + waiting + _unit("workspace")]))
         held.pop(i, None)
         sums = _unit("trainable")
-        released = False
+        # One micro-batch, taped, SGD: each update reads only its own
+        # gradient, so the step's function applies a gradient as soon as it
+        # is made (no sum waits for another micro-batch), as the chain does
+        # (measured on workers, the MLP: 113 / 102 MiB; all gradients at
+        # once would be 144 / 128). Not measured with Adam at M = 1 without
+        # remat: its step keeps the full count.
+        released = m == 1 and not remat and not optimizer_slots
     if released:
         # Updates in turn, each freeing its gradient: one gradient and one
         # update's temporaries at a time.
