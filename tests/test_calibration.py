@@ -111,3 +111,9 @@ def test_a_timed_loop_reads_no_variable_inside():
             n.op for f in definition.library.function for n in f.node_def]
         assert "While" in ops or "StatelessWhile" in ops
         assert "ReadVariableOp" not in ops
+
+
+def test_a_burst_of_other_load_over_one_run_is_not_the_fixed_cost():
+    quiet, burst = [0.002, 0.0021, 0.009], [0.006, 0.007, 0.0065]
+    assert calibration.least_median([burst, quiet]) == 0.0021
+    assert calibration.least_median([quiet]) == 0.0021

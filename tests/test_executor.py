@@ -213,3 +213,50 @@ def test_a_stage_that_runs_fused_adds_its_weight_gradients_at_once(devices):
     calls = {op.name.split("/")[1] for op in graph.get_operations()
              if op.name.startswith("stage1/") and "/weight/" in op.name}
     assert calls == {"mb2"}  # the Dense head: one W after its run
+
+
+def _ancestors(ops):
+    seen, todo = set(), list(ops)
+    while todo:
+        op = todo.pop()
+        for p in [t.op for t in op.inputs] + list(op.control_inputs):
+            if p not in seen:
+                seen.add(p)
+                todo.append(p)
+    return seen
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,num_stages", [("1f1b", 2),
+                                             ("interleaved_1f1b", 4)])
+def test_no_weight_call_waits_for_a_later_micro_batch(devices, name,
+                                                      num_stages):
+    # 1F1B's B calls on a stage wait for the next stage micro-batch by
+    # micro-batch. A W call held to the end of a run of them would wait for
+    # the input gradients of every later micro-batch (the other device's
+    # B): the device idles in the gaps and computes the weight gradients
+    # in the step's tail. Each W call of micro-batch i on stage j must
+    # depend on no input gradient of a micro-batch after i.
+    import tensorflow as tf
+    stage_devices = [devices[j % 2] for j in range(num_stages)]
+    pipe, _ = helpers.pair(lambda: helpers.dense_stages(num_stages),
+                           stage_devices, 4, "never", schedule=name)
+    pipe.compile("sgd", "sparse_categorical_crossentropy")
+    x, y, _ = helpers.data(16)
+    graph = tf.function(pipe.compute_loss_and_gradients).get_concrete_function(
+        tf.constant(x), tf.constant(y)).graph
+    calls = collections.defaultdict(list)
+    for op in graph.get_operations():
+        parts = op.name.split("/")
+        if len(parts) > 3 and parts[2] == "weight" and parts[0].startswith(
+                "stage"):
+            calls[int(parts[0][5:]), int(parts[1][2:])].append(op)
+    assert calls, "no W call in the step"
+    assert any(j < num_stages - 1 for j, _ in calls)
+    for (j, i), ops in calls.items():
+        if j == num_stages - 1:
+            continue  # its B waits for the loss, not for another stage
+        waited = {int(op.name.split("/")[1][2:]) for op in _ancestors(ops)
+                  if op.name.startswith(f"stage{j + 1}/mb")
+                  and op.name.split("/")[2] == "send_back"}
+        assert waited and max(waited) == i, (j, i, sorted(waited))

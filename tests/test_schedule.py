@@ -373,3 +373,35 @@ def test_a_model_checks_its_schedule_for_its_counts(devices):
                                      schedule="t_wrong_at_3")
     finally:
         schedule._REGISTRY.pop("t_wrong_at_3", None)
+
+
+def test_weight_gradients_wait_for_no_later_backward_pass():
+    # With `num_stages` (as the executor runs a step), a run is deferred
+    # only where its input gradients arrive back to back (GPipe); 1F1B's
+    # drain waits for the next stage micro-batch by micro-batch, so each W
+    # follows its own B: a W held to the run's end waits for every later
+    # B and so for the other device, and runs in the step's tail.
+    def issued(ticks, k, stage_device):
+        return schedule.defer_weight_runs(
+            _flat(ticks), lambda a: stage_device(a.j), lambda a: True, k)
+
+    gpipe = issued(schedule.gpipe(3, 2), 2, lambda j: j)
+    assert gpipe == schedule.defer_weight_runs(
+        _flat(schedule.gpipe(3, 2)), lambda a: a.j, lambda a: True)
+    for ticks, k, stage_device in [
+            (schedule.one_f_one_b(4, 2), 2, lambda j: j),
+            (schedule.one_f_one_b(8, 4), 4, lambda j: j),
+            (schedule.interleaved_1f1b(4, 4, 2), 4, lambda j: j % 2)]:
+        actions = issued(ticks, k, stage_device)
+        for n, a in enumerate(actions):
+            if a.kind == "B":
+                assert actions[n + 1] == schedule.Action("W", a.i, a.j), (
+                    [str(b) for b in actions])
+    # A run fed by a run that is not deferred is not deferred either.
+    orders = [[schedule.Action("F", i, 0) for i in range(2)] +
+              [schedule.Action("B", i, 0) for i in range(2)],
+              [schedule.Action("F", 0, 1), schedule.Action("B", 0, 1),
+               schedule.Action("F", 1, 1), schedule.Action("B", 1, 1)]]
+    actions = issued(schedule.ticks_from_orders(orders, 2), 2, lambda j: j)
+    assert [str(a) for a in actions if a.j == 0][-4:] == [
+        "0B0", "0W0", "0B1", "0W1"]

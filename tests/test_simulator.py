@@ -42,8 +42,27 @@ def test_one_f_one_b_by_hand():
     result = simulator.simulate(schedule.one_f_one_b(2, 2), [0, 1], costs)
     assert result.step_time == 9
     assert result.seeded_by_parts
-    assert [(str(c), s, e) for c, s, e in result.spans[0]][:4] == [
+    assert [(str(c), s, e) for c, s, e in result.spans[0]
+            if c.kind != "W"] == [
         ("0F0", 0, 1), ("0F1", 1, 2), ("0B0", 4, 6), ("0B1", 7, 9)]
+
+
+def test_one_f_one_b_splits_each_backward_as_the_executor_does():
+    # Input gradients 1, weight gradients 1 per micro-batch. Device 1:
+    # F0 [1,2] B0 [2,3] W0 [3,4] F1 [4,5] B1 [5,6] W1 [6,7]; device 0:
+    # F0 [0,1] F1 [1,2], B0 waits for device 1's B0 [3,4], W0 [4,5], B1
+    # waits for its B1 [6,7], W1 [7,8]: 8, as GPipe's (device 0's B1, B0
+    # [4,6] and one W over both [6,8]). Had 1F1B's W0 waited to the end of
+    # device 0's run of B0 B1, it would end at 10.
+    costs = simulator.Costs(forward=[1, 1], backward=[2, 2],
+                            backward_input=[1, 1], weight=[1, 1])
+    one_f_one_b = simulator.simulate(schedule.one_f_one_b(2, 2), [0, 1],
+                                     costs)
+    assert [(str(c), s, e) for c, s, e in one_f_one_b.spans[0]] == [
+        ("0F0", 0, 1), ("0F1", 1, 2), ("0B0", 3, 4), ("0W0", 4, 5),
+        ("0B1", 6, 7), ("0W1", 7, 8)]
+    gpipe = simulator.simulate(schedule.gpipe(2, 2), [0, 1], costs)
+    assert one_f_one_b.step_time == gpipe.step_time == 8
 
 
 def test_transfers_delay_the_receiver():
@@ -68,10 +87,14 @@ def test_call_cost_remat_loss_and_step_cost():
                                 remat="always")
     assert result.step_time == pytest.approx(9.1)
     # except_last: the last micro-batch (B1, first to run) keeps its
-    # activations; two fused backward calls without remat would be a run.
+    # activations, and as a backward call without remat it is split, as
+    # the executor splits it: B1 [2.9,5], its W1 (one call, 0.1: weight
+    # costs default to 0) [5,5.1], B0 with its recompute [5.1,8.2].
     result = simulator.simulate(schedule.gpipe(2, 1), [0], costs,
                                 remat="except_last")
-    assert result.step_time == pytest.approx(9.1 - 1)
+    assert result.step_time == pytest.approx(9.1 - 1 + 0.1)
+    assert [str(c) for c, _, _ in result.spans[0]] == [
+        "0F0", "0F1", "0B1", "0W1", "0B0"]
 
 
 def test_split_backward_by_hand():

@@ -72,3 +72,64 @@ def test_a_worker_holds_about_its_stage(tmp_path):
     check(report)
     u, p = report["unsplit"]["loss"], report["pipelined"]["loss"]
     assert abs(u[0] - p[0]) <= 1e-5, (u, p)
+
+
+# An idle worker holds TF's C++ runtime and its server, not TF's Python
+# package: `python -m keras_pipe.distributed.worker` measured 662 MiB
+# VmHWM before a client connected and 670 MiB after one op with `import
+# tensorflow` (keras_pipe/__init__ imported keras), 387 and 398 MiB on
+# `keras_pipe.distributed.runtime` (docs/capacity.md).
+IDLE_BOUND = 520 * MiB
+
+_CLIENT = """
+import sys
+import tensorflow as tf
+import keras_pipe
+cluster = sys.argv[1].split(",")
+keras_pipe.connect({"worker": cluster}, timeout=60.0)
+with tf.device("/job:worker/replica:0/task:0/device:CPU:0"):
+    print(float(tf.function(lambda: tf.reduce_sum(tf.ones([64, 64])))()))
+"""
+
+
+def _status(pid):
+    fields = {}
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            fields[key] = value.strip()
+    return int(fields["VmHWM"].split()[0]) * 1024
+
+
+def _tf_python_objects(pid):
+    """Shared objects of TF's Python package mapped in the process."""
+    with open(f"/proc/{pid}/maps") as f:
+        return sorted({line.split()[-1] for line in f
+                       if "/tensorflow/python/" in line})
+
+
+def test_an_idle_worker_holds_no_tensorflow_python_package():
+    from tests.support.ports import free_port
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONPATH=str(ROOT))
+    for name in ("TF_CONFIG", "LD_PRELOAD", "MALLOC_ARENA_MAX"):
+        env.pop(name, None)
+    address = f"127.0.0.1:{free_port()}"
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "keras_pipe.distributed.worker", "--task",
+         "0", "--cluster", address, "--intra-op-threads", "1"], env=env,
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        assert "serving /job:worker" in worker.stdout.readline()
+        assert _tf_python_objects(worker.pid) == []
+        before = _status(worker.pid)
+        client = subprocess.run([sys.executable, "-c", _CLIENT, address],
+                                env=env, capture_output=True, text=True,
+                                timeout=300)
+        assert client.stdout.split() == ["4096.0"], client.stderr[-2000:]
+        after = _status(worker.pid)
+        assert _tf_python_objects(worker.pid) == []
+    finally:
+        worker.kill()
+        worker.wait()
+    assert before < IDLE_BOUND and after < IDLE_BOUND, (
+        before / MiB, after / MiB)

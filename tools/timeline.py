@@ -2,7 +2,7 @@
 
     python tools/timeline.py [--num-stages 4] [--num-micro-batches 8]
                              [--schedule NAME] [--num-devices D]
-                             [--out docs] [--name timeline]
+                             [--out docs/images] [--name timeline]
 
 Runs the demo's model (`keras_pipe.demo`) through `fit` with the
 `keras_pipe.callbacks.Timeline` callback and writes `NAME.png` and

@@ -18,6 +18,7 @@ worker imports TF once and a client pins itself inside `connect`.
 import ctypes
 import hashlib
 import importlib.machinery
+import importlib.util
 import ipaddress
 import os
 import pathlib
@@ -205,7 +206,8 @@ def shim_path():
 def pin(host):
     """Makes TF's gRPC servers started from now on listen on `host` only.
 
-    Call after importing TensorFlow and before TF starts its server
+    Call after TF's libraries are loaded (importing TensorFlow loads them)
+    and before TF starts its server
     (`tf.distribute.Server`, `tf.config.experimental_connect_to_cluster`).
     A wildcard `host` (`"0.0.0.0"`, `"::"`) is a no-op.
 
@@ -219,10 +221,11 @@ def pin(host):
     host = check_address(host)
     if host in WILDCARDS:
         return 0
-    import tensorflow  # Its libraries must be loaded.
-
-    # Only shared objects inside TF's package directory are rewritten.
-    tf_dir = os.path.join(os.path.dirname(tensorflow.__file__), "")
+    # Only shared objects inside TF's package directory are rewritten; the
+    # caller loaded them (`import tensorflow`, or a worker's
+    # `keras_pipe.distributed.runtime.load()`, which imports no TF module).
+    spec = importlib.util.find_spec("tensorflow")
+    tf_dir = os.path.join(list(spec.submodule_search_locations)[0], "")
 
     path = shim_path()
     library = _LOADED.get(path)

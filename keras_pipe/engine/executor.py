@@ -368,17 +368,23 @@ class Executor:
             self._weight(step, group, observer)
 
     def _with_deferred_weights(self, step, actions):
-        """Runs of backward calls without remat defer W to the run's end.
+        """Backward calls without remat split; runs fed back to back defer W.
 
-        GPipe's backward phase and 1F1B's drain keep every micro-batch of
-        the run in flight anyway; without remat, each `"B"` then computes
-        the input gradients only and one `"W"` call after the run computes
-        the weight gradients of all of them as one product over the
-        concatenated micro-batches (`keras_pipe.engine.weight_grad`), instead of
-        one product per micro-batch added to a running sum. It also holds
-        each mixing op's output gradient until then (peak memory: README,
-        "Schedules"). With remat, the stash would hold what the recompute
-        frees, so those runs stay fused.
+        GPipe's backward phase keeps every micro-batch of the run in flight
+        anyway and its input gradients arrive back to back; without remat,
+        each `"B"` then computes the input gradients only and one `"W"` call
+        after the run computes the weight gradients of all of them as one
+        product over the concatenated micro-batches
+        (`keras_pipe.engine.weight_grad`), instead of one product per
+        micro-batch added to a running sum. It also holds each mixing op's
+        output gradient until then (peak memory: README, "Schedules").
+        Every other backward call without remat (1F1B's, whose drain waits
+        for the next stage micro-batch by micro-batch) is followed by its
+        own `"W"` call: its input gradients leave before its weight
+        gradients are computed, and no `"W"` waits behind a later `"B"`
+        (`schedule_lib.defer_weight_runs` with `num_stages`). With remat,
+        the stash would hold what the recompute frees, so those calls stay
+        fused.
         """
         if step.differentiable:
             return actions
@@ -391,7 +397,8 @@ class Executor:
         def device_of(a):  # a run stays within one replica
             return (self.runner(step, a.i, a.j).device, step.replica[a.i])
 
-        actions = schedule_lib.defer_weight_runs(actions, device_of, eligible)
+        actions = schedule_lib.defer_weight_runs(actions, device_of, eligible,
+                                                 self.num_stages)
         for a in actions:
             if a.kind == "W" and (a.i, a.j) not in split:
                 step.cells[a.i][a.j].deferred = True

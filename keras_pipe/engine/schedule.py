@@ -207,7 +207,7 @@ def _action_problem(a, m, k, done, seen):
     return ""
 
 
-def defer_weight_runs(actions, device_of, eligible):
+def defer_weight_runs(actions, device_of, eligible, num_stages=None):
     """Defers the weight gradients of each run of backward passes to its end.
 
     A run is two or more `"B"` actions of one stage that a device issues
@@ -217,11 +217,26 @@ def defer_weight_runs(actions, device_of, eligible):
     gradients become one product over the concatenated micro-batches.
     No forward pass comes between, so no more micro-batches are in flight.
 
+    With `num_stages`, as the executor runs a step: a run is deferred only
+    where its input gradients arrive back to back (on the last stage, or
+    where the same micro-batches' `"B"` on the next stage are one deferred
+    run themselves: GPipe's backward phase). Elsewhere (1F1B's drain, where
+    each `"B"` waits for the next stage's `"B"` of a micro-batch, with a
+    forward pass between them there) a deferred `"W"` would wait behind
+    every later `"B"` of the run and so behind the other device, and run in
+    the tail of the step instead of in the gaps: there, and for every other
+    eligible `"B"`, the `"W"` comes right after its `"B"`, so that the
+    input gradient leaves before the weight gradients are computed.
+
     ```python
     >>> ticks = gpipe(3, 1)
     >>> [str(a) for a in defer_weight_runs(
     ...     [a for t in ticks for a in t], lambda a: 0, lambda a: True)]
     ['0F0', '0F1', '0F2', '0B2', '0B1', '0B0', '0W2', '0W1', '0W0']
+    >>> actions = defer_weight_runs([a for t in one_f_one_b(2, 2) for a in t],
+    ...                             lambda a: a.j, lambda a: True, 2)
+    >>> [str(a) for a in actions if a.j == 0]
+    ['0F0', '0F1', '0B0', '0W0', '0B1', '0W1']
     ```
 
     Args:
@@ -230,32 +245,52 @@ def defer_weight_runs(actions, device_of, eligible):
         eligible: `eligible(action)`, whether that `"B"` may leave its
             weight gradients for later. The actions of a run also share
             their stage `j` (the caller's `eligible` may require more).
+        num_stages: `K`, to defer only runs fed back to back and split
+            every other eligible `"B"` (see above), or `None`: every run
+            deferred, lone `"B"`s left whole. Defaults to `None`.
 
     Returns:
         The actions with `"W"` actions inserted.
     """
-    runs, after = {}, {}  # device -> positions of its current run
-
-    def close(device):
-        run = runs.pop(device, [])
-        if len(run) >= 2:
-            after[run[-1]] = [Action("W", actions[n].i, actions[n].j)
-                              for n in run]
-
+    runs, current = [], {}  # device -> positions of its current run
     for n, a in enumerate(actions):
         device = device_of(a)
-        run = runs.get(device)
+        run = current.get(device)
         if a.kind == "B" and eligible(a):
             if run and actions[run[-1]].j == a.j:
                 run.append(n)
                 continue
-            close(device)
-            runs[device] = [n]
-        else:
-            close(device)
-    for device in list(runs):
-        close(device)
+            current[device] = [n]
+            if run:
+                runs.append(run)
+        elif run:
+            runs.append(current.pop(device))
+    runs += list(current.values())
+    deferred = _deferred_runs(actions, runs, num_stages)
+    after = {}
+    for run in runs:
+        weights = [Action("W", actions[n].i, actions[n].j) for n in run]
+        if id(run) in deferred:
+            after[run[-1]] = weights
+        elif num_stages is not None:
+            after.update((n, [w]) for n, w in zip(run, weights))
     return [b for n, a in enumerate(actions) for b in [a] + after.get(n, [])]
+
+
+def _deferred_runs(actions, runs, num_stages):
+    """The ids of the runs whose `"W"`s go to their end (see
+    `defer_weight_runs`): all of two or more without `num_stages`; with it,
+    those fed back to back, decided from the last stage down."""
+    long = [run for run in runs if len(run) >= 2]
+    if num_stages is None:
+        return {id(run) for run in long}
+    run_of = {}  # (i, j) -> id of the deferred run holding its "B"
+    for run in sorted(long, key=lambda r: -actions[r[0]].j):
+        j = actions[run[0]].j
+        feeders = {run_of.get((actions[n].i, j + 1)) for n in run}
+        if j == num_stages - 1 or (len(feeders) == 1 and None not in feeders):
+            run_of.update(((actions[n].i, j), id(run)) for n in run)
+    return set(run_of.values())
 
 
 def stage_placement(num_stages, num_devices, shape="loop"):

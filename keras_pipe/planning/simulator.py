@@ -12,9 +12,11 @@ registers is simulated like the built-in ones.
 
 What the executor adds to the schedule's actions is replayed too:
 
-* runs of backward calls without remat (GPipe's backward phase, 1F1B's
-  drain) compute input gradients only, and one weight-gradient call after
-  the run computes the weights' (`schedule.defer_weight_runs`);
+* runs of backward calls without remat fed back to back (GPipe's backward
+  phase) compute input gradients only, and one weight-gradient call after
+  the run computes the weights'; every other backward call without remat
+  (1F1B's) is followed by its own weight-gradient call
+  (`schedule.defer_weight_runs` with `num_stages`);
 * consecutive `"W"` actions of one stage on a device are one call;
 * the last stage's backward calls are seeded from the full-batch loss when
   every forward call comes before the first backward call (GPipe), else
@@ -180,7 +182,8 @@ def calls(ticks, stage_devices, remat, num_micro_batches=None):
     split = {(a.i, a.j) for a in actions if a.kind == "W"}
     actions = schedule_lib.defer_weight_runs(
         actions, lambda a: stage_devices[a.j],
-        lambda a: (a.i, a.j) not in split and not _remat(remat[a.j], a.i, m))
+        lambda a: (a.i, a.j) not in split and not _remat(remat[a.j], a.i, m),
+        len(stage_devices))
     split = {(a.i, a.j) for a in actions if a.kind == "W"}
     last_forward = max(n for n, a in enumerate(actions) if a.kind == "F")
     by_parts = any(a.kind == "B" for a in actions[:last_forward])

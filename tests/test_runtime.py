@@ -1,0 +1,82 @@
+"""A worker's server on TF's C++ runtime alone: its definition and its cluster.
+
+The process behaviour (no TF Python module in a worker, its idle resident
+size) is in `tests/test_worker_memory.py`; serving is in
+`tests/test_cluster.py` and `tests/test_local.py`.
+"""
+
+import json
+import sys
+
+import pytest
+import tensorflow as tf
+
+import keras_pipe
+from keras_pipe.distributed import runtime
+from keras_pipe.distributed import worker as worker_lib
+
+
+def _expected(cluster, job, task, intra=None, inter=None):
+    """The ServerDef `tf.distribute.Server` makes of the same arguments."""
+    config = tf.compat.v1.ConfigProto()
+    if intra is not None:
+        config.intra_op_parallelism_threads = intra
+    if inter is not None:
+        config.inter_op_parallelism_threads = inter
+    return tf.train.ServerDef(
+        cluster=tf.train.ClusterSpec(cluster).as_cluster_def(),
+        job_name=job, task_index=task, protocol="grpc",
+        default_session_config=config)
+
+
+@pytest.mark.parametrize("cluster, job, task, intra, inter", [
+    ({"worker": ["127.0.0.1:2222", "127.0.0.1:2223"]}, "worker", 1, 1, 2),
+    ({"worker": ["127.0.0.1:2222"]}, "worker", 0, None, None),
+    ({"worker": {3: "[::1]:70"}, "ps": ["10.0.0.1:300"]}, "worker", 3,
+     4, None),
+    ({"worker": [f"127.0.0.1:{20000 + k}" for k in range(200)]}, "worker",
+     199, 300, 129),  # multi-byte lengths and varints
+])
+def test_server_def_is_the_one_tf_makes(cluster, job, task, intra, inter):
+    tasks = worker_lib._tasks(cluster)
+    made = tf.train.ServerDef.FromString(
+        runtime.server_def(tasks, job, task, intra, inter))
+    assert made == _expected(cluster, job, task, intra, inter), made
+
+
+def test_cluster_forms_without_tensorflow():
+    addresses = ["127.0.0.1:1", "127.0.0.1:2"]
+    expected = {"worker": {0: addresses[0], 1: addresses[1]}}
+    config = {"cluster": {"worker": addresses},
+              "task": {"type": "worker", "index": 0}}
+    for given in ({"worker": addresses}, tf.train.ClusterSpec(
+            {"worker": addresses}), config, json.dumps(config),
+            {"worker": {"0": addresses[0], "1": addresses[1]}}):
+        assert worker_lib._tasks(given) == expected, given
+    with pytest.raises(TypeError, match="must be a tf.train.ClusterSpec"):
+        worker_lib._tasks(["127.0.0.1:1"])
+    with pytest.raises(TypeError, match="list of addresses"):
+        worker_lib._tasks({"worker": "127.0.0.1:1"})
+    with pytest.raises(ValueError, match="task indices of job 'worker'"):
+        worker_lib._tasks({"worker": {"a": "127.0.0.1:1"}})
+    with pytest.raises(ValueError, match="no task"):
+        worker_lib._tasks({"worker": []})
+
+
+@pytest.mark.parametrize("argv, orig_argv, lean", [
+    (["-m"], ["python", "-m", "keras_pipe.distributed.worker", "--task",
+              "0"], True),
+    (["-m"], ["python", "-u", "-mkeras_pipe.distributed.worker"], True),
+    # Once the module is found, sys.argv[0] is its path: a later import of
+    # keras_pipe in the worker (none today) would be the whole package.
+    (["/x/keras_pipe/distributed/worker.py"],
+     ["python", "-m", "keras_pipe.distributed.worker"], False),
+    (["-m"], ["python", "-m", "pytest", "keras_pipe.distributed.worker"],
+     False),
+    (["-c"], ["python", "-c", "import keras_pipe"], False),
+])
+def test_only_the_worker_module_skips_the_package(argv, orig_argv, lean,
+                                                  monkeypatch):
+    monkeypatch.setattr(sys, "argv", argv)
+    monkeypatch.setattr(sys, "orig_argv", orig_argv)
+    assert keras_pipe._main_module_is_worker() is lean
