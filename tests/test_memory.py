@@ -145,9 +145,10 @@ def test_an_optimizer_with_slots_holds_a_buffer_per_variable_in_its_step():
     assert memory.update_temporaries(0) @ sizes == 2 * block.largest_variable
     assert memory.update_temporaries(2) @ sizes == (
         block.trainable + 2 * block.largest_variable)
-    # One row, one micro-batch: the optimizer step is the peak.
-    sgd = memory.predict(part, 1, 1, "never", optimizer_slots=0)[0]
-    adam = memory.predict(part, 1, 1, "never", optimizer_slots=2)[0]
+    # One row, one micro-batch: the optimizer step is the peak (remat: one
+    # call returns every gradient; without it SGD applies each as made).
+    sgd = memory.predict(part, 1, 1, "always", optimizer_slots=0)[0]
+    adam = memory.predict(part, 1, 1, "always", optimizer_slots=2)[0]
     assert adam.optimizer_slots == 2 * block.trainable
     assert adam.transient - sgd.transient == block.trainable
     assert adam.gradients == sgd.gradients == block.trainable
@@ -195,3 +196,100 @@ def test_a_worker_peak_is_the_larger_of_its_step_and_its_build():
     assert resident[0].build == block.weights + 2 * block.largest_variable
     assert resident[0].total == max(step[0].total, resident[0].build)
     assert [r.total for r in resident] == [s.total for s in step]
+
+
+class Feedforward(keras.layers.Layer):
+    """Two Dense layers behind one `call()`: an opaque call."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.up = keras.layers.Dense(64, activation="gelu")
+        self.down = keras.layers.Dense(16)
+
+    def call(self, x):
+        return self.down(self.up(x))
+
+
+def test_an_opaque_layer_keeps_what_its_open_layers_keep():
+    # The kept tensors come from each call's traced gradient graph, so a
+    # subclassed layer around two Dense layers keeps what the two layers
+    # keep when the graph lists them apart: the gelu's inner tensors and
+    # the hidden output (the second product's gradient reads it).
+    x = keras.Input((16,))
+    opaque = keras.Model(x, keras.layers.Dense(3)(Feedforward()(x)))
+    h = keras.layers.Dense(64, activation="gelu")(x)
+    open_ = keras.Model(x, keras.layers.Dense(3)(keras.layers.Dense(16)(h)))
+    rows = 8
+    closed = memory.Profile(partition.cut(opaque, 2, balance=[1, 1]).graph,
+                            rows).block(0, 1)
+    split = memory.Profile(partition.cut(open_, 2, balance=[2, 1]).graph,
+                           rows).block(0, 2)
+    assert closed.recompute == split.recompute
+    # At least the hidden output and the gelu's input: 2 x 8 x 64 floats.
+    assert closed.recompute >= 2 * rows * 64 * 4
+
+
+def test_a_conv_backward_holds_tfs_im2col_buffer():
+    # TF's CPU kernels size it for a 30 MiB working set, whatever the
+    # batch: ceil(30 MiB / 4 / unit) images of 32 x 32 positions x 3 x 3 x 8.
+    x = keras.Input((32, 32, 8))
+    h = keras.layers.Conv2D(16, 3, padding="same")(x)
+    model = keras.Model(x, keras.layers.Dense(2)(
+        keras.layers.GlobalAveragePooling2D()(h)))
+    part = partition.cut(model, 2, balance=[1, 2])
+    image, patch = 32 * 32, 3 * 3 * 8
+    unit = image * patch + image * 16 + patch * 16
+    shard = -(-(30 * 2**20 // 4) // unit)
+    for rows in (1, 16):
+        block = memory.Profile(part.graph, rows).block(0, 1)
+        assert block.workspace == shard * image * patch * 4
+    # It is part of the backward pass's peak, not of a forward's.
+    block = memory.Profile(part.graph, 4).block(0, 1)
+    none = memory.stage_memory(
+        block, memory.stage_actions("gpipe", 1, 2)[0], "never", 1, 0)
+    assert none.transient >= block.workspace
+
+
+def test_a_tied_variable_is_counted_on_the_stage_of_its_last_call():
+    # The same Dense layer at both ends: each stage's build moves the
+    # variables of its layers to its device, so the last stage keeps it.
+    x = keras.Input((8,))
+    shared = keras.layers.Dense(8)
+    h = keras.layers.Dense(8)(shared(x))
+    model = keras.Model(x, shared(h))
+    part = partition.cut(model, 2, balance=[2, 1])
+    profile = memory.Profile(part.graph, 4)
+    size = (8 * 8 + 8) * 4
+    assert profile.block(0, 2).weights == size
+    assert profile.block(2, 3).weights == size
+
+
+def test_a_tied_variable_counts_at_build_on_every_stage_that_uses_it():
+    # Stage 0's build places the shared layer's variables on its device
+    # before stage 1's build moves them on: both builds hold them.
+    x = keras.Input((8,))
+    shared = keras.layers.Dense(8)
+    h = keras.layers.Dense(8)(shared(x))
+    model = keras.Model(x, shared(h))
+    part = partition.cut(model, 2, balance=[2, 1])
+    resident = memory.predict_resident(part, 4, 1, "never", "gpipe", 0)
+    size = (8 * 8 + 8) * 4
+    assert resident[0].build == 2 * size + 2 * 8 * 8 * 4
+    assert resident[1].build == size + 2 * 8 * 8 * 4
+
+
+def test_one_taped_micro_batch_applies_each_gradient_as_it_is_made():
+    # M = 1 without remat: each update reads only its own gradient, so the
+    # step's function frees a gradient once applied; the optimizer step
+    # holds one gradient, not all of them (measured on workers: the MLP at
+    # SGD M = 1, 113 / 102 MiB, main's model 144 / 128, now 115 / 99).
+    part = partition.cut(_mlp(width=64, depth=4), 2, balance=[2, 3])
+    block = memory.Profile(part.graph, rows=1).block(0, 2)
+    actions = memory.stage_actions("gpipe", 1, 2)[0]
+    all_at_once = block.weights + block.trainable + \
+        2 * block.largest_variable
+    taped = memory.stage_memory(block, actions, "never", 1, 0)
+    assert taped.total < all_at_once
+    # A rematerialized backward is one call returning every gradient.
+    fused = memory.stage_memory(block, actions, "always", 1, 0)
+    assert fused.total >= all_at_once

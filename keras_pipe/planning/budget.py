@@ -104,11 +104,15 @@ def block_grid(profile, n):
     weights = np.array(profile.weights, float)
     largest = np.zeros((n + 1, n + 1))
     largest_var = np.zeros((n + 1, n + 1))
+    workspace = np.zeros((n + 1, n + 1))
     out = np.array(profile.out, float)
     var = np.array(profile.largest_var, float)
+    scratch = np.array(profile.workspace, float)
     for start in range(n):
         largest[start, start + 1:] = np.maximum.accumulate(out[start:])
         largest_var[start, start + 1:] = np.maximum.accumulate(var[start:])
+        workspace[start, start + 1:] = np.maximum.accumulate(
+            scratch[start:])
     grid = {
         "inputs": np.broadcast_to(gap[:, None], (n + 1, n + 1)),
         "outputs": np.broadcast_to(outputs[None, :], (n + 1, n + 1)),
@@ -116,7 +120,7 @@ def block_grid(profile, n):
         "recompute": recomputed[e] - recomputed[a],
         "trainable": trainable[e] - trainable[a],
         "largest": largest, "largest_variable": largest_var,
-        "mixing": mixed[e] - mixed[a]}
+        "mixing": mixed[e] - mixed[a], "workspace": workspace}
     return (np.stack([grid[f] for f in memory_lib.FEATURES], -1),
             weights[e] - weights[a], trainable[e] - trainable[a])
 

@@ -35,6 +35,7 @@ by name or as a function `(num_micro_batches, num_stages) -> ticks`.
 
 import dataclasses
 import math
+import weakref
 
 import keras
 import numpy as np
@@ -151,10 +152,102 @@ def _gradient_needs(op):
     return True, output_only
 
 
+_TRACED = weakref.WeakKeyDictionary()
+# Ops whose outputs a gradient reads without them holding memory of their
+# own: the function's arguments, constants, views of variables, shapes.
+_NOT_HELD = ("Placeholder", "Const", "ReadVariableOp", "VarHandleOp",
+             "Shape", "ShapeN", "Size", "Rank", "Identity")
+# Ops whose output shares its input's buffer.
+_VIEWS = ("Reshape", "ExpandDims", "Squeeze", "Identity", "StopGradient")
+# Gradient ops that read only a tensor's shape: they run as soon as the
+# tensor is made and do not keep it alive.
+_READS_SHAPE = ("Shape", "ShapeN", "Size", "Rank")
+
+
+def _buffer_of(t, inside):
+    """The tensor whose buffer `t` shares: through reshapes, identities and
+    transposes that keep the order (TF forwards the input buffer)."""
+    while t.op in inside:
+        if t.op.type == "Transpose":
+            perm = tf.get_static_value(t.op.inputs[1])
+            if perm is None or list(perm) != sorted(perm):
+                break
+        elif t.op.type not in _VIEWS:
+            break
+        t = t.op.inputs[0]
+    return t
+
+
+def _traced_inner(call, shapes=None):
+    """`(bytes per row, bytes)` of the tensors inside an opaque call (a
+    layer with its own `call()` around other layers) that its gradient
+    reads, from the traced gradient graph.
+
+    The training step is one traced function: a tensor of the forward pass
+    stays alive after the pass if and only if a gradient op reads it. So the
+    call is traced once (batch dimension unknown) with its gradients with
+    respect to its inputs and weights, and the forward tensors those ops
+    read are summed, a batch-sized tensor per row, others whole; the call's
+    arguments and outputs are counted elsewhere (the boundary, `out`)."""
+    specs = []
+    for x in call.inputs:
+        shape = cost_lib.dims(cost_lib.shape_of(x, shapes), 1)
+        specs.append(tf.TensorSpec([None] + shape[1:], x.dtype))
+    key = tuple((tuple(s.shape), s.dtype) for s in specs)
+    cache = _TRACED.setdefault(call.operation, {})
+    if key in cache:
+        return cache[key]
+    variables = list(getattr(call.operation, "trainable_weights", []))
+    floating = [n for n, s in enumerate(specs) if s.dtype.is_floating]
+
+    def gradients(*flat):
+        values = {id(x): t for x, t in zip(call.inputs, flat)}
+        with tf.GradientTape(watch_accessed_variables=False) as tape:
+            tape.watch([flat[n] for n in floating])
+            tape.watch([v.value for v in variables])
+            call.run(values, training=True)
+            outputs = [values[id(x)] for x in call.outputs]
+        forward.extend(tf.compat.v1.get_default_graph().get_operations())
+        differentiable = [y for y in outputs if y.dtype.is_floating]
+        kept.extend(outputs)
+        return tape.gradient(
+            differentiable, [flat[n] for n in floating]
+            + [v.value for v in variables],
+            output_gradients=[tf.ones_like(y) for y in differentiable])
+
+    forward, kept = [], []
+    with keras.StatelessScope():
+        graph = tf.function(gradients, autograph=False).get_concrete_function(
+            *specs).graph
+    inside = set(forward)
+    outputs = {id(t) for t in kept}
+    per_row = whole = 0
+    seen = set()
+    for op in graph.get_operations():
+        if op in inside or op.type in _READS_SHAPE:
+            continue
+        for t in op.inputs:
+            t = _buffer_of(t, inside)
+            if t.op not in inside or id(t) in seen or \
+                    t.op.type in _NOT_HELD or id(t) in outputs:
+                continue
+            seen.add(id(t))
+            dims = t.shape.as_list() if t.shape.rank is not None else []
+            if dims and dims[0] is None:
+                # Tensors without the batch dimension (shapes, views and
+                # casts of weights) are small or counted with the weights.
+                per_row += t.dtype.size * math.prod(d or 1 for d in dims[1:])
+    cache[key] = per_row, whole
+    return per_row, whole
+
+
 def _inner_recompute_bytes(call, rows, shapes=None):
     """Tensors inside a layer that its gradient keeps (not its output)."""
     out = sum(cost_lib.tensor_bytes(x, rows, shapes) for x in call.outputs)
     op = call.operation
+    if isinstance(op, keras.Operation):
+        per_row, whole = _traced_inner(call, shapes)
+        return per_row * rows + whole
     if isinstance(op, keras.layers.MultiHeadAttention):
         return _saved_bytes(call, rows, True, shapes) - out
     if isinstance(op, (keras.layers.LayerNormalization,
@@ -177,6 +270,8 @@ def _saved_bytes(call, rows, recompute=False, shapes=None):
     tensors as a recompute keeps them.)"""
     out = sum(cost_lib.tensor_bytes(x, rows, shapes) for x in call.outputs)
     op = call.operation
+    if isinstance(op, keras.Operation):
+        return out + _inner_recompute_bytes(call, rows, shapes)
     if isinstance(op, keras.layers.MultiHeadAttention):
         query = cost_lib.dims(cost_lib.shape_of(call.inputs[0], shapes), rows)
         t_q = math.prod(query[1:-1])
@@ -202,6 +297,42 @@ def _saved_bytes(call, rows, recompute=False, shapes=None):
     return out
 
 
+# TF's CPU kernels for a 2-D convolution's gradients (Conv2DCustomBackprop-
+# Input/Filter, `tensorflow/core/kernels/conv_grad_*_ops.cc`) im2col a shard
+# of images into one scratch buffer sized for "the L3 cache" they assume:
+# `shard = ceil(30 MiB / sizeof(T) / work_unit)` images, whatever the batch.
+_CONV_WORKING_SET = 30 << 20
+
+
+def backward_workspace(call, shapes=None):
+    """Bytes of the scratch buffer the gradient of `call` allocates (0 for
+    most layers): a `Conv1D`/`Conv2D`'s im2col buffer, as TF's CPU kernel
+    sizes it (one shard of images, `_CONV_WORKING_SET`), independent of the
+    micro-batch size. Measured (BFC allocator peak of one conv's traced
+    gradient): 16 x 32 x 32 x 32 -> 32 filters, 3 x 3: 36.0 MiB, of which
+    the buffer 27.0 and the tensors 9; 5 x 5: 34.1 / 28.1; 2 x 8 x 8 x
+    256, 3 x 3: 9.1 / 6.2."""
+    op = call.operation
+    if not isinstance(op, (keras.layers.Conv1D, keras.layers.Conv2D)) or \
+            isinstance(op, (keras.layers.Conv1DTranspose,
+                            keras.layers.Conv2DTranspose,
+                            keras.layers.DepthwiseConv2D,
+                            keras.layers.SeparableConv1D,
+                            keras.layers.SeparableConv2D)):
+        return 0
+    out = cost_lib.dims(cost_lib.shape_of(call.outputs[0], shapes), 1)
+    first = getattr(op, "data_format", "channels_last") == "channels_first"
+    image = math.prod(out[2:] if first else out[1:-1])
+    out_depth = op.filters
+    kernel = op.kernel_size
+    in_depth = op.kernel.shape[-2]
+    size = _dtype_size(op.compute_dtype)
+    filter_total = math.prod(kernel) * in_depth
+    unit = image * filter_total + image * out_depth + filter_total * out_depth
+    shard = -(-(_CONV_WORKING_SET // size) // unit)
+    return shard * image * filter_total * size
+
+
 @dataclasses.dataclass
 class Block:
     """Sizes of a run of calls as one stage; activations per micro-batch."""
@@ -215,6 +346,7 @@ class Block:
     largest: int        # the largest single call output, one micro-batch
     largest_variable: int
     mixing: int         # outputs of the calls with trainable weights
+    workspace: int = 0  # the largest scratch buffer of one backward op
 
 
 class Profile:
@@ -251,17 +383,25 @@ class Profile:
             self.recomputed.append(self.recomputed[-1] + kept)
         self.out = [sum(cost_lib.tensor_bytes(x, rows, shapes) for x in c.outputs)
                      for c in graph.calls]
-        weights, trainable, largest_var = [0], [0], [0] * n
+        self.workspace = [backward_workspace(c, shapes) for c in graph.calls]
+        # A variable used by several calls (tied weights) is counted with
+        # its last call: each stage's build places the variables of its
+        # layers on its device, so the last stage to use one keeps it
+        # (`engine.placement.place_variables`).
+        own, largest_var = [(0, 0)] * n, [0] * n
         seen = set()
-        for c, call in enumerate(graph.calls):
+        for c in reversed(range(n)):
             w = t = 0
-            for v in getattr(call.operation, "weights", None) or []:
+            for v in getattr(graph.calls[c].operation, "weights", None) or []:
                 largest_var[c] = max(largest_var[c], _variable_bytes(v))
                 if id(v) in seen:
                     continue
                 seen.add(id(v))
                 w += _variable_bytes(v)
                 t += _variable_bytes(v) if v.trainable else 0
+            own[c] = (w, t)
+        weights, trainable = [0], [0]
+        for w, t in own:
             weights.append(weights[-1] + w)
             trainable.append(trainable[-1] + t)
         self.weights, self.trainable = weights, trainable
@@ -301,7 +441,8 @@ class Profile:
             recompute=self.recomputed[b] - self.recomputed[a],
             largest=max(self.out[a:b]),
             largest_variable=max(self.largest_var[a:b]),
-            mixing=self.mixed[b] - self.mixed[a])
+            mixing=self.mixed[b] - self.mixed[a],
+            workspace=max(self.workspace[a:b]))
 
 
 @dataclasses.dataclass
@@ -326,7 +467,7 @@ class StageMemory:
 
 
 FEATURES = ("inputs", "outputs", "activations", "recompute", "trainable",
-            "largest", "largest_variable", "mixing")
+            "largest", "largest_variable", "mixing", "workspace")
 _CATEGORIES = ("boundary", "activations", "gradients", "transient")
 
 
@@ -383,7 +524,8 @@ def moments(actions, mode, num_micro_batches, first=False, last=False,
             # anyway, and output gradients) stays for the run's W.
             result.append(np.stack([
                 boundary, kept + _unit("mixing"), sums,
-                fixed + _unit("outputs") + _unit("largest") + waiting]))
+                fixed + _unit("outputs") + _unit("largest") + waiting
+                + _unit("workspace")]))
             held[i] = (held[i][0], _unit("recompute") + _unit("mixing"))
             run.append(i)
             if n + 1 not in deferred:
@@ -401,7 +543,8 @@ def moments(actions, mode, num_micro_batches, first=False, last=False,
                     released = True
                 result.append(np.stack([
                     boundary, kept + _unit("mixing"), grads,
-                    fixed + _unit("largest", 2 * len(run))]))
+                    fixed + _unit("largest", 2 * len(run))
+                    + _unit("workspace")]))
                 for r in run:
                     held.pop(r, None)
                 run, sums = [], _unit("trainable")
@@ -425,10 +568,17 @@ def moments(actions, mode, num_micro_batches, first=False, last=False,
         # The next stage may run ahead: gradients for the outputs of the
         # other micro-batches in flight can have arrived and be waiting.
         result.append(np.stack([
-            boundary, kept + recompute, grads, fixed + passing + waiting]))
+            boundary, kept + recompute, grads,
+            fixed + passing + waiting + _unit("workspace")]))
         held.pop(i, None)
         sums = _unit("trainable")
-        released = False
+        # One micro-batch, taped, SGD: each update reads only its own
+        # gradient, so the step's function applies a gradient as soon as it
+        # is made (no sum waits for another micro-batch), as the chain does
+        # (measured on workers, the MLP: 113 / 102 MiB; all gradients at
+        # once would be 144 / 128). Not measured with Adam at M = 1 without
+        # remat: its step keeps the full count.
+        released = m == 1 and not remat and not optimizer_slots
     if released:
         # Updates in turn, each freeing its gradient: one gradient and one
         # update's temporaries at a time.
@@ -592,7 +742,9 @@ def predict_resident(partition, batch_size, num_micro_batches,
     resident memory follows the allocator's bytes in use, and the small
     blocks TF keeps (graphs, executors) are below the measurement's noise
     (~10 MiB). The build can peak on its own: the weights and the initial
-    values the client sends, up to two variables in transit (`build`).
+    values the client sends, up to two variables in transit (`build`); a
+    tied variable counts at build on every stage that uses it, since each
+    stage's build places it on its device before the last one keeps it.
     Measured by `tools/memory_model.py --workers`. Arguments as in
     `predict`.
 
@@ -600,13 +752,16 @@ def predict_resident(partition, batch_size, num_micro_batches,
         A list of `ResidentMemory`, one per stage.
     """
     result, start = [], 0
-    profile = Profile(partition.graph, 1)
+    calls = partition.graph.calls
     for size, peak in zip(partition.sizes, predict(
             partition, batch_size, num_micro_batches, remat, schedule,
             optimizer_slots, input_shape)):
-        block = profile.block(start, start + size)
+        # At build each stage places every variable its layers use on its
+        # device, tied ones too (a later stage moves them on).
+        used = {id(v): _variable_bytes(v) for call in calls[start:start + size]
+                for v in getattr(call.operation, "weights", None) or []}
         start += size
         result.append(ResidentMemory(
             **vars(peak),
-            build=block.weights + 2 * block.largest_variable))
+            build=sum(used.values()) + 2 * max(used.values(), default=0)))
     return result
