@@ -203,8 +203,8 @@ class Stage:
         rows = state[n] if len(state) > n else None
         mapping = list(zip(self.trainable_variables, params))
         mapping += list(zip(self.state_variables, state[:n]))
-        keyed = (keyed_random.keyed_random(rows) if rows is not None
-                 else contextlib.nullcontext())
+        keyed = (keyed_random.keyed_random(rows, _static_batch(inputs))
+                 if rows is not None else contextlib.nullcontext())
         if self.position is not None and self.position[0] > 0:
             inputs = attached.view(inputs)
         with keyed, keras.StatelessScope(state_mapping=mapping,
@@ -484,3 +484,11 @@ def _open_batch(t):
 def _stamp_or_none(stamp, after):
     return None if stamp is None else stamp(after)
 
+
+
+def _static_batch(inputs):
+    """The batch size of `inputs` if known at trace time, else None."""
+    for t in keras.tree.flatten(inputs):
+        if t is not None and len(t.shape) and t.shape[0] is not None:
+            return int(t.shape[0])
+    return None
