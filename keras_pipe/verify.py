@@ -17,14 +17,20 @@ import tensorflow as tf
 from keras_pipe import _compat
 from keras_pipe.engine import placement
 from keras_pipe.model import PipelineModel
+from keras_pipe.reporting import ADDED_LOSSES
 
-__all__ = ["VariableDifference", "VerificationReport", "verify"]
+__all__ = ["ADDED_LOSSES", "VariableDifference", "VerificationReport",
+           "verify"]
 
 # Layers whose randomness is set aside (attribute set to 0 for the check).
 _RANDOM = ((keras.layers.Dropout, "rate"),
            (keras.layers.GaussianDropout, "rate"),
            (keras.layers.AlphaDropout, "rate"),
            (keras.layers.GaussianNoise, "stddev"))
+# Stochastic depth (KerasHub's DropPath, keras.applications' StochasticDepth)
+# has no common base class: known by its class name, set aside by its rate.
+_STOCHASTIC_DEPTH = ("DropPath", "StochasticDepth")
+_STOCHASTIC_DEPTH_RATES = ("drop_prob", "drop_path_rate", "rate")
 
 BATCH_NORM = ("BatchNormalization at M > 1: training normalizes each "
               "micro-batch with its own statistics (DeferredBatchNormalization"
@@ -73,7 +79,8 @@ class VerificationReport:
             precision): differences they explain are not flagged.
         flagged: paths of the variables off by more than `tolerance` of
             their update with no known cause.
-        set_aside: the random layers (Dropout, ...) switched off.
+        set_aside: the random layers (Dropout, ..., stochastic depth such
+            as KerasHub's DropPath) switched off.
         tolerance: the largest difference relative to the update accepted.
         noise: paths of the variables whose gradient is at rounding level
             (at most 1e-5 of the largest), or, for variables without a
@@ -162,14 +169,17 @@ def verify(model, x, y, loss=None, optimizer=None, num_stages=None,
     as XLA functions that read no variable on another device) and of the
     pipeline on the batch `(x, y)`, compares
     `predict` at the start and every float variable at the end, and puts the
-    weights back. Dropout and other random layers are set aside (rate 0)
+    weights back. Dropout, other random layers and stochastic depth
+    (DropPath) are set aside (rate 0)
     for the check: the pipeline draws its masks per row, not as Keras does.
     A difference is reported relative to the variable's update
     (`max|w_pipeline - w_keras| / max|w_keras - w_start|`), so a float
     rounding shows as ~1e-6 and a different step as ~1. Known causes that
     make the pipeline train differently on purpose are named:
-    BatchNormalization at M > 1 (per-micro-batch statistics) and mixed
-    precision (rounding); a difference with no known cause is flagged.
+    BatchNormalization at M > 1 (per-micro-batch statistics), a loss a
+    layer adds (`add_loss`) at M > 1 (the micro-batches' values averaged:
+    not the unsplit value unless a mean over samples) and mixed precision
+    (rounding); a difference with no known cause is flagged.
 
     ```python
     report = keras_pipe.verify(model, x, y, loss="mse", optimizer="adam",
@@ -305,7 +315,8 @@ def verify(model, x, y, loss=None, optimizer=None, num_stages=None,
         causes.append(f"{NOISE}: {', '.join(noise[:4])}"
                       + (" ..." if len(noise) > 4 else ""))
     off = [r.path for r in off if r.path not in noise]
-    explained = any(c in (BATCH_NORM, MIXED_PRECISION) for c in causes)
+    explained = any(c in (BATCH_NORM, MIXED_PRECISION, ADDED_LOSSES)
+                    for c in causes)
     flagged = [] if explained else list(off)
     if prediction > tolerance and not explained:
         flagged.append("(predictions)")
@@ -390,17 +401,27 @@ def _train(model, loss, optimizer, x, y, sample_weight, steps):
 
 
 def _set_aside_randomness(layers):
-    """Sets Dropout-like layers' rate to 0; returns what to put back."""
+    """Sets Dropout-like and stochastic depth layers' rate to 0; returns
+    what to put back."""
     found = []
     for top in layers:
         for layer in _compat.flatten_layers(top):
-            for kind, attribute in _RANDOM:
+            for kind, attribute in _RANDOM + _stochastic_depth(layer):
                 value = getattr(layer, attribute, 0)
                 if isinstance(layer, kind) and value:
                     found.append((layer, attribute, value))
-                    setattr(layer, attribute, 0)
+                    setattr(layer, attribute, 0.0)
                     break
     return found
+
+
+def _stochastic_depth(layer):
+    """`((class, rate attribute),)` if `layer` is a stochastic depth layer."""
+    if not any(name in type(layer).__name__ for name in _STOCHASTIC_DEPTH):
+        return ()
+    return tuple((type(layer), attribute) for attribute in
+                 _STOCHASTIC_DEPTH_RATES
+                 if isinstance(getattr(layer, attribute, None), float))
 
 
 def _known_causes(pipe):
@@ -414,4 +435,6 @@ def _known_causes(pipe):
     if any(layer.dtype_policy.compute_dtype in ("float16", "bfloat16")
            for layer in layers):
         causes.append(MIXED_PRECISION)
+    if pipe.num_micro_batches > 1 and pipe.loss_adding_stages:
+        causes.append(ADDED_LOSSES)
     return causes

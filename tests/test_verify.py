@@ -141,3 +141,53 @@ def test_plain_keras_steps_are_traced_once(devices):
     losses = _train(reference, CE, "adam", x, y, None, 3)
     assert len(losses) == 3 and losses[2] < losses[0]
     assert TracesCounted.traces == 1
+
+
+class DropPath(keras.layers.Layer):
+    """Stochastic depth as KerasHub's DropPath: a per-row mask."""
+
+    def __init__(self, drop_prob, **kwargs):
+        super().__init__(**kwargs)
+        self.drop_prob = drop_prob
+        self.seed_generator = keras.random.SeedGenerator(3)
+
+    def call(self, x, training=None):
+        if not training or self.drop_prob == 0.0:
+            return x
+        mask = ops.floor(1.0 - self.drop_prob + keras.random.uniform(
+            (ops.shape(x)[0], 1), seed=self.seed_generator))
+        return x / (1.0 - self.drop_prob) * mask
+
+
+def test_stochastic_depth_is_set_aside_as_dropout_is(devices):
+    x, y = _batch()
+    model = _mlp(DropPath(0.5, name="depth"))
+    report = keras_pipe.verify(model, x, y, loss=CE, optimizer="adam",
+                               num_micro_batches=2, devices=devices[:2])
+    assert report.ok, report
+    assert report.set_aside == ["depth.drop_prob=0.5", "drop.rate=0.5"]
+    assert model.get_layer("depth").drop_prob == 0.5
+
+
+class BalanceLoss(keras.layers.Layer):
+    """Adds a product of batch means (a router's load-balancing loss)."""
+
+    def call(self, x):
+        share = ops.mean(ops.softmax(x), axis=0)
+        self.add_loss(10.0 * ops.sum(share * share))
+        return x
+
+
+def test_added_loss_at_several_micro_batches_is_warned_and_named(devices):
+    from keras_pipe.verify import ADDED_LOSSES  # noqa: PLC0415
+    x, y = _batch()
+    model = _mlp(BalanceLoss(name="balance"))
+    with pytest.warns(UserWarning, match=r"stage\(s\) \[0\] add a loss"):
+        report = keras_pipe.verify(model, x, y, loss=CE, optimizer="sgd",
+                                   num_micro_batches=2, devices=devices[:2])
+    assert not report.ok and not report.flagged
+    assert report.causes == [ADDED_LOSSES]
+    assert report.largest > 0.01
+    report = keras_pipe.verify(model, x, y, loss=CE, optimizer="sgd",
+                               num_micro_batches=1, devices=devices[:2])
+    assert report.ok and not report.causes, report

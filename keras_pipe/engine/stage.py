@@ -92,6 +92,9 @@ class Stage:
         self._functions = {}
         self._split = {}  # training flag -> `SplitBackward`
         self._kinds = None
+        # Whether a training call's layers added losses (`add_loss`)
+        # beyond their activity regularizers: set when traced.
+        self.adds_losses = False
 
     @property
     def trainable_variables(self):
@@ -217,6 +220,9 @@ class Stage:
         new_state = [None if new is old else new for new, old in zip(
             (scope.get_current_value(v) for v in self.state_variables),
             before)]
+        if training and len(scope.losses) > _activity_regularized(
+                self.layer):
+            self.adds_losses = True
         return outputs, new_state, list(scope.losses)
 
     def forward(self, inputs, params, state, training, remat,
@@ -492,3 +498,9 @@ def _static_batch(inputs):
         if t is not None and len(t.shape) and t.shape[0] is not None:
             return int(t.shape[0])
     return None
+
+
+def _activity_regularized(layer):
+    """How many of `layer`'s layers have an activity regularizer."""
+    return sum(getattr(sub, "activity_regularizer", None) is not None
+               for sub in _compat.flatten_layers(layer))
