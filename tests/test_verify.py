@@ -191,3 +191,46 @@ def test_added_loss_at_several_micro_batches_is_warned_and_named(devices):
     report = keras_pipe.verify(model, x, y, loss=CE, optimizer="sgd",
                                num_micro_batches=1, devices=devices[:2])
     assert report.ok and not report.causes, report
+
+
+class FusedAttention(keras.layers.Layer):
+    """Self-attention over 4 tokens with a fused q/k/v projection: the key
+    part of its bias shifts every score of a query alike, so the softmax
+    ignores it and its gradient is float rounding (~1e-9), beside the
+    query and value parts' real gradients in the same variable."""
+
+    def build(self, input_shape):
+        self.qkv = keras.layers.Dense(3 * 4)
+        self.qkv.build((None, 4, 2))
+
+    def call(self, x):
+        h = ops.reshape(x, (-1, 4, 2))
+        q, k, v = ops.split(self.qkv(h), 3, axis=-1)
+        attention = ops.softmax(ops.einsum("bqd,bkd->bqk", q, k), axis=-1)
+        return ops.reshape(ops.einsum("bqk,bkd->bqd", attention, v),
+                           (-1, 16))
+
+
+def test_adam_amplified_rounding_is_named_where_gradients_agree(devices):
+    from keras_pipe.verify import GRADIENT_TOLERANCE, ROUNDING  # noqa: PLC0415
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(16, 8)).astype("float32")
+    y = (np.arange(16) % 3).astype("int32")
+    inputs = keras.Input((8,))
+    h = FusedAttention(name="attention")(inputs)
+    model = keras.Model(inputs, keras.layers.Dense(3, name="logits")(h))
+    report = keras_pipe.verify(model, x, y, loss=CE, optimizer="adam",
+                               num_micro_batches=4, devices=devices[:2])
+    bias = next(v for v in report.variables if v.path.endswith("bias")
+                and v.shape == (12,))
+    # Adam's steps on the key bias's rounding-level elements differ by a
+    # large share of an update; its gradient equals Keras' to rounding.
+    assert bias.relative > 1e-3, report
+    assert bias.gradient_relative < GRADIENT_TOLERANCE, report
+    assert report.ok and not report.flagged, report
+    assert any(c.startswith(ROUNDING) and bias.path in c
+               for c in report.causes), report
+    # With SGD, the same steps are equal to float precision: no cause.
+    report = keras_pipe.verify(model, x, y, loss=CE, optimizer="sgd",
+                               num_micro_batches=4, devices=devices[:2])
+    assert report.ok and report.largest < 1e-4 and not report.causes, report

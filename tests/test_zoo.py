@@ -297,14 +297,13 @@ def _deit():
 
 def _swin():
     # Shifted-window attention with a relative position bias table;
-    # stochastic depth off (verify sets aside Keras' Dropout layers, not
-    # KerasHub's DropPath, and the pipeline fails on it: docs/zoo.md).
+    # KerasHub's default stochastic depth (drop_path=0.1: DropPath layers,
+    # which verify sets aside as it sets Dropout aside).
     return _image_classifier(
         keras_hub.models.SwinTransformerImageClassifier,
         keras_hub.models.SwinTransformerBackbone(
             image_shape=(16, 16, 3), patch_size=2, embed_dim=8,
-            depths=[1, 1], num_heads=[2, 2], window_size=4,
-            drop_path=0.0), 16)
+            depths=[1, 1], num_heads=[2, 2], window_size=4), 16)
 
 
 def _hub_resnet():
