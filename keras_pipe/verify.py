@@ -105,8 +105,12 @@ class VerificationReport:
         noise: paths of the variables whose gradient is at rounding level
             (at most 1e-5 of the largest), or, for variables without a
             gradient (moving statistics), whose update and difference are
-            (at most 1e-5 of the largest update): their difference is
-            named, not flagged, and left out of `largest`.
+            (at most 1e-5 of the largest update), and the trainable
+            variables beyond tolerance whose gradient at the start equals
+            plain Keras' to `GRADIENT_TOLERANCE` of its largest while every
+            statistic is within tolerance (rounding the steps amplified):
+            their difference is named, not flagged, and left out of
+            `largest`.
     """
 
     ok: bool
