@@ -213,6 +213,13 @@ class PipelineModel(model_io.SavingMethods, keras.Model):
         return len(self._stage_layers)
 
     @property
+    def loss_adding_stages(self):
+        """Indices of the stages whose layers added a loss (`add_loss`,
+        activity regularizers left out) in a traced training step."""
+        return [j for j, runner in enumerate(self._runners)
+                if runner.adds_losses]
+
+    @property
     def schedule(self):
         """The schedule's name (see `keras_pipe.schedule.schedule_names`)."""
         return self._schedule
@@ -401,6 +408,9 @@ class PipelineModel(model_io.SavingMethods, keras.Model):
         weight_ops = {}
         loss, y_pred, gradients = self.compute_loss_and_gradients(
             x, y, sample_weight, observer=observer, weight_ops=weight_ops)
+        if not getattr(self, "_added_loss_warned", False):
+            self._added_loss_warned = reporting.warn_added_losses(
+                self.loss_adding_stages, self.num_micro_batches)
         if observer is not None:
             observer.finish()
         batch_size = tf.shape(

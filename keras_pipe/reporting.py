@@ -19,7 +19,8 @@ from keras_pipe import _compat
 from keras_pipe.saving import files as saving
 
 __all__ = ["ModelConfigWriter", "batch_norm_stages", "layer_table",
-           "warn_batch_norm", "with_config_writers"]
+           "warn_added_losses", "warn_batch_norm",
+           "with_config_writers"]
 
 
 def layer_table(stages, devices):
@@ -56,6 +57,35 @@ def batch_norm_stages(stages):
         if names:
             found[j] = names
     return found
+
+
+ADDED_LOSSES = (
+    "a loss added by a layer (add_loss) at M > 1: the pipeline takes the "
+    "micro-batches' values averaged by size, which is the unsplit value only "
+    "for a mean over samples; a loss that is not (a router's load-balancing "
+    "loss, a product of batch means) trains differently; "
+    "num_micro_batches=1 is exact")
+
+
+def warn_added_losses(stage_indices, num_micro_batches):
+    """Warns (a UserWarning) if stages' layers added losses at M > 1.
+
+    `stage_indices` are the stages whose training call added a loss other
+    than an activity regularizer; True if warned.
+    """
+    if num_micro_batches <= 1 or not stage_indices:
+        return False
+    warnings.warn(
+        f"Layers of stage(s) {list(stage_indices)} add a loss (add_loss) "
+        f"with num_micro_batches={num_micro_batches}: each micro-batch adds "
+        "its own value and the pipeline takes their mean weighted by "
+        "micro-batch size. That is the unsplit loss only if the loss is a "
+        "mean over samples; one that is not (a mixture-of-experts router's "
+        "load-balancing loss, a product of batch means) trains another "
+        "model than the unsplit one. For the unsplit step, "
+        "num_micro_batches=1. keras_pipe.verify(model, x, y) measures the "
+        "difference.", UserWarning, stacklevel=3)
+    return True
 
 
 def warn_batch_norm(stages, num_micro_batches):

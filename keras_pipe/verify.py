@@ -17,14 +17,20 @@ import tensorflow as tf
 from keras_pipe import _compat
 from keras_pipe.engine import placement
 from keras_pipe.model import PipelineModel
+from keras_pipe.reporting import ADDED_LOSSES
 
-__all__ = ["VariableDifference", "VerificationReport", "verify"]
+__all__ = ["ADDED_LOSSES", "VariableDifference", "VerificationReport",
+           "verify"]
 
 # Layers whose randomness is set aside (attribute set to 0 for the check).
 _RANDOM = ((keras.layers.Dropout, "rate"),
            (keras.layers.GaussianDropout, "rate"),
            (keras.layers.AlphaDropout, "rate"),
            (keras.layers.GaussianNoise, "stddev"))
+# Stochastic depth (KerasHub's DropPath, keras.applications' StochasticDepth)
+# has no common base class: known by its class name, set aside by its rate.
+_STOCHASTIC_DEPTH = ("DropPath", "StochasticDepth")
+_STOCHASTIC_DEPTH_RATES = ("drop_prob", "drop_path_rate", "rate")
 
 BATCH_NORM = ("BatchNormalization at M > 1: training normalizes each "
               "micro-batch with its own statistics (DeferredBatchNormalization"
@@ -35,6 +41,16 @@ NOISE = ("gradient at float-rounding level (a key bias under softmax, a "
          "normalize the noise into full steps of either sign; or a statistic "
          "that moved and differs at rounding level (at most 1e-5 of the largest "
          "update)")
+ROUNDING = ("rounding amplified: the pipeline's gradients at the start equal "
+            "plain Keras' to float precision (at most 1e-4 of the variable's "
+            "largest gradient), yet the weights after the steps differ: "
+            "Adam, RMSprop and the like turn the rounding of near-zero "
+            "gradient elements into full steps, an update of a few units in "
+            "the last place of a weight shows its rounding, and an unstable "
+            "trajectory grows it step by step")
+# Largest |g_pipeline - g_keras| / max|g_keras| of a variable at the start
+# that counts as float rounding (float32 sums in another order: ~1e-6).
+GRADIENT_TOLERANCE = 1e-4
 MIXED_PRECISION = ("mixed precision: float16/bfloat16 computations rounded "
                    "in another order")
 
@@ -48,12 +64,22 @@ class VariableDifference:
     update: float      # max |w_keras - w_start|
     difference: float  # max |w_pipeline - w_keras|
     gradient: float = None  # max |dloss/dw| at the start; None: untrained
+    # max |g_pipeline - g_keras| at the start; None: untrained or unknown
+    gradient_difference: float = None
 
     @property
     def relative(self):
         """`difference / update` (the difference itself if nothing moved)."""
         return self.difference / self.update if self.update else \
             self.difference
+
+    @property
+    def gradient_relative(self):
+        """`gradient_difference / gradient`, or None if either is unknown."""
+        if self.gradient_difference is None or self.gradient is None:
+            return None
+        return (self.gradient_difference / self.gradient if self.gradient
+                else self.gradient_difference)
 
 
 @dataclasses.dataclass
@@ -73,13 +99,18 @@ class VerificationReport:
             precision): differences they explain are not flagged.
         flagged: paths of the variables off by more than `tolerance` of
             their update with no known cause.
-        set_aside: the random layers (Dropout, ...) switched off.
+        set_aside: the random layers (Dropout, ..., stochastic depth such
+            as KerasHub's DropPath) switched off.
         tolerance: the largest difference relative to the update accepted.
         noise: paths of the variables whose gradient is at rounding level
             (at most 1e-5 of the largest), or, for variables without a
             gradient (moving statistics), whose update and difference are
-            (at most 1e-5 of the largest update): their difference is
-            named, not flagged, and left out of `largest`.
+            (at most 1e-5 of the largest update), and the trainable
+            variables beyond tolerance whose gradient at the start equals
+            plain Keras' to `GRADIENT_TOLERANCE` of its largest while every
+            statistic is within tolerance (rounding the steps amplified):
+            their difference is named, not flagged, and left out of
+            `largest`.
     """
 
     ok: bool
@@ -129,11 +160,15 @@ class VerificationReport:
                          + ", ".join(self.flagged[:8])
                          + (" ..." if len(self.flagged) > 8 else ""))
         width = max([len(v.path) for v in self.variables[:10]] + [8])
+        # gradient: max |g_pipeline - g_keras| / max |g_keras| at the start.
         lines.append(f"  {'variable':<{width}}  {'update':>10}  "
-                     f"{'difference':>10}  {'relative':>10}")
+                     f"{'difference':>10}  {'relative':>10}  "
+                     f"{'gradient':>10}")
         for v in self.variables[:10]:
+            g = v.gradient_relative
             lines.append(f"  {v.path:<{width}}  {v.update:10.3g}  "
-                         f"{v.difference:10.3g}  {v.relative:10.3g}")
+                         f"{v.difference:10.3g}  {v.relative:10.3g}  "
+                         + (f"{g:10.3g}" if g is not None else f"{'-':>10}"))
         if len(self.variables) > 10:
             lines.append(f"  ... {len(self.variables) - 10} more, each "
                          f"within {self.variables[10].relative:.3g}")
@@ -162,14 +197,17 @@ def verify(model, x, y, loss=None, optimizer=None, num_stages=None,
     as XLA functions that read no variable on another device) and of the
     pipeline on the batch `(x, y)`, compares
     `predict` at the start and every float variable at the end, and puts the
-    weights back. Dropout and other random layers are set aside (rate 0)
+    weights back. Dropout, other random layers and stochastic depth
+    (DropPath) are set aside (rate 0)
     for the check: the pipeline draws its masks per row, not as Keras does.
     A difference is reported relative to the variable's update
     (`max|w_pipeline - w_keras| / max|w_keras - w_start|`), so a float
     rounding shows as ~1e-6 and a different step as ~1. Known causes that
     make the pipeline train differently on purpose are named:
-    BatchNormalization at M > 1 (per-micro-batch statistics) and mixed
-    precision (rounding); a difference with no known cause is flagged.
+    BatchNormalization at M > 1 (per-micro-batch statistics), a loss a
+    layer adds (`add_loss`) at M > 1 (the micro-batches' values averaged:
+    not the unsplit value unless a mean over samples) and mixed precision
+    (rounding); a difference with no known cause is flagged.
 
     ```python
     report = keras_pipe.verify(model, x, y, loss="mse", optimizer="adam",
@@ -265,11 +303,14 @@ def verify(model, x, y, loss=None, optimizer=None, num_stages=None,
         copied = [copy.weights[i] for i in floats]
         expected = [v.numpy() for v in copied]
         _assign(copy.weights, start)
-        grads = _gradient_sizes(reference, copied, x, y, sample_weight)
+        grads = _gradients(reference, copied, x, y, sample_weight)
         _assign(copy.weights, start)  # the pass moved BN statistics
         losses_pipe = _train(pipe, loss, optimizer, x, y, sample_weight,
                              steps)
         actual = [v.numpy() for v in variables]
+        _assign(unsplit.weights, start)
+        pipe_grads = _pipeline_gradients(pipe, variables, x, y,
+                                         sample_weight)
     finally:
         _assign(unsplit.weights, start)
         for layer, attribute, value in set_aside:
@@ -281,7 +322,8 @@ def verify(model, x, y, loss=None, optimizer=None, num_stages=None,
             v.path, tuple(v.shape),
             float(np.max(np.abs(e.astype("float64") - s), initial=0.0)),
             float(np.max(np.abs(a.astype("float64") - e), initial=0.0)),
-            grads[id(c)]))
+            _largest(grads[id(c)]),
+            _largest_difference(pipe_grads.get(id(v)), grads[id(c)])))
     rows.sort(key=lambda r: r.relative, reverse=True)
     scale = max(float(np.max(np.abs(e), initial=0.0))
                 for e in keras.tree.flatten(expected_pred)) or 1.0
@@ -304,8 +346,21 @@ def verify(model, x, y, loss=None, optimizer=None, num_stages=None,
     if noise:
         causes.append(f"{NOISE}: {', '.join(noise[:4])}"
                       + (" ..." if len(noise) > 4 else ""))
+    off = [r for r in off if r.path not in noise]
+    # Trainable variables off whose gradients at the start are equal to
+    # float precision: rounding the steps amplified, named, not flagged
+    # (only while every statistic, which has no gradient to compare, is
+    # within tolerance or noise).
+    if not any(r.gradient is None for r in off):
+        rounding = [r.path for r in off if r.gradient_relative is not None
+                    and r.gradient_relative <= GRADIENT_TOLERANCE]
+        if rounding:
+            causes.append(f"{ROUNDING}: {', '.join(rounding[:4])}"
+                          + (" ..." if len(rounding) > 4 else ""))
+            noise += rounding
     off = [r.path for r in off if r.path not in noise]
-    explained = any(c in (BATCH_NORM, MIXED_PRECISION) for c in causes)
+    explained = any(c in (BATCH_NORM, MIXED_PRECISION, ADDED_LOSSES)
+                    for c in causes)
     flagged = [] if explained else list(off)
     if prediction > tolerance and not explained:
         flagged.append("(predictions)")
@@ -365,8 +420,8 @@ def _predict(model, x):
     return model.predict(x, batch_size=batch, verbose=0)
 
 
-def _gradient_sizes(model, variables, x, y, sample_weight):
-    """`{id(variable): max |gradient|}` of one plain Keras loss."""
+def _gradients(model, variables, x, y, sample_weight):
+    """`{id(variable): gradient array or None}` of one plain Keras loss."""
     x, y = keras.tree.map_structure(tf.convert_to_tensor, (x, y))
     with tf.GradientTape() as tape:
         y_pred = model(x, training=True)
@@ -375,8 +430,36 @@ def _gradient_sizes(model, variables, x, y, sample_weight):
     grads = tape.gradient(loss, variables)
     grads = [g if id(v) in trainable else None
              for v, g in zip(variables, grads)]
-    return {id(v): None if g is None else float(tf.reduce_max(tf.abs(
-        tf.convert_to_tensor(g)))) for v, g in zip(variables, grads)}
+    return {id(v): None if g is None else tf.convert_to_tensor(g).numpy()
+            for v, g in zip(variables, grads)}
+
+
+def _pipeline_gradients(pipe, variables, x, y, sample_weight):
+    """`{id(variable): gradient array}` of one pipelined loss, for those of
+    `variables` the pipeline trains (the step's graph, as `fit` runs it)."""
+    x, y = keras.tree.map_structure(tf.convert_to_tensor, (x, y))
+    if sample_weight is not None:
+        sample_weight = tf.convert_to_tensor(sample_weight)
+    wanted = {id(v) for v in variables}
+    trainable = pipe.trainable_variables
+    _, _, grads = tf.function(lambda: pipe.compute_loss_and_gradients(
+        x, y, sample_weight), autograph=False)()
+    return {id(v): tf.convert_to_tensor(g).numpy()
+            for v, g in zip(trainable, grads)
+            if id(v) in wanted and g is not None}
+
+
+def _largest(array):
+    """max |array|, or None for no array."""
+    return None if array is None else float(np.max(np.abs(array),
+                                                   initial=0.0))
+
+
+def _largest_difference(a, b):
+    """max |a - b|, or None if either is missing."""
+    if a is None or b is None:
+        return None
+    return float(np.max(np.abs(a.astype("float64") - b), initial=0.0))
 
 
 def _train(model, loss, optimizer, x, y, sample_weight, steps):
@@ -390,17 +473,27 @@ def _train(model, loss, optimizer, x, y, sample_weight, steps):
 
 
 def _set_aside_randomness(layers):
-    """Sets Dropout-like layers' rate to 0; returns what to put back."""
+    """Sets Dropout-like and stochastic depth layers' rate to 0; returns
+    what to put back."""
     found = []
     for top in layers:
         for layer in _compat.flatten_layers(top):
-            for kind, attribute in _RANDOM:
+            for kind, attribute in _RANDOM + _stochastic_depth(layer):
                 value = getattr(layer, attribute, 0)
                 if isinstance(layer, kind) and value:
                     found.append((layer, attribute, value))
-                    setattr(layer, attribute, 0)
+                    setattr(layer, attribute, 0.0)
                     break
     return found
+
+
+def _stochastic_depth(layer):
+    """`((class, rate attribute),)` if `layer` is a stochastic depth layer."""
+    if not any(name in type(layer).__name__ for name in _STOCHASTIC_DEPTH):
+        return ()
+    return tuple((type(layer), attribute) for attribute in
+                 _STOCHASTIC_DEPTH_RATES
+                 if isinstance(getattr(layer, attribute, None), float))
 
 
 def _known_causes(pipe):
@@ -414,4 +507,6 @@ def _known_causes(pipe):
     if any(layer.dtype_policy.compute_dtype in ("float16", "bfloat16")
            for layer in layers):
         causes.append(MIXED_PRECISION)
+    if pipe.num_micro_batches > 1 and pipe.loss_adding_stages:
+        causes.append(ADDED_LOSSES)
     return causes

@@ -138,3 +138,53 @@ def test_replicas_do_not_wait_for_each_other(devices, schedule):
             assert not _ancestors(op) & others, op.name
     # The check can fail: replica 1's stage-1 calls wait for its stage 0.
     assert _ancestors(calls[1][-1]) & set(calls[1])
+
+
+class DropPath(keras.layers.Layer):
+    """Stochastic depth as KerasHub's `DropPath` (Swin) writes it: a
+    `(batch, 1, ...)` mask from `keras.random.uniform` with the layer's
+    `SeedGenerator`, the batch read from the static shape when known."""
+
+    def __init__(self, rate, seed=None, **kwargs):
+        super().__init__(**kwargs)
+        self.rate = rate
+        self.seed_generator = keras.random.SeedGenerator(seed)
+
+    def call(self, x, training=None):
+        if not training or self.rate == 0.0:
+            return x
+        batch = x.shape[0] or keras.ops.shape(x)[0]
+        mask = keras.ops.floor(1.0 - self.rate + keras.random.uniform(
+            (batch,) + (1,) * (len(x.shape) - 1), dtype=x.dtype,
+            seed=self.seed_generator))
+        return x / (1.0 - self.rate) * mask
+
+
+def _drop_path_step(devices, m, remat, rate=0.5):
+    keras.utils.set_random_seed(3)
+    inputs = keras.Input((WIDTH,))
+    h = keras.layers.Dense(WIDTH, activation="tanh")(inputs)
+    branch = DropPath(rate, seed=11)(keras.layers.Dense(WIDTH)(h))
+    h = keras.layers.Add()([h, branch])
+    outputs = keras.layers.Dense(3)(keras.layers.Dense(WIDTH)(h))
+    pipe = keras_pipe.PipelineModel.from_model(
+        keras.Model(inputs, outputs), 2, devices=devices[:2],
+        num_micro_batches=m, remat=remat)
+    pipe.compile(keras.optimizers.SGD(0.1),
+                 keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(BATCH, WIDTH)).astype("float32")
+    pipe.fit(x, np.arange(BATCH) % 3, batch_size=BATCH, verbose=0)
+    return pipe.get_weights()
+
+
+@pytest.mark.parametrize("remat", ["never", "always"])
+def test_drop_path_trains_as_at_any_cut(devices, remat):
+    # The mask's batch dimension is static where the stage's ops run in
+    # place (remat="never"): it was drawn with a drawn seed tensor passed
+    # back to Keras ("Argument `seed` must be ... SeedGenerator").
+    reference = _drop_path_step(devices, 1, "never")
+    _close(_drop_path_step(devices, 4, remat), reference)
+    # DropPath did act: without it, the step ends elsewhere.
+    plain = _drop_path_step(devices, 1, "never", rate=0.0)
+    assert max(np.abs(a - b).max() for a, b in zip(plain, reference)) > 1e-3

@@ -93,3 +93,46 @@ def test_tensorboard_gets_the_model_config(devices, tmp_path):
     for c in (written, expected):  # plain was compiled, to_model() not
         c.pop("compile_config", None)
     assert written == expected
+
+
+class _BalanceLoss(keras.layers.Layer):
+    """Adds a product of batch means (a router's load-balancing loss)."""
+
+    def call(self, x):
+        share = keras.ops.mean(keras.ops.softmax(x), axis=0)
+        self.add_loss(keras.ops.sum(share * share))
+        return x
+
+
+def _loss_pipe(devices, num_micro_batches, added_loss=True):
+    inputs = keras.Input((6,))
+    h = keras.layers.Dense(8, name="first",
+                           activity_regularizer="l2")(inputs)
+    if added_loss:
+        h = _BalanceLoss(name="balance")(h)
+    outputs = keras.layers.Dense(3, name="last")(h)
+    pipe = keras_pipe.PipelineModel.from_model(
+        keras.Model(inputs, outputs), 2, devices=devices[:2],
+        num_micro_batches=num_micro_batches,
+        balance=[2, 1] if added_loss else [1, 1])
+    pipe.compile("sgd", "mse")
+    return pipe
+
+
+def test_added_loss_warns_once_at_the_first_step(devices):
+    pipe = _loss_pipe(devices, 2)
+    with pytest.warns(UserWarning) as record:
+        _fit(pipe)
+    found = [str(w.message) for w in record if "add_loss" in str(w.message)]
+    assert len(found) == 1  # 2 epochs of 2 steps: once.
+    assert found[0].startswith("Layers of stage(s) [0] add a loss")
+    assert "num_micro_batches=1" in found[0]
+    assert pipe.loss_adding_stages == [0]
+    # Nothing to say at M=1, nor for an activity regularizer alone (a
+    # mean over samples: exact).
+    for m, added in ((1, True), (2, False)):
+        pipe = _loss_pipe(devices, m, added)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", UserWarning)
+            _fit(pipe)
+        assert pipe.loss_adding_stages == ([0] if added else [])

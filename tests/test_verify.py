@@ -141,3 +141,96 @@ def test_plain_keras_steps_are_traced_once(devices):
     losses = _train(reference, CE, "adam", x, y, None, 3)
     assert len(losses) == 3 and losses[2] < losses[0]
     assert TracesCounted.traces == 1
+
+
+class DropPath(keras.layers.Layer):
+    """Stochastic depth as KerasHub's DropPath: a per-row mask."""
+
+    def __init__(self, drop_prob, **kwargs):
+        super().__init__(**kwargs)
+        self.drop_prob = drop_prob
+        self.seed_generator = keras.random.SeedGenerator(3)
+
+    def call(self, x, training=None):
+        if not training or self.drop_prob == 0.0:
+            return x
+        mask = ops.floor(1.0 - self.drop_prob + keras.random.uniform(
+            (ops.shape(x)[0], 1), seed=self.seed_generator))
+        return x / (1.0 - self.drop_prob) * mask
+
+
+def test_stochastic_depth_is_set_aside_as_dropout_is(devices):
+    x, y = _batch()
+    model = _mlp(DropPath(0.5, name="depth"))
+    report = keras_pipe.verify(model, x, y, loss=CE, optimizer="adam",
+                               num_micro_batches=2, devices=devices[:2])
+    assert report.ok, report
+    assert report.set_aside == ["depth.drop_prob=0.5", "drop.rate=0.5"]
+    assert model.get_layer("depth").drop_prob == 0.5
+
+
+class BalanceLoss(keras.layers.Layer):
+    """Adds a product of batch means (a router's load-balancing loss)."""
+
+    def call(self, x):
+        share = ops.mean(ops.softmax(x), axis=0)
+        self.add_loss(10.0 * ops.sum(share * share))
+        return x
+
+
+def test_added_loss_at_several_micro_batches_is_warned_and_named(devices):
+    from keras_pipe.verify import ADDED_LOSSES  # noqa: PLC0415
+    x, y = _batch()
+    model = _mlp(BalanceLoss(name="balance"))
+    with pytest.warns(UserWarning, match=r"stage\(s\) \[0\] add a loss"):
+        report = keras_pipe.verify(model, x, y, loss=CE, optimizer="sgd",
+                                   num_micro_batches=2, devices=devices[:2])
+    assert not report.ok and not report.flagged
+    assert report.causes == [ADDED_LOSSES]
+    assert report.largest > 0.01
+    report = keras_pipe.verify(model, x, y, loss=CE, optimizer="sgd",
+                               num_micro_batches=1, devices=devices[:2])
+    assert report.ok and not report.causes, report
+
+
+class FusedAttention(keras.layers.Layer):
+    """Self-attention over 4 tokens with a fused q/k/v projection: the key
+    part of its bias shifts every score of a query alike, so the softmax
+    ignores it and its gradient is float rounding (~1e-9), beside the
+    query and value parts' real gradients in the same variable."""
+
+    def build(self, input_shape):
+        self.qkv = keras.layers.Dense(3 * 4)
+        self.qkv.build((None, 4, 2))
+
+    def call(self, x):
+        h = ops.reshape(x, (-1, 4, 2))
+        q, k, v = ops.split(self.qkv(h), 3, axis=-1)
+        attention = ops.softmax(ops.einsum("bqd,bkd->bqk", q, k), axis=-1)
+        return ops.reshape(ops.einsum("bqk,bkd->bqd", attention, v),
+                           (-1, 16))
+
+
+def test_adam_amplified_rounding_is_named_where_gradients_agree(devices):
+    from keras_pipe.verify import GRADIENT_TOLERANCE, ROUNDING  # noqa: PLC0415
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(16, 8)).astype("float32")
+    y = (np.arange(16) % 3).astype("int32")
+    inputs = keras.Input((8,))
+    h = FusedAttention(name="attention")(inputs)
+    model = keras.Model(inputs, keras.layers.Dense(3, name="logits")(h))
+    report = keras_pipe.verify(model, x, y, loss=CE, optimizer="adam",
+                               num_micro_batches=4, devices=devices[:2])
+    bias = next(v for v in report.variables if v.path.endswith("bias")
+                and v.shape == (12,))
+    # Adam's steps on the key bias's rounding-level elements differ by a
+    # large share of an update; its gradient equals Keras' to rounding.
+    assert bias.relative > 1e-3, report
+    assert bias.gradient_relative < GRADIENT_TOLERANCE, report
+    assert report.ok and not report.flagged, report
+    assert any(c.startswith(ROUNDING) and bias.path in c
+               for c in report.causes), report
+    # With SGD, the same steps are equal to float precision: no cause.
+    report = keras_pipe.verify(model, x, y, loss=CE, optimizer="sgd",
+                               num_micro_batches=4, devices=devices[:2])
+    assert report.ok and report.largest < 1e-4 and not report.causes, report

@@ -46,29 +46,37 @@ def _philox_rows(kind, dims, rows, seed, dtype):
         [tf.cast(d, tf.int32) for d in dims]))
 
 
-def _batch_dims(shape):
-    """The dims of `shape` if its first one is a batch (unknown when traced)."""
+def _batch_dims(shape, size=None):
+    """The dims of `shape` if its first one is a batch, else None.
+
+    The first dimension is a batch when it is unknown at trace time (a
+    tensor: the stage function is traced with the batch size left open) or
+    is the micro-batch's static size `size` (the stage's ops run in place,
+    on inputs whose batch size is known, e.g. a DropPath mask of shape
+    `(x.shape[0], 1, ...)`).
+    """
     dims = list(shape) if not isinstance(shape, tf.Tensor) else [
         shape[k] for k in range(shape.shape[0])]
-    if not dims or isinstance(dims[0], int):
+    if not dims or (isinstance(dims[0], int) and (
+            size is None or dims[0] != size)):
         return None
     return dims
 
 
-def _rows_of(shape, rows, draw):
+def _rows_of(shape, rows, size, draw):
     """`draw(shape)` for a batch-first shape, keyed by the global row.
 
     `rows` is `[offset, total]`: this micro-batch's first row in the global
-    batch and the global batch's size. A shape whose first dimension is
-    known at trace time is not a batch (stage functions are traced with the
-    batch size left open) and is drawn as is, the same for every
-    micro-batch; otherwise the rows of the whole global batch are drawn and
+    batch and the global batch's size; `size` the micro-batch's static
+    size, if known. A shape whose first dimension is not a batch (see
+    `_batch_dims`) is drawn as is, the same for every micro-batch;
+    otherwise the rows of the whole global batch are drawn and
     this micro-batch's rows are sliced out, so row `r` sees the same numbers
     whatever micro-batch, stage or replica it lands in (uniform and normal
     draws start Philox's counter at the micro-batch's rows instead, which
     gives the same numbers without drawing the rest).
     """
-    dims = _batch_dims(shape)
+    dims = _batch_dims(shape, size)
     if dims is None:
         return draw(shape)
     full = draw(tf.stack([tf.cast(rows[1], tf.int32)] + [
@@ -78,50 +86,49 @@ def _rows_of(shape, rows, draw):
 
 
 @contextlib.contextmanager
-def keyed_random(rows):
+def keyed_random(rows, size=None):
     """Random draws of Keras layers keyed by global row, meanwhile.
 
     Patches Keras' TF random backend (`uniform`, `normal`,
     `truncated_normal`, `dropout`: what Dropout, SpatialDropout,
-    GaussianNoise, GaussianDropout and AlphaDropout call) so that each row
-    of a batch-first draw depends only on the seed (the layer's seed
-    generator at the start of the step) and the row's index in the global
-    batch (see `_rows_of`). Only while tracing a stage call.
+    GaussianNoise, GaussianDropout, AlphaDropout and stochastic depth
+    layers such as KerasHub's DropPath call) so that each row of a
+    batch-first draw depends only on the seed (the layer's seed generator
+    at the start of the step) and the row's index in the global batch (see
+    `_rows_of`); `size` is the micro-batch's static size when the stage's
+    ops run in place (None when traced with the batch size left open).
+    Only while tracing a stage call. The seed is drawn once per draw, as
+    Keras draws it: a draw that falls back to Keras' own function passes it
+    the layer's seed (a `SeedGenerator`, int or None), not a drawn tensor.
     """
     originals = {name: getattr(_compat.tf_random, name) for name in (
         "uniform", "normal", "truncated_normal", "dropout")}
 
     def seeded(seed):
-        return originals_cast(_compat.draw_seed(seed))
-
-    def originals_cast(seed):
-        return _compat.cast_seed(seed)
+        return _compat.cast_seed(_compat.draw_seed(seed))
 
     def uniform(shape, minval=0.0, maxval=1.0, dtype=None, seed=None):
-        s = seeded(seed)
-        dims = _batch_dims(shape)
+        dims = _batch_dims(shape, size)
         if dims is None or not _is_float_dtype(dtype):
-            return _rows_of(shape, rows, lambda sh: originals["uniform"](
-                sh, minval=minval, maxval=maxval, dtype=dtype, seed=s))
+            return _rows_of(shape, rows, size, lambda sh: originals["uniform"](
+                sh, minval=minval, maxval=maxval, dtype=dtype, seed=seed))
         dtype = _float_dtype(dtype)
-        u = _philox_rows("uniform", dims, rows, s, dtype)
+        u = _philox_rows("uniform", dims, rows, seeded(seed), dtype)
         return u * tf.cast(maxval - minval, dtype) + tf.cast(minval, dtype)
 
     def normal(shape, mean=0.0, stddev=1.0, dtype=None, seed=None):
-        s = seeded(seed)
-        dims = _batch_dims(shape)
+        dims = _batch_dims(shape, size)
         if dims is None:
             return originals["normal"](shape, mean=mean, stddev=stddev,
-                                       dtype=dtype, seed=s)
+                                       dtype=dtype, seed=seed)
         dtype = _float_dtype(dtype)
-        n = _philox_rows("normal", dims, rows, s, dtype)
+        n = _philox_rows("normal", dims, rows, seeded(seed), dtype)
         return n * tf.cast(stddev, dtype) + tf.cast(mean, dtype)
 
     def truncated_normal(shape, mean=0.0, stddev=1.0, dtype=None, seed=None):
-        s = seeded(seed)
-        return _rows_of(shape, rows, lambda sh: originals[
+        return _rows_of(shape, rows, size, lambda sh: originals[
             "truncated_normal"](sh, mean=mean, stddev=stddev, dtype=dtype,
-                                seed=s))
+                                seed=seed))
 
     def dropout(inputs, rate, noise_shape=None, seed=None):
         if rate == 1.0:

@@ -92,6 +92,9 @@ class Stage:
         self._functions = {}
         self._split = {}  # training flag -> `SplitBackward`
         self._kinds = None
+        # Whether a training call's layers added losses (`add_loss`)
+        # beyond their activity regularizers: set when traced.
+        self.adds_losses = False
 
     @property
     def trainable_variables(self):
@@ -203,8 +206,8 @@ class Stage:
         rows = state[n] if len(state) > n else None
         mapping = list(zip(self.trainable_variables, params))
         mapping += list(zip(self.state_variables, state[:n]))
-        keyed = (keyed_random.keyed_random(rows) if rows is not None
-                 else contextlib.nullcontext())
+        keyed = (keyed_random.keyed_random(rows, _static_batch(inputs))
+                 if rows is not None else contextlib.nullcontext())
         if self.position is not None and self.position[0] > 0:
             inputs = attached.view(inputs)
         with keyed, keras.StatelessScope(state_mapping=mapping,
@@ -217,6 +220,9 @@ class Stage:
         new_state = [None if new is old else new for new, old in zip(
             (scope.get_current_value(v) for v in self.state_variables),
             before)]
+        if training and len(scope.losses) > _activity_regularized(
+                self.layer):
+            self.adds_losses = True
         return outputs, new_state, list(scope.losses)
 
     def forward(self, inputs, params, state, training, remat,
@@ -484,3 +490,17 @@ def _open_batch(t):
 def _stamp_or_none(stamp, after):
     return None if stamp is None else stamp(after)
 
+
+
+def _static_batch(inputs):
+    """The batch size of `inputs` if known at trace time, else None."""
+    for t in keras.tree.flatten(inputs):
+        if t is not None and len(t.shape) and t.shape[0] is not None:
+            return int(t.shape[0])
+    return None
+
+
+def _activity_regularized(layer):
+    """How many of `layer`'s layers have an activity regularizer."""
+    return sum(getattr(sub, "activity_regularizer", None) is not None
+               for sub in _compat.flatten_layers(layer))
