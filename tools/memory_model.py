@@ -2,7 +2,8 @@
 
     python tools/memory_model.py --out docs/benchmarks/memory_model.json
         # logical devices: mlp, resnet, transformer, gpt2 x LOGICAL_GRID
-    python tools/memory_model.py --workers --out docs/benchmarks/worker_memory_model.json
+    python tools/memory_model.py --workers \
+        --out docs/benchmarks/worker_memory_model.json
         # 2 worker processes: the same models, bigger, x WORKER_GRID
     python tools/memory_model.py --quick [--workers]   # one small case
     python tools/memory_model.py [--workers] --predict FILE.json
