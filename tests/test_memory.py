@@ -250,14 +250,18 @@ def test_a_conv_backward_holds_tfs_im2col_buffer():
     assert none.transient >= block.workspace
 
 
-def test_a_tied_variable_is_counted_on_the_stage_of_its_last_call():
-    # The same Dense layer at both ends: each stage's build moves the
-    # variables of its layers to its device, so the last stage keeps it.
+def _tied_cut():
+    """The same Dense layer at both ends of a 3-call model, cut [2, 1]."""
     x = keras.Input((8,))
     shared = keras.layers.Dense(8)
     h = keras.layers.Dense(8)(shared(x))
-    model = keras.Model(x, shared(h))
-    part = partition.cut(model, 2, balance=[2, 1])
+    return partition.cut(keras.Model(x, shared(h)), 2, balance=[2, 1])
+
+
+def test_a_tied_variable_is_counted_on_the_stage_of_its_last_call():
+    # Each stage's build moves the variables of its layers to its device,
+    # so the last stage keeps the shared layer's.
+    part = _tied_cut()
     profile = memory.Profile(part.graph, 4)
     size = (8 * 8 + 8) * 4
     assert profile.block(0, 2).weights == size
@@ -267,11 +271,7 @@ def test_a_tied_variable_is_counted_on_the_stage_of_its_last_call():
 def test_a_tied_variable_counts_at_build_on_every_stage_that_uses_it():
     # Stage 0's build places the shared layer's variables on its device
     # before stage 1's build moves them on: both builds hold them.
-    x = keras.Input((8,))
-    shared = keras.layers.Dense(8)
-    h = keras.layers.Dense(8)(shared(x))
-    model = keras.Model(x, shared(h))
-    part = partition.cut(model, 2, balance=[2, 1])
+    part = _tied_cut()
     resident = memory.predict_resident(part, 4, 1, "never", "gpipe", 0)
     size = (8 * 8 + 8) * 4
     assert resident[0].build == 2 * size + 2 * 8 * 8 * 4
