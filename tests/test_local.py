@@ -42,6 +42,8 @@ def _enter(**kwargs):
      "gpus must name one id per worker"),
     ({"timeout": 0}, ValueError, "timeout must be > 0"),
     ({"intra_op_threads": 0}, ValueError, "intra_op_threads must be >= 1"),
+    ({"heap": "fast"}, ValueError,
+     r"heap must be one of 'reuse', 'return', 'glibc'.*heap='fast'"),
 ])
 def test_bad_arguments_are_refused_before_anything_starts(
         kwargs, error, match, monkeypatch):
@@ -77,6 +79,25 @@ def test_workers_run_several_intra_op_threads_on_their_one_core(monkeypatch):
     threads = int(command[command.index("--intra-op-threads") + 1])
     assert threads == local.INTRA_OP_THREADS > 1
     assert command[command.index("--cpu-affinity") + 1].isdigit()
+
+
+@pytest.mark.parametrize("heap", [None, "return"])
+def test_workers_get_the_heap_setting(heap, monkeypatch):
+    """Workers reuse freed buffers unless told to return them (`heap`)."""
+    commands = []
+
+    class Stop(Exception):
+        pass
+
+    def popen(command, **kwargs):
+        commands.append(command)
+        raise Stop
+
+    monkeypatch.setattr(local.subprocess, "Popen", popen)
+    with pytest.raises(Stop):
+        _enter(num_workers=1, **({} if heap is None else {"heap": heap}))
+    command = commands[0]
+    assert command[command.index("--heap") + 1] == (heap or "reuse")
 
 _SCRIPT = textwrap.dedent("""
     import os, sys, time

@@ -263,7 +263,8 @@ def run_pipelined(width, limit, budget=None, optimizer="sgd", idle=False,
             w = subprocess.Popen(
                 [sys.executable, "-m", "keras_pipe.distributed.worker",
                  "--task", str(t),
-                 "--cluster", ",".join(cluster), "--intra-op-threads", "1"],
+                 "--cluster", ",".join(cluster), "--intra-op-threads", "1",
+                 "--heap", "return"],
                 env=_env(), stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL)
             workers.append(w)

@@ -348,7 +348,7 @@ def measure_workers(common, grid, num_stages, predict_only=False):
         workers = [subprocess.Popen(
             [sys.executable, "-m", "keras_pipe.distributed.worker",
              "--task", str(t), "--cluster", ",".join(cluster),
-             "--intra-op-threads", "1"],
+             "--intra-op-threads", "1", "--heap", "return"],
             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             for t in range(num_stages)]
         try:

@@ -11,9 +11,10 @@ each worker's `VmRSS` and `VmHWM` (resident now, resident peak) from
 `/proc/<pid>/status`, then resets the peak (`/proc/<pid>/clear_refs`), so
 each phase's HWM is the peak of that phase; everything is net of the idle
 worker after the first op. The unsplit model is measured the same way in
-its own process (net of the process after one op). Every process returns
-freed buffers to the OS (`keras_pipe.distributed.heap`) unless
-`--malloc-defaults`. Prints one table and, with `--out`, JSON.
+its own process (net of the process after one op). Every process keeps
+its heap as `--heap` says (`keras_pipe.distributed.heap`; default
+`return`: freed buffers go back to the OS, the setting for a memory
+budget). Prints one table and, with `--out`, JSON.
 """
 
 import argparse
@@ -73,9 +74,8 @@ def _optimizer(keras, name):
 
 
 def child_unsplit(args):
-    if not args.malloc_defaults:
-        from keras_pipe.distributed import heap
-        heap.return_freed_memory()
+    from keras_pipe.distributed import heap
+    heap.configure(args.heap)
     import keras
     import numpy as np
     import tensorflow as tf
@@ -165,14 +165,13 @@ def measure(args):
     common = ["--width", str(args.width), "--depth", str(args.depth),
               "--optimizer", args.optimizer, "--steps", str(args.steps),
               "--num-micro-batches", str(args.num_micro_batches),
-              "--remat", args.remat] + (
-                  ["--malloc-defaults"] if args.malloc_defaults else [])
+              "--remat", args.remat, "--heap", args.heap]
     unsplit = _run(["--child", "unsplit"] + common)
     cluster = [f"127.0.0.1:{_free_port()}" for _ in range(2)]
     workers = [subprocess.Popen(
         [sys.executable, "-m", "keras_pipe.distributed.worker", "--task", str(t),
-         "--cluster", ",".join(cluster), "--intra-op-threads", "1"]
-        + (["--keep-malloc-defaults"] if args.malloc_defaults else []),
+         "--cluster", ",".join(cluster), "--intra-op-threads", "1",
+         "--heap", args.heap],
         env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         for t in range(2)]
     try:
@@ -241,9 +240,10 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--num-micro-batches", type=int, default=2)
     parser.add_argument("--remat", default="never")
-    parser.add_argument("--malloc-defaults", action="store_true",
-                        help="glibc's malloc defaults in every process "
-                        "(before keras_pipe.distributed.heap)")
+    parser.add_argument("--heap", default="return",
+                        choices=("reuse", "return", "glibc"),
+                        help="every process's heap setting "
+                        "(keras_pipe.distributed.heap; default: return)")
     parser.add_argument("--out", default=None)
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--cluster", default=None, help=argparse.SUPPRESS)

@@ -1,28 +1,38 @@
-"""The C heap of a worker process: freed tensor buffers go back to the OS.
+"""The C heap of a worker process: how freed tensor buffers are kept.
 
 TensorFlow allocates CPU tensors with glibc's `malloc`. glibc gives each
 thread that allocates its own arena (up to 8 per core) and serves blocks
 below a moving threshold (up to 32 MiB) from those arenas, where a freed
-block stays resident. A worker runs ~100 threads (gRPC, inter- and
-intra-op pools), and the big blocks of a pipeline stage are short-lived:
-values received at build, each micro-batch's weight gradients, tensors in
-transit. Measured on the MLP of `tools/worker_memory.py` (7 x
-Dense(3584), 2 workers, M=2, SGD): stage 0's resident peak was 624 MiB
-above an idle worker with glibc's defaults, 1.07x the unsplit process's,
-where its weights, summed gradients and one layer's gradient make ~400.
+block stays resident for reuse. A worker runs ~100 threads (gRPC, inter-
+and intra-op pools), and the big blocks of a pipeline stage are
+short-lived: values received at build, each micro-batch's weight
+gradients, tensors in transit. Measured on the MLP of
+`tools/worker_memory.py` (7 x Dense(3584), 2 workers, M=2, SGD): stage 0's
+resident peak was 624 MiB above an idle worker with glibc's defaults, 1.07x
+the unsplit process's, where its weights, summed gradients and one layer's
+gradient make ~400.
 
-`return_freed_memory` fixes the two knobs with `mallopt` before the
-process starts its threads: blocks of `mmap_threshold` bytes or more are
-mapped on their own and unmapped when freed, and at most `arena_max`
-arenas exist. Same effect as the environment variables
-`MALLOC_MMAP_THRESHOLD_` and `MALLOC_ARENA_MAX`, which must be set before
-the process starts.
+Three settings (`HEAP_MODES`), chosen with `mallopt` before the process
+starts its threads (the environment variables `MALLOC_ARENA_MAX` and
+`MALLOC_MMAP_THRESHOLD_` do the same, set before the process starts):
+
+* `"reuse"`: at most 2 arenas; a freed block stays resident and serves the
+  next allocation. Resident peaks 348 and 312 MiB on that MLP's two
+  workers.
+* `"return"`: 2 arenas, and blocks of 1 MiB or more are mapped on their
+  own and unmapped when freed: 310 and 252 MiB. Each such allocation then
+  faults its pages in afresh: on the 8 x Dense(1024) benchmark job (batch
+  512, 2 workers) that is 60-100 ms of system CPU per worker per step and
+  1.15-1.25x the step time of `"reuse"` (`docs/capacity.md`).
+* `"glibc"`: glibc's own settings.
 """
 
 import ctypes
 import ctypes.util
 
-__all__ = ["return_freed_memory"]
+__all__ = ["HEAP_MODES", "check_mode", "configure", "return_freed_memory"]
+
+HEAP_MODES = ("reuse", "return", "glibc")
 
 _M_MMAP_THRESHOLD = -3
 _M_ARENA_MAX = -8
@@ -38,22 +48,50 @@ def _libc():
         return None
 
 
-def return_freed_memory(mmap_threshold=1 << 20, arena_max=2):
-    """Makes glibc give freed big blocks back to the OS in this process.
+def check_mode(mode):
+    """`mode` if it is one of `HEAP_MODES`; else a ValueError naming it."""
+    if mode not in HEAP_MODES:
+        raise ValueError(
+            f"heap must be one of {', '.join(map(repr, HEAP_MODES))}: "
+            f"'reuse' (fast, freed buffers stay resident for reuse), "
+            f"'return' (freed big buffers go back to the OS: lower resident "
+            f"peaks, slower steps), 'glibc' (untouched). Received: "
+            f"heap={mode!r}")
+    return mode
+
+
+def configure(mode, arena_max=2, mmap_threshold=1 << 20):
+    """Sets this process's heap to `mode` (one of `HEAP_MODES`).
 
     Call before TensorFlow starts its threads. A no-op (returns `False`)
-    where the C library is not glibc.
+    where the C library is not glibc, and for `"glibc"`.
 
     Args:
-        mmap_threshold: blocks of at least this many bytes are mapped on
-            their own and unmapped when freed. Defaults to `1 << 20`.
-        arena_max: the most malloc arenas. Defaults to `2`.
+        mode: `"reuse"`, `"return"` or `"glibc"` (see the module).
+        arena_max: the most malloc arenas (`"reuse"`, `"return"`).
+            Defaults to `2`.
+        mmap_threshold: with `"return"`, blocks of at least this many
+            bytes are mapped on their own and unmapped when freed.
+            Defaults to `1 << 20`.
 
     Returns:
-        Whether both settings were applied.
+        Whether the settings were applied.
+
+    Raises:
+        ValueError: for a `mode` not in `HEAP_MODES`.
     """
+    check_mode(mode)
     libc = _libc()
-    if libc is None:
+    if libc is None or mode == "glibc":
         return False
-    return bool(libc.mallopt(_M_MMAP_THRESHOLD, int(mmap_threshold))
-                and libc.mallopt(_M_ARENA_MAX, int(arena_max)))
+    applied = bool(libc.mallopt(_M_ARENA_MAX, int(arena_max)))
+    if mode == "return":
+        applied = applied and bool(
+            libc.mallopt(_M_MMAP_THRESHOLD, int(mmap_threshold)))
+    return applied
+
+
+def return_freed_memory(mmap_threshold=1 << 20, arena_max=2):
+    """`configure("return", ...)`: freed big blocks go back to the OS."""
+    return configure("return", arena_max=arena_max,
+                     mmap_threshold=mmap_threshold)

@@ -34,7 +34,8 @@ import sys
 
 from keras_pipe import _validation
 from keras_pipe.distributed import bind as bind_lib
-from keras_pipe.distributed import heap, runtime
+from keras_pipe.distributed import heap as heap_lib
+from keras_pipe.distributed import runtime
 from keras_pipe.distributed.bind import listening_hosts  # noqa: F401  (public here too)
 
 __all__ = ["serve", "bind_shim_path", "listening_hosts", "main"]
@@ -196,7 +197,7 @@ def _check_serve_args(tasks, job, task, bind, inter_op_threads,
 
 def serve(cluster, task, job="worker", bind="127.0.0.1",
           inter_op_threads=None, intra_op_threads=None, cpu_affinity=None,
-          return_freed_memory=True):
+          heap="reuse"):
     """Starts the TF server of one task in this process and returns it.
 
     Call before anything else initializes TensorFlow's runtime. The server
@@ -226,10 +227,13 @@ def serve(cluster, task, job="worker", bind="127.0.0.1",
             `None`.
         cpu_affinity: CPU ids this process may run on (Linux). Defaults to
             `None` (unchanged).
-        return_freed_memory: whether glibc gives freed tensor buffers
-            back to the OS (`keras_pipe.distributed.heap.return_freed_memory`): with
-            its defaults, a worker's ~100 threads keep freed buffers
-            resident in their malloc arenas. Defaults to `True`.
+        heap: how glibc keeps freed tensor buffers
+            (`keras_pipe.distributed.heap`): `"reuse"` (2 arenas, freed
+            blocks reused: fast), `"return"` (big freed blocks unmapped:
+            lower resident peaks, for a memory budget, at 1.15-1.25x the
+            step time on the MLP benchmark) or `"glibc"` (untouched; a
+            worker's ~100 threads then keep freed buffers in their own
+            arenas). Defaults to `"reuse"`.
 
     Returns:
         The started server, a `keras_pipe.distributed.runtime.Server`
@@ -238,20 +242,22 @@ def serve(cluster, task, job="worker", bind="127.0.0.1",
     Raises:
         TypeError: for a thread count that is not an int, or a `bind`
             that is not a string.
-        ValueError: if `task` is not in `job`, a thread count is < 1, a CPU
+        ValueError: if `heap` is not a mode of
+            `keras_pipe.distributed.heap.HEAP_MODES`, `task` is not in
+            `job`, a thread count is < 1, a CPU
             is not available, the task's port is outside 1..65535 or in
             use, or `bind` is a host name, not an address of this machine,
             or not the task's cluster address.
         RuntimeError: if the server cannot be kept on `bind` (no shim).
     """
+    heap_lib.check_mode(heap)
     tasks = _tasks(cluster)
     address, port, bind = _check_serve_args(
         tasks, job, task, bind, inter_op_threads, intra_op_threads,
         cpu_affinity)
     if cpu_affinity is not None:
         os.sched_setaffinity(0, set(cpu_affinity))
-    if return_freed_memory:
-        heap.return_freed_memory()
+    heap_lib.configure(heap)
     runtime.load()
     bind_lib.pin(bind)
     server = runtime.Server(runtime.server_def(
@@ -326,11 +332,13 @@ def _parser():
     parser.add_argument("--intra-op-threads", type=_count, default=None)
     parser.add_argument("--cpu-affinity", type=_cpu_list, default=None,
                         help="CPU ids, e.g. 0,1 or 0-3")
-    parser.add_argument("--keep-malloc-defaults", action="store_true",
-                        help="keep glibc's malloc settings, under which "
-                        "freed tensor buffers stay resident in per-thread "
-                        "arenas (default: big blocks are unmapped when "
-                        "freed, at most 2 arenas)")
+    parser.add_argument("--heap", choices=heap_lib.HEAP_MODES,
+                        default="reuse",
+                        help="how freed tensor buffers are kept: reuse (2 "
+                        "malloc arenas, freed blocks reused: fast; the "
+                        "default), return (blocks of 1 MiB or more unmapped "
+                        "when freed: lower resident peaks, slower steps), "
+                        "glibc (glibc's settings)")
     return parser
 
 
@@ -344,7 +352,7 @@ def main(argv=None):
                        inter_op_threads=args.inter_op_threads,
                        intra_op_threads=args.intra_op_threads,
                        cpu_affinity=args.cpu_affinity,
-                       return_freed_memory=not args.keep_malloc_defaults)
+                       heap=args.heap)
     except (TypeError, ValueError, RuntimeError) as exc:
         sys.exit(f"keras_pipe.distributed.worker: {exc}")
     _, port = _split_address(server.target.split("://")[-1], "target")

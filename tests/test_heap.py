@@ -1,0 +1,62 @@
+"""The worker heap's settings (`keras_pipe.distributed.heap`), in a child.
+
+What a setting costs is page faults: a big block unmapped when freed is
+faulted in afresh by the next allocation of its size (60-100 ms of system
+CPU per worker per step on the MLP benchmark job). Counted here on 4 MiB
+blocks allocated, written and freed in a loop, as a stage's gradients are.
+"""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from keras_pipe.distributed import heap
+
+_CHILD = r"""
+import ctypes, json, resource, sys
+from keras_pipe.distributed import heap
+applied = heap.configure(sys.argv[1])
+libc = ctypes.CDLL("libc.so.6")
+libc.malloc.restype = ctypes.c_void_p
+libc.free.argtypes = [ctypes.c_void_p]
+size, rounds = 4 << 20, 20
+
+def round_():
+    block = libc.malloc(size)
+    ctypes.memset(block, 1, size)
+    libc.free(block)
+
+for _ in range(3):  # glibc's dynamic threshold settles
+    round_()
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(rounds):
+    round_()
+faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+print(json.dumps({"applied": applied, "faults_per_round": faults / rounds,
+                  "pages": size // resource.getpagesize()}))
+"""
+
+
+def _faults(mode):
+    out = subprocess.run([sys.executable, "-c", _CHILD, mode],
+                         capture_output=True, text=True, check=True)
+    return json.loads(out.stdout)
+
+
+def test_reuse_keeps_freed_blocks_for_the_next_allocation():
+    result = _faults("reuse")
+    assert result["applied"]
+    assert result["faults_per_round"] < 0.05 * result["pages"], result
+
+
+def test_return_gives_freed_blocks_back_and_faults_them_in_again():
+    result = _faults("return")
+    assert result["applied"]
+    assert result["faults_per_round"] > 0.9 * result["pages"], result
+
+
+def test_a_bad_mode_is_named_with_the_choices():
+    with pytest.raises(ValueError, match=r"heap='fast'"):
+        heap.configure("fast")
