@@ -67,6 +67,17 @@ no_automatic_tracking = _tracking.DotNotTrackScope
 get_server_def = _tf_context.get_server_def
 
 
+def onednn_enabled():
+    """Whether this process's TF runs oneDNN's kernels (fixed at import).
+
+    TF reads `TF_ENABLE_ONEDNN_OPTS` once, when it is imported; its default
+    depends on the CPU (on by default on some Intel CPUs, off on this AMD
+    EPYC). A worker must run the same setting as its client.
+    """
+    from tensorflow.python.util import _pywrap_util_port
+    return bool(_pywrap_util_port.IsMklEnabled())
+
+
 def set_initial_epoch(model, epoch):
     """Makes `fit` start at `epoch` (what Keras' BackupAndRestore sets)."""
     model._initial_epoch = epoch

@@ -226,6 +226,12 @@ def test_measured_costs_are_cached(monkeypatch, tmp_path):
     assert profiling.call_costs(graph, 4, repeats=1, target=1e-4) == first
     with pytest.raises(AssertionError, match="measured again"):
         profiling.call_costs(graph, 8, repeats=1, target=1e-4)  # other rows
+    # Costs measured with TF's own kernels do not serve oneDNN's.
+    onednn = profiling._compat.onednn_enabled()
+    monkeypatch.setattr(profiling._compat, "onednn_enabled",
+                        lambda: not onednn)
+    with pytest.raises(AssertionError, match="measured again"):
+        profiling.call_costs(graph, 4, repeats=1, target=1e-4)
 
 
 def test_an_embeddings_gradient_is_timed_as_its_rows():

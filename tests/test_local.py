@@ -16,6 +16,7 @@ import time
 import pytest
 
 import keras_pipe
+from keras_pipe import _compat
 from keras_pipe.distributed import local
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -56,28 +57,35 @@ def test_bad_arguments_are_refused_before_anything_starts(
 
 
 
-def test_workers_run_several_intra_op_threads_on_their_one_core(monkeypatch):
-    """Each pinned worker gets the multi-threaded intra-op pool by default.
-
-    One thread on one core runs a micro-batch's smaller matrix products
-    1.5-1.8x slower per row than the full batch's (measured, not timed
-    here: `keras_pipe.distributed.local.INTRA_OP_THREADS`).
+@pytest.mark.parametrize("onednn", [False, True])
+def test_workers_share_the_clients_kernels_and_size_their_pool_by_them(
+        onednn, monkeypatch):
+    """Each worker gets this process's oneDNN setting as TF read it at
+    import, whatever the environment says now, and the intra-op pool for
+    those kernels:
+    1 thread with oneDNN, 4 with TF's own, whose one-thread products cost
+    more per row at a micro-batch's sizes (measured, not timed here:
+    `keras_pipe.distributed.local.INTRA_OP_THREADS`).
     """
-    commands = []
+    commands, envs = [], []
 
     class Stop(Exception):
         pass
 
-    def popen(command, **kwargs):
+    def popen(command, env=None, **kwargs):
         commands.append(command)
+        envs.append(env)
         raise Stop
 
     monkeypatch.setattr(local.subprocess, "Popen", popen)
+    monkeypatch.setattr(_compat, "onednn_enabled", lambda: onednn)
+    monkeypatch.setenv("TF_ENABLE_ONEDNN_OPTS", "0" if onednn else "1")
     with pytest.raises(Stop):
         _enter(num_workers=1)
     command = commands[0]
     threads = int(command[command.index("--intra-op-threads") + 1])
-    assert threads == local.INTRA_OP_THREADS > 1
+    assert threads == (1 if onednn else 4)
+    assert envs[0]["TF_ENABLE_ONEDNN_OPTS"] == ("1" if onednn else "0")
     assert command[command.index("--cpu-affinity") + 1].isdigit()
 
 
@@ -193,3 +201,4 @@ def test_workers_run_ops_and_none_is_left_running(mode):
     else:
         assert code != 0 and "KeyboardInterrupt" in stderr
         assert "DONE" not in lines
+

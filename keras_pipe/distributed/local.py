@@ -30,16 +30,25 @@ __all__ = ["local_workers"]
 
 _PR_SET_PDEATHSIG = 1
 
-# Threads of each worker's intra-op pool, all on the worker's one core.
-# TF's matrix product on one thread is much slower per row below about
-# 384 rows than above (an x @ w of 256 x 1024 by 1024 x 1024: 1.5-1.8x the
-# CPU time per row of 512 x 1024; torch's is not), and micro-batches make
-# exactly those products. With 4 threads on one core TF splits the product
-# into blocks that run at the full batch's cost per row: a stage's forward
-# and backward pass (4 x Dense(1024)) at 256 rows took 0.97-1.03x the CPU
-# per row of 512 rows with 4 threads, 1.26-1.45x with 1 (`taskset -c 1`,
-# CPU time, same run; docs/performance.md).
-INTRA_OP_THREADS = 4
+# Threads of each worker's intra-op pool, all on the worker's one core, by
+# the kernels TF runs there (`TF_ENABLE_ONEDNN_OPTS`: the client's setting,
+# which a worker must share). Micro-batches make small matrix products,
+# and TF's own (Eigen) products cost far more per row below a few hundred
+# rows: on one pinned core (AMD EPYC, 3 December 2026), a 64 x 1024 by
+# (1024 x 1024)^T product, the input gradient of a Dense layer, took 83-87
+# ms of CPU per 512 rows against 21-25 ms at 512 rows; with oneDNN 24 ms.
+# The forward and backward pass of 4 x Dense(1024) on 512 rows cut into M
+# micro-batches, CPU ms per step at M = 1 / 8: Eigen with 4 threads 211 /
+# 390 (with 1 thread a micro-batch of 256 rows cost 1.26-1.45x per row of
+# 512, with 4 threads 0.97-1.03x), oneDNN with 1 thread 180 / 260, oneDNN
+# with 4 threads 190 / 355 (`python tools/small_products.py`,
+# `docs/performance.md`).
+INTRA_OP_THREADS = {"onednn": 1, "eigen": 4}
+
+
+def default_intra_op_threads(onednn):
+    """The intra-op pool of a one-core worker that runs oneDNN or not."""
+    return INTRA_OP_THREADS["onednn" if onednn else "eigen"]
 
 
 def _die_with_parent():
@@ -82,7 +91,8 @@ def _check_args(num_workers, cores, gpus, intra_op_threads,
                 inter_op_threads, timeout):
     """Checks `local_workers`' arguments; returns (cores, gpus)."""
     _validation.check_positive_int("num_workers", num_workers)
-    _validation.check_positive_int("intra_op_threads", intra_op_threads)
+    if intra_op_threads is not None:
+        _validation.check_positive_int("intra_op_threads", intra_op_threads)
     _validation.check_positive_int("inter_op_threads", inter_op_threads)
     _validation.check_positive_number("timeout", timeout)
     available = sorted(os.sched_getaffinity(0))
@@ -103,7 +113,7 @@ def _check_args(num_workers, cores, gpus, intra_op_threads,
 
 @contextlib.contextmanager
 def local_workers(num_workers=2, cores=None, gpus=None,
-                  intra_op_threads=INTRA_OP_THREADS, inter_op_threads=2,
+                  intra_op_threads=None, inter_op_threads=2,
                   heap="reuse", timeout=120.0):
     """Starts pinned worker processes on this machine and connects to them.
 
@@ -144,10 +154,10 @@ def local_workers(num_workers=2, cores=None, gpus=None,
             then sees that GPU only (`CUDA_VISIBLE_DEVICES`) and the device
             is its `GPU:0`. Defaults to `None`: CPU devices.
         intra_op_threads: each worker's intra-op thread pool, all on
-            its one core. Defaults to `4`: TF's one-thread matrix product
-            costs 1.5-1.8x more per row for a micro-batch's smaller
-            products (256 rows against 512), and 4 threads on one core
-            do not (`INTRA_OP_THREADS`).
+            its one core. Defaults to `None`: 1 where TF runs oneDNN's
+            kernels, 4 where it runs its own, whose one-thread products
+            cost more per row for a micro-batch's smaller products
+            (`INTRA_OP_THREADS`).
         inter_op_threads: the inter-op pool of the contexts the workers
             run this process's functions in (see `keras_pipe.connect`);
             2 or more, so that a transfer to the next stage does not wait
@@ -160,6 +170,12 @@ def local_workers(num_workers=2, cores=None, gpus=None,
             on the MLP benchmark) or `"glibc"`. Defaults to `"reuse"`.
         timeout: seconds for the workers to start and then to answer.
             Defaults to `120.0`.
+
+    The workers get this process's oneDNN setting (`TF_ENABLE_ONEDNN_OPTS`
+    as TF read it at import) and the intra-op pool for those kernels. Set
+    `TF_ENABLE_ONEDNN_OPTS=1` before importing TensorFlow for oneDNN's
+    faster small products on a CPU where it is off by default (this AMD
+    EPYC; `docs/performance.md`).
 
     Returns:
         A context manager whose value is the list of the workers' devices,
@@ -181,6 +197,10 @@ def local_workers(num_workers=2, cores=None, gpus=None,
     cores, gpus = _check_args(num_workers, cores, gpus, intra_op_threads,
                               inter_op_threads, timeout)
     heap_lib.check_mode(heap)
+    from keras_pipe import _compat  # imports TF, which this process runs
+    onednn = _compat.onednn_enabled()
+    if intra_op_threads is None:
+        intra_op_threads = default_intra_op_threads(onednn)
     addresses = [f"127.0.0.1:{_free_port()}" for _ in range(num_workers)]
     logdir = tempfile.TemporaryDirectory(prefix="keras_pipe_workers_")
     procs = []
@@ -188,7 +208,7 @@ def local_workers(num_workers=2, cores=None, gpus=None,
         for task in range(num_workers):
             procs.append(_start(task, addresses, cores, gpus,
                                 intra_op_threads, inter_op_threads, heap,
-                                pathlib.Path(logdir.name)))
+                                onednn, pathlib.Path(logdir.name)))
         _wait_serving(procs, pathlib.Path(logdir.name), timeout)
         from keras_pipe.distributed.cluster import connect  # imports TF
         listing = connect({"worker": addresses}, timeout=timeout,
@@ -209,11 +229,15 @@ def local_workers(num_workers=2, cores=None, gpus=None,
         logdir.cleanup()
 
 
-def _start(task, addresses, cores, gpus, intra, inter, heap, logdir):
+def _start(task, addresses, cores, gpus, intra, inter, heap, onednn,
+           logdir):
     """Starts worker `task`, its output to `logdir/worker{task}.log`."""
     env = dict(os.environ)
     env.pop("TF_CONFIG", None)
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    # This process's setting as TF read it at import, whatever the
+    # environment says now.
+    env["TF_ENABLE_ONEDNN_OPTS"] = "1" if onednn else "0"
     command = [sys.executable, "-m", "keras_pipe.distributed.worker", "--task",
                str(task), "--cluster", ",".join(addresses),
                "--intra-op-threads", str(intra), "--inter-op-threads",

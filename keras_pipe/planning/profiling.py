@@ -31,6 +31,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from keras_pipe import _compat
 from keras_pipe.planning.balance import cost as cost_lib
 
 __all__ = ["CallCosts", "Link", "Overhead", "UpdateRate", "cache_path",
@@ -153,7 +154,11 @@ def cached(parts, compute, cache=True):
 
 
 def _key(*parts):
-    text = json.dumps([_VERSION, tf.__version__, keras.__version__]
+    # The kernels TF runs change every cost (oneDNN's small products are
+    # several times TF's own): a cache measured with one does not serve
+    # the other.
+    text = json.dumps([_VERSION, tf.__version__, keras.__version__,
+                       _compat.onednn_enabled()]
                       + [str(p) for p in parts])
     return hashlib.sha256(text.encode()).hexdigest()[:24]
 

@@ -41,10 +41,14 @@ def child_main(name, params):
 
 # How a child process runs the benchmarks' entry point.
 COMMAND = [sys.executable, "-m", "tools.benchmarks"]
+# Every TF process of the benchmarks runs oneDNN's kernels (off by default
+# on this AMD EPYC): TF's own products cost 2-3.5x more per row at a
+# micro-batch's sizes (`keras_pipe.distributed.local.INTRA_OP_THREADS`).
+# `TF_ENABLE_ONEDNN_OPTS=0` in the environment measures TF's own instead.
+ONEDNN = os.environ.get("TF_ENABLE_ONEDNN_OPTS", "1") == "1"
 # Each pinned process's intra-op pool, keras_pipe's workers and the 1-core
-# process alike: `keras_pipe.distributed.local.INTRA_OP_THREADS` (TF's
-# one-thread matrix product is slow per row on a micro-batch's products).
-INTRA_OP_THREADS = 4
+# process alike, as `keras_pipe.local_workers` sizes it for those kernels.
+INTRA_OP_THREADS = 1 if ONEDNN else 4
 
 
 def ideal_speedup(num_micro_batches, num_stages=2):
@@ -467,6 +471,7 @@ def probe_line(env):
 def _env(shim=None):
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3",
                KERAS_BACKEND="tensorflow",
+               TF_ENABLE_ONEDNN_OPTS="1" if ONEDNN else "0",
                PYTHONPATH=os.pathsep.join(
                    p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
     env.pop("TF_CONFIG", None)
@@ -579,6 +584,7 @@ def environment():
             "cpus": os.cpu_count(),
             "affinity": sorted(os.sched_getaffinity(0)),
             "load_average": os.getloadavg(), **versions,
+            "tf_onednn": ONEDNN, "intra_op_threads": INTRA_OP_THREADS,
             "commit": git("rev-parse", "HEAD").strip(),
             "uncommitted_files": git("status", "--porcelain",
                                      "-uno").splitlines(),
