@@ -63,12 +63,68 @@ def _ticks(schedule, num_micro_batches, num_stages):
         num_micro_batches, num_stages, num_stages)
 
 
+class StageActions(list):
+    """One stage's passes `(kind, i)` in order (a list), knowing the whole
+    schedule: `executor_order` places the weight-gradient calls where the
+    executor does."""
+
+    def __init__(self, items, ticks, j, num_stages):
+        super().__init__(items)
+        self.ticks, self.j, self.num_stages = ticks, j, num_stages
+        self._orders = {}
+
+    def executor_order(self, mode, num_micro_batches):
+        """The stage's passes as the executor runs them with remat `mode`
+        on every stage: `"F"`; `"B"` (input and weight gradients, one
+        call); `"Bi"` (input gradients only) and `"Wg"` (its weight
+        gradients, a later call) where the executor splits a backward pass
+        (`schedule.defer_weight_runs` with `num_stages`, as
+        `engine.executor` calls it: right after its `"B"`, or at the end of
+        a run fed back to back); `"W"` for a backward pass the schedule
+        splits itself (the micro-batch is held until then)."""
+        key = (mode, num_micro_batches)
+        if key not in self._orders:
+            flat = [a for tick in self.ticks for a in tick]
+            self._orders[key] = _stage_order(
+                flat, self.j, mode, num_micro_batches, self.num_stages)
+        return self._orders[key]
+
+
+def _remat(mode, i, num_micro_batches):
+    return mode == "always" or (mode == "except_last"
+                                and i < num_micro_batches - 1)
+
+
+def _stage_order(flat, j, mode, m, num_stages=None):
+    """`StageActions.executor_order` of stage `j` among the actions `flat`
+    (issue order); `num_stages=None`: every run of two or more backward
+    passes deferred, lone ones whole (`defer_weight_runs` without it)."""
+    split = {(a.i, a.j) for a in flat if a.kind == "W"}
+    added = schedule_lib.defer_weight_runs(
+        flat, lambda a: a.j,
+        lambda a: (a.i, a.j) not in split and not _remat(mode, a.i, m),
+        num_stages)
+    weights = {(a.i, a.j) for a in added if a.kind == "W"} - split
+    out = []
+    for a in added:
+        if a.j != j or (a.kind == "B" and (a.i, a.j) in split):
+            continue
+        if a.kind == "B":
+            out.append(("Bi" if (a.i, a.j) in weights else "B", a.i))
+        elif a.kind == "W":
+            out.append(("W" if (a.i, a.j) in split else "Wg", a.i))
+        else:
+            out.append((a.kind, a.i))
+    return out
+
+
 def stage_actions(schedule, num_micro_batches, num_stages):
     """Per stage, its passes `("F", i)` / `("B", i)` in the order they run.
 
     A split backward pass (`"W"` actions, zero-bubble schedules) holds the
     micro-batch until its `"W"`, which is listed as `("W", i)` (its `"B"`
-    is not listed).
+    is not listed). Each list is a `StageActions`, which also knows where
+    the executor splits backward passes (`executor_order`).
 
     ```python
     >>> stage_actions("1f1b", 2, 2)[1]
@@ -84,7 +140,8 @@ def stage_actions(schedule, num_micro_batches, num_stages):
                 actions[a.j].append(("F", a.i))
             elif (a.kind == "W") == ((a.i, a.j) in split):
                 actions[a.j].append((a.kind, a.i))
-    return actions
+    return [StageActions(a, ticks, j, num_stages)
+            for j, a in enumerate(actions)]
 
 
 def in_flight(schedule, num_micro_batches, num_stages):
@@ -501,10 +558,10 @@ def moments(actions, mode, num_micro_batches, first=False, last=False,
     boundary_of = zero if first else _unit("inputs")
 
     def remat_of(i):
-        return mode == "always" or (mode == "except_last" and i < m - 1)
+        return _remat(mode, i, m)
 
-    deferred = _deferred_runs(actions, remat_of)
-    for n, (kind, i) in enumerate(actions):
+    order = _executor_order(actions, mode, m)
+    for n, (kind, i) in enumerate(order):
         remat = remat_of(i)
         boundary = sum((v[0] for v in held.values()), zero)
         kept = sum((v[1] for v in held.values()), zero)
@@ -518,36 +575,41 @@ def moments(actions, mode, num_micro_batches, first=False, last=False,
                 boundary + boundary_of, kept + making, sums,
                 fixed + _unit("outputs")]))
             continue
+        if kind == "Wg":
+            run.append(i)
+            if n + 1 < len(order) and order[n + 1][0] == "Wg":
+                continue
+            # W: per mixing op, its inputs and output gradients of the
+            # run concatenated, one product per weight into the sums.
+            grads = _unit("trainable", 2 if sums.any() else 1)
+            if not any(k in ("B", "Bi", "W") for k, _ in order[n + 1:]):
+                # The stage's last W: each variable's gradient waits for
+                # the update of the one before (`engine.release`: a W call
+                # whose sums are not summed again), so about one new
+                # gradient is alive besides the old sums (measured by
+                # `tools/worker_memory.py`: 2.05x the weights before the
+                # chain, 1.68x after).
+                grads = (sums if sums.any() else zero) + _unit(
+                    "largest_variable", 2)
+                released = True
+            # `kept`: every micro-batch of the run with its stash.
+            result.append(np.stack([
+                boundary, kept, grads,
+                fixed + _unit("largest", 2 * len(run))
+                + _unit("workspace")]))
+            for r in run:
+                held.pop(r, None)
+            run, sums = [], _unit("trainable")
+            continue
         waiting = _unit("outputs", len(held) - 1)
-        if n in deferred:
+        if kind == "Bi":
             # Input gradients only; the stash (the mixing ops' inputs, kept
-            # anyway, and output gradients) stays for the run's W.
+            # anyway, and output gradients) stays for the W call.
             result.append(np.stack([
                 boundary, kept + _unit("mixing"), sums,
                 fixed + _unit("outputs") + _unit("largest") + waiting
                 + _unit("workspace")]))
             held[i] = (held[i][0], _unit("recompute") + _unit("mixing"))
-            run.append(i)
-            if n + 1 not in deferred:
-                # W: per mixing op, its inputs and output gradients of the
-                # run concatenated, one product per weight into the sums.
-                grads = _unit("trainable", 2 if sums.any() else 1)
-                if m > 1 and not any(k == "B" for k, _ in actions[n + 1:]):
-                    # The stage's last W: each variable's gradient waits for
-                    # the update of the one before (`engine.release`), so
-                    # about one new gradient is alive besides the old sums
-                    # (measured by `tools/worker_memory.py`: 2.05x the
-                    # weights before the chain, 1.68x after).
-                    grads = (sums if sums.any() else zero) + _unit(
-                        "largest_variable", 2)
-                    released = True
-                result.append(np.stack([
-                    boundary, kept + _unit("mixing"), grads,
-                    fixed + _unit("largest", 2 * len(run))
-                    + _unit("workspace")]))
-                for r in run:
-                    held.pop(r, None)
-                run, sums = [], _unit("trainable")
             continue
         if remat:
             # One traced call: recompute, backward, and the running sums,
@@ -613,16 +675,15 @@ def update_temporaries(optimizer_slots):
     return form
 
 
-def _deferred_runs(actions, remat_of):
-    """Positions of the `"B"`s whose weight gradients wait for their run's
-    end, as the executor decides (`schedule.defer_weight_runs`)."""
+def _executor_order(actions, mode, m):
+    """A stage's passes as the executor runs them (`StageActions.
+    executor_order`); for a plain list of `(kind, i)` (a stage alone,
+    without the schedule), every run of two or more backward passes
+    defers its weight gradients to its end."""
+    if isinstance(actions, StageActions):
+        return actions.executor_order(mode, m)
     flat = [schedule_lib.Action(kind, i, 0) for kind, i in actions]
-    added = [a for a in schedule_lib.defer_weight_runs(
-        flat, lambda a: 0, lambda a: not remat_of(a.i)) if a.kind == "W"]
-    waiting = {a.i for a in added} - {i for kind, i in actions
-                                      if kind == "W"}
-    return {n for n, (kind, i) in enumerate(actions)
-            if kind == "B" and i in waiting}
+    return _stage_order(flat, 0, mode, m)
 
 
 def features(block):
