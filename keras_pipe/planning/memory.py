@@ -291,9 +291,15 @@ def _traced_inner(call, shapes=None):
             seen.add(id(t))
             dims = t.shape.as_list() if t.shape.rank is not None else []
             if dims and dims[0] is None:
-                # Tensors without the batch dimension (shapes, views and
-                # casts of weights) are small or counted with the weights.
                 per_row += t.dtype.size * math.prod(d or 1 for d in dims[1:])
+            elif dims and t.dtype.is_floating and all(
+                    d is not None for d in dims):
+                # Without the batch dimension: a copy made from a weight
+                # that a gradient reads (the transposed token embedding of
+                # a tied output layer, `ReversibleEmbedding(reverse=True)`;
+                # a cast weight), one per call: views of variables
+                # (`ReadVariableOp`) are not held.
+                whole += t.dtype.size * math.prod(dims)
     cache[key] = per_row, whole
     return per_row, whole
 
@@ -361,6 +367,18 @@ def _saved_bytes(call, rows, recompute=False, shapes=None):
 _CONV_WORKING_SET = 30 << 20
 
 
+# Backward kernels with a scratch buffer that run at once: a conv's input
+# and filter gradients are ready together (and a W call's filter gradients
+# all at once), and TF's inter-op pool (2 threads here: one per core) runs
+# two kernels together. Measured, BFC allocator peak of the ResNet stage 0
+# of `tools/memory_model.py`, M = 4, remat "always": 58.2 MiB with one
+# inter-op thread (`tf.config.threading.set_inter_op_parallelism_threads`),
+# 86.9 with the default: one more 27 MiB buffer (M = 1 without remat: 84.7
+# and 113.7). A backward call of input gradients only (`"Bi"`) runs its
+# convs' input gradients one after another: one buffer.
+CONCURRENT_KERNELS = 2
+
+
 def backward_workspace(call, shapes=None):
     """Bytes of the scratch buffer the gradient of `call` allocates (0 for
     most layers): a `Conv1D`/`Conv2D`'s im2col buffer, as TF's CPU kernel
@@ -390,6 +408,50 @@ def backward_workspace(call, shapes=None):
     return shard * image * filter_total * size
 
 
+def _stash_bytes(call, rows, shapes=None):
+    """What a split backward pass (`engine.weight_grad`) keeps of one call
+    for its W: per mixing op (an op with a weight operand) its inputs and
+    the gradient of its output, so for a call with trainable weights its
+    distinct float inputs and its outputs; in attention also the
+    projections' outputs (their gradients) and the attended values (the
+    output projection's input). Nothing for calls without weights: the
+    tape's other tensors (an activation's output, softmax scores) are
+    freed when B returns."""
+    op = call.operation
+    if not getattr(op, "trainable_weights", None) or isinstance(
+            op, keras.layers.BatchNormalization):
+        # Batch normalization in training scales by the batch's statistics:
+        # its weights meet only per-channel vectors (`x * (gamma *
+        # rsqrt(var))`), a stash of vectors.
+        return 0
+    if isinstance(op, (keras.layers.LayerNormalization,
+                       keras.layers.GroupNormalization)):
+        # `x * (rsqrt(var) * gamma)`: the product with gamma is per row,
+        # the gradient of its output is stashed (its input is a vector).
+        return sum(cost_lib.tensor_bytes(x, rows, shapes)
+                   for x in call.outputs)
+    seen, total = set(), 0
+    for x in call.inputs:
+        if id(x) in seen or "float" not in str(x.dtype):
+            continue
+        seen.add(id(x))
+        total += cost_lib.tensor_bytes(x, rows, shapes)
+    total += sum(cost_lib.tensor_bytes(x, rows, shapes)
+                 for x in call.outputs)
+    if isinstance(op, keras.layers.MultiHeadAttention):
+        query = cost_lib.dims(cost_lib.shape_of(call.inputs[0], shapes), rows)
+        t_q = math.prod(query[1:-1])
+        t_v = t_q
+        if len(call.inputs) > 1:
+            t_v = math.prod(cost_lib.dims(
+                cost_lib.shape_of(call.inputs[1], shapes), rows)[1:-1])
+        value_dim = op.value_dim or op.key_dim
+        total += 4 * rows * op.num_heads * (
+            t_q * op.key_dim + t_v * op.key_dim + t_v * value_dim
+            + t_q * value_dim)
+    return total
+
+
 @dataclasses.dataclass
 class Block:
     """Sizes of a run of calls as one stage; activations per micro-batch."""
@@ -404,6 +466,7 @@ class Block:
     largest_variable: int
     mixing: int         # outputs of the calls with trainable weights
     workspace: int = 0  # the largest scratch buffer of one backward op
+    stash: int = 0      # a split backward's stash, one micro-batch
 
 
 class Profile:
@@ -423,7 +486,10 @@ class Profile:
             for x in call.inputs:
                 needs_input[id(x)] = needs_input.get(id(x), False) or wants
         self.saved, self.recomputed, self.mixed = [0], [0], [0]
+        self.stashed = [0]
         for call in graph.calls:
+            self.stashed.append(self.stashed[-1] + _stash_bytes(
+                call, rows, shapes))
             self.saved.append(self.saved[-1] + _saved_bytes(
                 call, rows, shapes=shapes))
             self.mixed.append(self.mixed[-1] + (sum(
@@ -499,7 +565,8 @@ class Profile:
             largest=max(self.out[a:b]),
             largest_variable=max(self.largest_var[a:b]),
             mixing=self.mixed[b] - self.mixed[a],
-            workspace=max(self.workspace[a:b]))
+            workspace=max(self.workspace[a:b]),
+            stash=self.stashed[b] - self.stashed[a])
 
 
 @dataclasses.dataclass
@@ -524,7 +591,7 @@ class StageMemory:
 
 
 FEATURES = ("inputs", "outputs", "activations", "recompute", "trainable",
-            "largest", "largest_variable", "mixing", "workspace")
+            "largest", "largest_variable", "mixing", "workspace", "stash")
 _CATEGORIES = ("boundary", "activations", "gradients", "transient")
 
 
@@ -561,6 +628,17 @@ def moments(actions, mode, num_micro_batches, first=False, last=False,
         return _remat(mode, i, m)
 
     order = _executor_order(actions, mode, m)
+    if _PAIR_AS_FUSED:
+        order = _pairs_fused(order)
+    # The last stage of a schedule whose backward passes start after every
+    # forward pass (GPipe) seeds them from the loss of the merged outputs:
+    # the loss gradient is one buffer of `m` micro-batches (in `fixed`)
+    # whose rows each backward pass reads (slices along the batch share
+    # it), not a gradient per micro-batch arriving.
+    kinds = [k for k, _ in order]
+    whole_seed = last and "F" in kinds and not any(
+        k != "F" for k in kinds[:len(kinds) - kinds[::-1].index("F")])
+    arriving = zero if whole_seed else _unit("outputs")
     for n, (kind, i) in enumerate(order):
         remat = remat_of(i)
         boundary = sum((v[0] for v in held.values()), zero)
@@ -596,20 +674,20 @@ def moments(actions, mode, num_micro_batches, first=False, last=False,
             result.append(np.stack([
                 boundary, kept, grads,
                 fixed + _unit("largest", 2 * len(run))
-                + _unit("workspace")]))
+                + _unit("workspace", CONCURRENT_KERNELS)]))
             for r in run:
                 held.pop(r, None)
             run, sums = [], _unit("trainable")
             continue
-        waiting = _unit("outputs", len(held) - 1)
+        waiting = arriving * (len(held) - 1)
         if kind == "Bi":
             # Input gradients only; the stash (the mixing ops' inputs, kept
             # anyway, and output gradients) stays for the W call.
             result.append(np.stack([
                 boundary, kept + _unit("mixing"), sums,
-                fixed + _unit("outputs") + _unit("largest") + waiting
+                fixed + arriving + _unit("largest") + waiting
                 + _unit("workspace")]))
-            held[i] = (held[i][0], _unit("recompute") + _unit("mixing"))
+            held[i] = (held[i][0], _unit("stash"))
             continue
         if remat:
             # One traced call: recompute, backward, and the running sums,
@@ -618,20 +696,20 @@ def moments(actions, mode, num_micro_batches, first=False, last=False,
             # on workers: SGD, M = 2, "always": weights + 2 x trainable).
             recompute = _unit("recompute")
             grads = _unit("trainable", 2 if sums.any() else 1)
-            passing = _unit("outputs") + _unit("inputs") + _unit(
-                "largest")
+            passing = arriving + _unit("inputs") + _unit("largest")
         else:
             # The tape returns every weight gradient, then they are added;
             # the micro-batch's kept activations are freed as its
             # gradients are made.
             recompute = zero
             grads = _unit("trainable", 2 if sums.any() else 1)
-            passing = _unit("outputs") + _unit("largest")
+            passing = arriving + _unit("largest")
         # The next stage may run ahead: gradients for the outputs of the
         # other micro-batches in flight can have arrived and be waiting.
         result.append(np.stack([
             boundary, kept + recompute, grads,
-            fixed + passing + waiting + _unit("workspace")]))
+            fixed + passing + waiting
+            + _unit("workspace", CONCURRENT_KERNELS)]))
         held.pop(i, None)
         sums = _unit("trainable")
         # One micro-batch, taped, SGD: each update reads only its own
@@ -673,6 +751,23 @@ def update_temporaries(optimizer_slots):
     if optimizer_slots:
         form = form + _unit("trainable")
     return form
+
+
+_PAIR_AS_FUSED = True
+
+
+def _pairs_fused(order):
+    """A `"Bi"` followed at once by its own `"Wg"` as one `"B"`."""
+    out, n = [], 0
+    while n < len(order):
+        kind, i = order[n]
+        if kind == "Bi" and n + 1 < len(order) and order[n + 1] == ("Wg", i):
+            out.append(("B", i))
+            n += 2
+            continue
+        out.append((kind, i))
+        n += 1
+    return out
 
 
 def _executor_order(actions, mode, m):
