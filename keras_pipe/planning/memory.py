@@ -628,8 +628,6 @@ def moments(actions, mode, num_micro_batches, first=False, last=False,
         return _remat(mode, i, m)
 
     order = _executor_order(actions, mode, m)
-    if _PAIR_AS_FUSED:
-        order = _pairs_fused(order)
     # The last stage of a schedule whose backward passes start after every
     # forward pass (GPipe) seeds them from the loss of the merged outputs:
     # the loss gradient is one buffer of `m` micro-batches (in `fixed`)
@@ -753,23 +751,6 @@ def update_temporaries(optimizer_slots):
     return form
 
 
-_PAIR_AS_FUSED = True
-
-
-def _pairs_fused(order):
-    """A `"Bi"` followed at once by its own `"Wg"` as one `"B"`."""
-    out, n = [], 0
-    while n < len(order):
-        kind, i = order[n]
-        if kind == "Bi" and n + 1 < len(order) and order[n + 1] == ("Wg", i):
-            out.append(("B", i))
-            n += 2
-            continue
-        out.append((kind, i))
-        n += 1
-    return out
-
-
 def _executor_order(actions, mode, m):
     """A stage's passes as the executor runs them (`StageActions.
     executor_order`); for a plain list of `(kind, i)` (a stage alone,
@@ -786,8 +767,13 @@ def features(block):
     return np.array([getattr(block, name) for name in FEATURES], float)
 
 
+# glibc's mmap threshold in a worker with heap "return"
+# (`keras_pipe.distributed.heap.configure`): smaller blocks come from arenas.
+MMAP_THRESHOLD = 1 << 20
+
+
 def stage_memory(block, actions, mode, num_micro_batches, optimizer_slots=2,
-                 first=False, last=False):
+                 first=False, last=False, resident=False):
     """The predicted peak of one stage running `actions` under remat `mode`.
 
     Args:
@@ -801,6 +787,8 @@ def stage_memory(block, actions, mode, num_micro_batches, optimizer_slots=2,
             `False`.
         last: the stage holds the merged outputs, targets and loss
             gradient (the last stage). Defaults to `False`.
+        resident: the peak of a worker's resident memory (heap
+            "return"), not of the allocator. Defaults to `False`.
 
     Returns:
         A `StageMemory`.
@@ -809,6 +797,18 @@ def stage_memory(block, actions, mode, num_micro_batches, optimizer_slots=2,
                     optimizer_slots)
     values = forms @ features(block)          # (moments, categories)
     peak = values[int(np.argmax(values.sum(axis=1)))]
+    hidden = block.outputs if first else block.inputs
+    if resident and hidden < MMAP_THRESHOLD:
+        # A worker's resident memory (`keras_pipe.distributed.heap`,
+        # "return"): blocks below the mmap threshold come from glibc's
+        # arenas, which keep their high-water mark resident; when a
+        # micro-batch's hidden tensors (at the stage's boundary) are that
+        # small, the activations' own peak
+        # stays resident under the later peak of gradients and updates.
+        small = values[:, :2].sum(axis=1)
+        big = values[:, 2:].sum(axis=1)
+        peak = np.concatenate([values[int(np.argmax(small)), :2],
+                               values[int(np.argmax(big)), 2:]])
     return StageMemory(
         weights=block.weights,
         optimizer_slots=optimizer_slots * block.trainable,
@@ -816,7 +816,8 @@ def stage_memory(block, actions, mode, num_micro_batches, optimizer_slots=2,
 
 
 def predict(partition, batch_size, num_micro_batches, remat="except_last",
-            schedule="gpipe", optimizer_slots=2, input_shape=None):
+            schedule="gpipe", optimizer_slots=2, input_shape=None,
+            _resident=False):
     """Predicted peak memory of each stage of a `Partition` in training.
 
     ```python
@@ -867,7 +868,7 @@ def predict(partition, batch_size, num_micro_batches, remat="except_last",
         start += size
         result.append(stage_memory(block, actions[j], modes[j], m,
                                    optimizer_slots, first=j == 0,
-                                   last=j == k - 1))
+                                   last=j == k - 1, resident=_resident))
     return result
 
 
@@ -911,7 +912,7 @@ def predict_resident(partition, batch_size, num_micro_batches,
     calls = partition.graph.calls
     for size, peak in zip(partition.sizes, predict(
             partition, batch_size, num_micro_batches, remat, schedule,
-            optimizer_slots, input_shape)):
+            optimizer_slots, input_shape, _resident=True)):
         # At build each stage places every variable its layers use on its
         # device, tied ones too (a later stage moves them on).
         used = {id(v): _variable_bytes(v) for call in calls[start:start + size]
