@@ -232,8 +232,11 @@ def test_a_worker_peak_is_the_larger_of_its_step_and_its_build():
     resident = memory.predict_resident(part, 64, 2, "never",
                                        optimizer_slots=0)
     assert resident[0].build == block.weights + 2 * block.largest_variable
-    assert resident[0].total == max(step[0].total, resident[0].build)
-    assert [r.total for r in resident] == [s.total for s in step]
+    # The step's resident peak: at least the allocator's (small blocks'
+    # high-water mark stays resident, `predict_resident`).
+    steps = [memory.StageMemory.total.fget(r) for r in resident]
+    assert resident[0].total == max(steps[0], resident[0].build)
+    assert all(r >= s.total for r, s in zip(steps, step))
 
 
 class Feedforward(keras.layers.Layer):
@@ -331,3 +334,55 @@ def test_one_taped_micro_batch_applies_each_gradient_as_it_is_made():
     # A rematerialized backward is one call returning every gradient.
     fused = memory.stage_memory(block, actions, "always", 1, 0)
     assert fused.total >= all_at_once
+
+
+def _conv_net():
+    x = keras.Input((16, 16, 8))
+    h = keras.layers.Conv2D(16, 3, padding="same")(x)
+    h = keras.layers.BatchNormalization()(h)
+    h = keras.layers.Activation("relu")(h)
+    h = keras.layers.Conv2D(16, 3, padding="same", activation="relu")(h)
+    h = keras.layers.GlobalAveragePooling2D()(h)
+    return keras.Model(x, keras.layers.Dense(3)(h))
+
+
+def test_a_conv_backward_holds_two_scratch_buffers():
+    # A conv's input and filter gradients run at once on TF's inter-op
+    # pool, each with its im2col buffer (measured: one more 27 MiB buffer
+    # with 2 inter-op threads than with 1).
+    part = partition.cut(_conv_net(), 2, balance=[4, 2])
+    block = memory.Profile(part.graph, 8).block(0, 4)
+    assert block.workspace > 0
+    peak = memory.predict(part, 8, 1, "always", optimizer_slots=0)[0]
+    assert peak.transient >= memory.CONCURRENT_KERNELS * block.workspace
+
+
+def test_the_stash_holds_mixing_inputs_and_output_gradients():
+    # Conv: its input and its output's gradient; batch norm scales by the
+    # batch statistics, its weights meet vectors only: nothing per row.
+    part = partition.cut(_conv_net(), 2, balance=[4, 2])
+    profile = memory.Profile(part.graph, 8)
+    conv, norm = profile.block(0, 1), profile.block(1, 2)
+    assert conv.stash == conv.inputs + conv.outputs
+    assert norm.stash == 0
+    # GPipe without remat: after its input-gradient call, a micro-batch
+    # holds its stash for the run's W, not its whole tape.
+    model = _mlp(width=256, depth=6)
+    part = partition.cut(model, 2, balance=[3, 4])
+    block = memory.Profile(part.graph, 64).block(3, 7)
+    peak = memory.predict(part, 512, 8, "never", "gpipe")[1]
+    assert peak.activations == 8 * block.stash
+
+
+def test_a_worker_keeps_the_peak_of_small_activations_resident():
+    # Micro-batches of small hidden tensors (below glibc's mmap threshold)
+    # come from arenas that stay resident: the resident prediction adds the
+    # activations' own peak to the gradients' and updates' later peak.
+    model = _mlp(width=256, depth=6)
+    part = partition.cut(model, 2, balance=[3, 4])
+    allocator = memory.predict(part, 64, 4, "never", optimizer_slots=2)
+    resident = memory.predict_resident(part, 64, 4, "never",
+                                       optimizer_slots=2)
+    for a, r in zip(allocator, resident):
+        assert r.total > a.total
+        assert r.activations >= a.activations
