@@ -19,11 +19,14 @@ anything is built. The model follows what the executor holds
   micro-batches in flight, which a next stage running ahead may have sent;
 * stage 0 also holds the mini-batch, the last stage the merged outputs and
   their loss gradient;
-* in a run of backward passes without remat (GPipe's backward phase,
-  1F1B's drain; `schedule.defer_weight_runs`), each micro-batch keeps its
-  activations (the mixing ops' inputs) and the mixing ops' output
-  gradients (the outputs of the calls with weights, `Block.mixing`) until
-  the run's one weight-gradient call, which concatenates them op by op.
+* where the executor splits a backward pass without remat
+  (`schedule.defer_weight_runs` with `num_stages`, read from the
+  schedule's actions by `StageActions.executor_order`: GPipe's runs fed
+  back to back, whose W waits for the run's end, and each backward pass
+  whose input gradient goes to another device, with its W right after),
+  the micro-batch keeps its stash (`Block.stash`: its mixing ops' inputs
+  and output gradients) until its W call, which concatenates a run's
+  stashes op by op.
 
 Validated per stage against TF's allocator peak by `tools/memory_model.py`
 (README, "Fitting a memory budget").
