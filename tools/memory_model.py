@@ -331,10 +331,11 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def measure_workers(common, grid, num_stages, predict_only=False):
-    """Per configuration of `grid`: starts `num_stages` loopback workers,
-    runs the client child on them, stops them. (`predict_only`: no
-    workers, predictions only.)"""
+def measure_workers(common, grid, num_stages, predict_only=False,
+                    heap="return"):
+    """Per configuration of `grid`: starts `num_stages` loopback workers
+    (`--heap heap`, `keras_pipe.distributed.heap`), runs the client child
+    on them, stops them. (`predict_only`: no workers, predictions only.)"""
     common = common + ["--workers"]
     if predict_only:
         return run_child(common + ["--grid", json.dumps(grid), "--cluster",
@@ -348,7 +349,7 @@ def measure_workers(common, grid, num_stages, predict_only=False):
         workers = [subprocess.Popen(
             [sys.executable, "-m", "keras_pipe.distributed.worker",
              "--task", str(t), "--cluster", ",".join(cluster),
-             "--intra-op-threads", "1", "--heap", "return"],
+             "--intra-op-threads", "1", "--heap", heap],
             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             for t in range(num_stages)]
         try:
@@ -527,6 +528,10 @@ def main(argv=None):
     parser.add_argument("--workers", action="store_true",
                         help="resident peaks of 2 worker processes instead "
                         "of allocator peaks on logical devices")
+    parser.add_argument("--heap", default="return", choices=("return",
+                        "reuse"), help="--workers: the workers' heap "
+                        "setting (keras_pipe.distributed.heap); the model "
+                        "predicts 'return' (default)")
     parser.add_argument("--out", default=None, help="write results as JSON")
     parser.add_argument("--predict", default=None, help="recompute the "
                         "predictions for the measurements of this JSON")
@@ -569,7 +574,7 @@ def main(argv=None):
             common += ["--known", json.dumps(old[name])]
         if args.workers:
             results += measure_workers(common, grid, args.num_stages,
-                                       bool(old))
+                                       bool(old), args.heap)
         else:
             results += run_child(common + ["--grid", json.dumps(grid)])
     print(format_table(results, "worker" if args.workers else "stage"))

@@ -100,6 +100,7 @@ def block_grid(profile, n):
     saved = np.array(profile.saved, float)
     mixed = np.array(profile.mixed, float)
     recomputed = np.array(profile.recomputed, float)
+    stashed = np.array(profile.stashed, float)
     trainable = np.array(profile.trainable, float)
     weights = np.array(profile.weights, float)
     largest = np.zeros((n + 1, n + 1))
@@ -120,7 +121,8 @@ def block_grid(profile, n):
         "recompute": recomputed[e] - recomputed[a],
         "trainable": trainable[e] - trainable[a],
         "largest": largest, "largest_variable": largest_var,
-        "mixing": mixed[e] - mixed[a], "workspace": workspace}
+        "mixing": mixed[e] - mixed[a], "workspace": workspace,
+        "stash": stashed[e] - stashed[a]}
     return (np.stack([grid[f] for f in memory_lib.FEATURES], -1),
             weights[e] - weights[a], trainable[e] - trainable[a])
 

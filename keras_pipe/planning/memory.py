@@ -19,11 +19,14 @@ anything is built. The model follows what the executor holds
   micro-batches in flight, which a next stage running ahead may have sent;
 * stage 0 also holds the mini-batch, the last stage the merged outputs and
   their loss gradient;
-* in a run of backward passes without remat (GPipe's backward phase,
-  1F1B's drain; `schedule.defer_weight_runs`), each micro-batch keeps its
-  activations (the mixing ops' inputs) and the mixing ops' output
-  gradients (the outputs of the calls with weights, `Block.mixing`) until
-  the run's one weight-gradient call, which concatenates them op by op.
+* where the executor splits a backward pass without remat
+  (`schedule.defer_weight_runs` with `num_stages`, read from the
+  schedule's actions by `StageActions.executor_order`: GPipe's runs fed
+  back to back, whose W waits for the run's end, and each backward pass
+  whose input gradient goes to another device, with its W right after),
+  the micro-batch keeps its stash (`Block.stash`: its mixing ops' inputs
+  and output gradients) until its W call, which concatenates a run's
+  stashes op by op.
 
 Validated per stage against TF's allocator peak by `tools/memory_model.py`
 (README, "Fitting a memory budget").
@@ -63,12 +66,68 @@ def _ticks(schedule, num_micro_batches, num_stages):
         num_micro_batches, num_stages, num_stages)
 
 
+class StageActions(list):
+    """One stage's passes `(kind, i)` in order (a list), knowing the whole
+    schedule: `executor_order` places the weight-gradient calls where the
+    executor does."""
+
+    def __init__(self, items, ticks, j, num_stages):
+        super().__init__(items)
+        self.ticks, self.j, self.num_stages = ticks, j, num_stages
+        self._orders = {}
+
+    def executor_order(self, mode, num_micro_batches):
+        """The stage's passes as the executor runs them with remat `mode`
+        on every stage: `"F"`; `"B"` (input and weight gradients, one
+        call); `"Bi"` (input gradients only) and `"Wg"` (its weight
+        gradients, a later call) where the executor splits a backward pass
+        (`schedule.defer_weight_runs` with `num_stages`, as
+        `engine.executor` calls it: right after its `"B"`, or at the end of
+        a run fed back to back); `"W"` for a backward pass the schedule
+        splits itself (the micro-batch is held until then)."""
+        key = (mode, num_micro_batches)
+        if key not in self._orders:
+            flat = [a for tick in self.ticks for a in tick]
+            self._orders[key] = _stage_order(
+                flat, self.j, mode, num_micro_batches, self.num_stages)
+        return self._orders[key]
+
+
+def _remat(mode, i, num_micro_batches):
+    return mode == "always" or (mode == "except_last"
+                                and i < num_micro_batches - 1)
+
+
+def _stage_order(flat, j, mode, m, num_stages=None):
+    """`StageActions.executor_order` of stage `j` among the actions `flat`
+    (issue order); `num_stages=None`: every run of two or more backward
+    passes deferred, lone ones whole (`defer_weight_runs` without it)."""
+    split = {(a.i, a.j) for a in flat if a.kind == "W"}
+    added = schedule_lib.defer_weight_runs(
+        flat, lambda a: a.j,
+        lambda a: (a.i, a.j) not in split and not _remat(mode, a.i, m),
+        num_stages)
+    weights = {(a.i, a.j) for a in added if a.kind == "W"} - split
+    out = []
+    for a in added:
+        if a.j != j or (a.kind == "B" and (a.i, a.j) in split):
+            continue
+        if a.kind == "B":
+            out.append(("Bi" if (a.i, a.j) in weights else "B", a.i))
+        elif a.kind == "W":
+            out.append(("W" if (a.i, a.j) in split else "Wg", a.i))
+        else:
+            out.append((a.kind, a.i))
+    return out
+
+
 def stage_actions(schedule, num_micro_batches, num_stages):
     """Per stage, its passes `("F", i)` / `("B", i)` in the order they run.
 
     A split backward pass (`"W"` actions, zero-bubble schedules) holds the
     micro-batch until its `"W"`, which is listed as `("W", i)` (its `"B"`
-    is not listed).
+    is not listed). Each list is a `StageActions`, which also knows where
+    the executor splits backward passes (`executor_order`).
 
     ```python
     >>> stage_actions("1f1b", 2, 2)[1]
@@ -84,7 +143,8 @@ def stage_actions(schedule, num_micro_batches, num_stages):
                 actions[a.j].append(("F", a.i))
             elif (a.kind == "W") == ((a.i, a.j) in split):
                 actions[a.j].append((a.kind, a.i))
-    return actions
+    return [StageActions(a, ticks, j, num_stages)
+            for j, a in enumerate(actions)]
 
 
 def in_flight(schedule, num_micro_batches, num_stages):
@@ -234,9 +294,15 @@ def _traced_inner(call, shapes=None):
             seen.add(id(t))
             dims = t.shape.as_list() if t.shape.rank is not None else []
             if dims and dims[0] is None:
-                # Tensors without the batch dimension (shapes, views and
-                # casts of weights) are small or counted with the weights.
                 per_row += t.dtype.size * math.prod(d or 1 for d in dims[1:])
+            elif dims and t.dtype.is_floating and all(
+                    d is not None for d in dims):
+                # Without the batch dimension: a copy made from a weight
+                # that a gradient reads (the transposed token embedding of
+                # a tied output layer, `ReversibleEmbedding(reverse=True)`;
+                # a cast weight), one per call: views of variables
+                # (`ReadVariableOp`) are not held.
+                whole += t.dtype.size * math.prod(dims)
     cache[key] = per_row, whole
     return per_row, whole
 
@@ -304,6 +370,18 @@ def _saved_bytes(call, rows, recompute=False, shapes=None):
 _CONV_WORKING_SET = 30 << 20
 
 
+# Backward kernels with a scratch buffer that run at once: a conv's input
+# and filter gradients are ready together (and a W call's filter gradients
+# all at once), and TF's inter-op pool (2 threads here: one per core) runs
+# two kernels together. Measured, BFC allocator peak of the ResNet stage 0
+# of `tools/memory_model.py`, M = 4, remat "always": 58.2 MiB with one
+# inter-op thread (`tf.config.threading.set_inter_op_parallelism_threads`),
+# 86.9 with the default: one more 27 MiB buffer (M = 1 without remat: 84.7
+# and 113.7). A backward call of input gradients only (`"Bi"`) runs its
+# convs' input gradients one after another: one buffer.
+CONCURRENT_KERNELS = 2
+
+
 def backward_workspace(call, shapes=None):
     """Bytes of the scratch buffer the gradient of `call` allocates (0 for
     most layers): a `Conv1D`/`Conv2D`'s im2col buffer, as TF's CPU kernel
@@ -333,6 +411,50 @@ def backward_workspace(call, shapes=None):
     return shard * image * filter_total * size
 
 
+def _stash_bytes(call, rows, shapes=None):
+    """What a split backward pass (`engine.weight_grad`) keeps of one call
+    for its W: per mixing op (an op with a weight operand) its inputs and
+    the gradient of its output, so for a call with trainable weights its
+    distinct float inputs and its outputs; in attention also the
+    projections' outputs (their gradients) and the attended values (the
+    output projection's input). Nothing for calls without weights: the
+    tape's other tensors (an activation's output, softmax scores) are
+    freed when B returns."""
+    op = call.operation
+    if not getattr(op, "trainable_weights", None) or isinstance(
+            op, keras.layers.BatchNormalization):
+        # Batch normalization in training scales by the batch's statistics:
+        # its weights meet only per-channel vectors (`x * (gamma *
+        # rsqrt(var))`), a stash of vectors.
+        return 0
+    if isinstance(op, (keras.layers.LayerNormalization,
+                       keras.layers.GroupNormalization)):
+        # `x * (rsqrt(var) * gamma)`: the product with gamma is per row,
+        # the gradient of its output is stashed (its input is a vector).
+        return sum(cost_lib.tensor_bytes(x, rows, shapes)
+                   for x in call.outputs)
+    seen, total = set(), 0
+    for x in call.inputs:
+        if id(x) in seen or "float" not in str(x.dtype):
+            continue
+        seen.add(id(x))
+        total += cost_lib.tensor_bytes(x, rows, shapes)
+    total += sum(cost_lib.tensor_bytes(x, rows, shapes)
+                 for x in call.outputs)
+    if isinstance(op, keras.layers.MultiHeadAttention):
+        query = cost_lib.dims(cost_lib.shape_of(call.inputs[0], shapes), rows)
+        t_q = math.prod(query[1:-1])
+        t_v = t_q
+        if len(call.inputs) > 1:
+            t_v = math.prod(cost_lib.dims(
+                cost_lib.shape_of(call.inputs[1], shapes), rows)[1:-1])
+        value_dim = op.value_dim or op.key_dim
+        total += 4 * rows * op.num_heads * (
+            t_q * op.key_dim + t_v * op.key_dim + t_v * value_dim
+            + t_q * value_dim)
+    return total
+
+
 @dataclasses.dataclass
 class Block:
     """Sizes of a run of calls as one stage; activations per micro-batch."""
@@ -347,6 +469,7 @@ class Block:
     largest_variable: int
     mixing: int         # outputs of the calls with trainable weights
     workspace: int = 0  # the largest scratch buffer of one backward op
+    stash: int = 0      # a split backward's stash, one micro-batch
 
 
 class Profile:
@@ -366,7 +489,10 @@ class Profile:
             for x in call.inputs:
                 needs_input[id(x)] = needs_input.get(id(x), False) or wants
         self.saved, self.recomputed, self.mixed = [0], [0], [0]
+        self.stashed = [0]
         for call in graph.calls:
+            self.stashed.append(self.stashed[-1] + _stash_bytes(
+                call, rows, shapes))
             self.saved.append(self.saved[-1] + _saved_bytes(
                 call, rows, shapes=shapes))
             self.mixed.append(self.mixed[-1] + (sum(
@@ -442,7 +568,8 @@ class Profile:
             largest=max(self.out[a:b]),
             largest_variable=max(self.largest_var[a:b]),
             mixing=self.mixed[b] - self.mixed[a],
-            workspace=max(self.workspace[a:b]))
+            workspace=max(self.workspace[a:b]),
+            stash=self.stashed[b] - self.stashed[a])
 
 
 @dataclasses.dataclass
@@ -467,7 +594,7 @@ class StageMemory:
 
 
 FEATURES = ("inputs", "outputs", "activations", "recompute", "trainable",
-            "largest", "largest_variable", "mixing", "workspace")
+            "largest", "largest_variable", "mixing", "workspace", "stash")
 _CATEGORIES = ("boundary", "activations", "gradients", "transient")
 
 
@@ -501,10 +628,19 @@ def moments(actions, mode, num_micro_batches, first=False, last=False,
     boundary_of = zero if first else _unit("inputs")
 
     def remat_of(i):
-        return mode == "always" or (mode == "except_last" and i < m - 1)
+        return _remat(mode, i, m)
 
-    deferred = _deferred_runs(actions, remat_of)
-    for n, (kind, i) in enumerate(actions):
+    order = _executor_order(actions, mode, m)
+    # The last stage of a schedule whose backward passes start after every
+    # forward pass (GPipe) seeds them from the loss of the merged outputs:
+    # the loss gradient is one buffer of `m` micro-batches (in `fixed`)
+    # whose rows each backward pass reads (slices along the batch share
+    # it), not a gradient per micro-batch arriving.
+    kinds = [k for k, _ in order]
+    whole_seed = last and "F" in kinds and not any(
+        k != "F" for k in kinds[:len(kinds) - kinds[::-1].index("F")])
+    arriving = zero if whole_seed else _unit("outputs")
+    for n, (kind, i) in enumerate(order):
         remat = remat_of(i)
         boundary = sum((v[0] for v in held.values()), zero)
         kept = sum((v[1] for v in held.values()), zero)
@@ -518,36 +654,41 @@ def moments(actions, mode, num_micro_batches, first=False, last=False,
                 boundary + boundary_of, kept + making, sums,
                 fixed + _unit("outputs")]))
             continue
-        waiting = _unit("outputs", len(held) - 1)
-        if n in deferred:
+        if kind == "Wg":
+            run.append(i)
+            if n + 1 < len(order) and order[n + 1][0] == "Wg":
+                continue
+            # W: per mixing op, its inputs and output gradients of the
+            # run concatenated, one product per weight into the sums.
+            grads = _unit("trainable", 2 if sums.any() else 1)
+            if not any(k in ("B", "Bi", "W") for k, _ in order[n + 1:]):
+                # The stage's last W: each variable's gradient waits for
+                # the update of the one before (`engine.release`: a W call
+                # whose sums are not summed again), so about one new
+                # gradient is alive besides the old sums (measured by
+                # `tools/worker_memory.py`: 2.05x the weights before the
+                # chain, 1.68x after).
+                grads = (sums if sums.any() else zero) + _unit(
+                    "largest_variable", 2)
+                released = True
+            # `kept`: every micro-batch of the run with its stash.
+            result.append(np.stack([
+                boundary, kept, grads,
+                fixed + _unit("largest", 2 * len(run))
+                + _unit("workspace", CONCURRENT_KERNELS)]))
+            for r in run:
+                held.pop(r, None)
+            run, sums = [], _unit("trainable")
+            continue
+        waiting = arriving * (len(held) - 1)
+        if kind == "Bi":
             # Input gradients only; the stash (the mixing ops' inputs, kept
-            # anyway, and output gradients) stays for the run's W.
+            # anyway, and output gradients) stays for the W call.
             result.append(np.stack([
                 boundary, kept + _unit("mixing"), sums,
-                fixed + _unit("outputs") + _unit("largest") + waiting
+                fixed + arriving + _unit("largest") + waiting
                 + _unit("workspace")]))
-            held[i] = (held[i][0], _unit("recompute") + _unit("mixing"))
-            run.append(i)
-            if n + 1 not in deferred:
-                # W: per mixing op, its inputs and output gradients of the
-                # run concatenated, one product per weight into the sums.
-                grads = _unit("trainable", 2 if sums.any() else 1)
-                if m > 1 and not any(k == "B" for k, _ in actions[n + 1:]):
-                    # The stage's last W: each variable's gradient waits for
-                    # the update of the one before (`engine.release`), so
-                    # about one new gradient is alive besides the old sums
-                    # (measured by `tools/worker_memory.py`: 2.05x the
-                    # weights before the chain, 1.68x after).
-                    grads = (sums if sums.any() else zero) + _unit(
-                        "largest_variable", 2)
-                    released = True
-                result.append(np.stack([
-                    boundary, kept + _unit("mixing"), grads,
-                    fixed + _unit("largest", 2 * len(run))
-                    + _unit("workspace")]))
-                for r in run:
-                    held.pop(r, None)
-                run, sums = [], _unit("trainable")
+            held[i] = (held[i][0], _unit("stash"))
             continue
         if remat:
             # One traced call: recompute, backward, and the running sums,
@@ -556,20 +697,20 @@ def moments(actions, mode, num_micro_batches, first=False, last=False,
             # on workers: SGD, M = 2, "always": weights + 2 x trainable).
             recompute = _unit("recompute")
             grads = _unit("trainable", 2 if sums.any() else 1)
-            passing = _unit("outputs") + _unit("inputs") + _unit(
-                "largest")
+            passing = arriving + _unit("inputs") + _unit("largest")
         else:
             # The tape returns every weight gradient, then they are added;
             # the micro-batch's kept activations are freed as its
             # gradients are made.
             recompute = zero
             grads = _unit("trainable", 2 if sums.any() else 1)
-            passing = _unit("outputs") + _unit("largest")
+            passing = arriving + _unit("largest")
         # The next stage may run ahead: gradients for the outputs of the
         # other micro-batches in flight can have arrived and be waiting.
         result.append(np.stack([
             boundary, kept + recompute, grads,
-            fixed + passing + waiting + _unit("workspace")]))
+            fixed + passing + waiting
+            + _unit("workspace", CONCURRENT_KERNELS)]))
         held.pop(i, None)
         sums = _unit("trainable")
         # One micro-batch, taped, SGD: each update reads only its own
@@ -613,16 +754,15 @@ def update_temporaries(optimizer_slots):
     return form
 
 
-def _deferred_runs(actions, remat_of):
-    """Positions of the `"B"`s whose weight gradients wait for their run's
-    end, as the executor decides (`schedule.defer_weight_runs`)."""
+def _executor_order(actions, mode, m):
+    """A stage's passes as the executor runs them (`StageActions.
+    executor_order`); for a plain list of `(kind, i)` (a stage alone,
+    without the schedule), every run of two or more backward passes
+    defers its weight gradients to its end."""
+    if isinstance(actions, StageActions):
+        return actions.executor_order(mode, m)
     flat = [schedule_lib.Action(kind, i, 0) for kind, i in actions]
-    added = [a for a in schedule_lib.defer_weight_runs(
-        flat, lambda a: 0, lambda a: not remat_of(a.i)) if a.kind == "W"]
-    waiting = {a.i for a in added} - {i for kind, i in actions
-                                      if kind == "W"}
-    return {n for n, (kind, i) in enumerate(actions)
-            if kind == "B" and i in waiting}
+    return _stage_order(flat, 0, mode, m)
 
 
 def features(block):
@@ -630,8 +770,13 @@ def features(block):
     return np.array([getattr(block, name) for name in FEATURES], float)
 
 
+# glibc's mmap threshold in a worker with heap "return"
+# (`keras_pipe.distributed.heap.configure`): smaller blocks come from arenas.
+MMAP_THRESHOLD = 1 << 20
+
+
 def stage_memory(block, actions, mode, num_micro_batches, optimizer_slots=2,
-                 first=False, last=False):
+                 first=False, last=False, resident=False):
     """The predicted peak of one stage running `actions` under remat `mode`.
 
     Args:
@@ -645,6 +790,8 @@ def stage_memory(block, actions, mode, num_micro_batches, optimizer_slots=2,
             `False`.
         last: the stage holds the merged outputs, targets and loss
             gradient (the last stage). Defaults to `False`.
+        resident: the peak of a worker's resident memory (heap
+            "return"), not of the allocator. Defaults to `False`.
 
     Returns:
         A `StageMemory`.
@@ -653,6 +800,18 @@ def stage_memory(block, actions, mode, num_micro_batches, optimizer_slots=2,
                     optimizer_slots)
     values = forms @ features(block)          # (moments, categories)
     peak = values[int(np.argmax(values.sum(axis=1)))]
+    hidden = block.outputs if first else block.inputs
+    if resident and hidden < MMAP_THRESHOLD:
+        # A worker's resident memory (`keras_pipe.distributed.heap`,
+        # "return"): blocks below the mmap threshold come from glibc's
+        # arenas, which keep their high-water mark resident; when a
+        # micro-batch's hidden tensors (at the stage's boundary) are that
+        # small, the activations' own peak
+        # stays resident under the later peak of gradients and updates.
+        small = values[:, :2].sum(axis=1)
+        big = values[:, 2:].sum(axis=1)
+        peak = np.concatenate([values[int(np.argmax(small)), :2],
+                               values[int(np.argmax(big)), 2:]])
     return StageMemory(
         weights=block.weights,
         optimizer_slots=optimizer_slots * block.trainable,
@@ -660,7 +819,8 @@ def stage_memory(block, actions, mode, num_micro_batches, optimizer_slots=2,
 
 
 def predict(partition, batch_size, num_micro_batches, remat="except_last",
-            schedule="gpipe", optimizer_slots=2, input_shape=None):
+            schedule="gpipe", optimizer_slots=2, input_shape=None,
+            _resident=False):
     """Predicted peak memory of each stage of a `Partition` in training.
 
     ```python
@@ -711,7 +871,7 @@ def predict(partition, batch_size, num_micro_batches, remat="except_last",
         start += size
         result.append(stage_memory(block, actions[j], modes[j], m,
                                    optimizer_slots, first=j == 0,
-                                   last=j == k - 1))
+                                   last=j == k - 1, resident=_resident))
     return result
 
 
@@ -755,7 +915,7 @@ def predict_resident(partition, batch_size, num_micro_batches,
     calls = partition.graph.calls
     for size, peak in zip(partition.sizes, predict(
             partition, batch_size, num_micro_batches, remat, schedule,
-            optimizer_slots, input_shape)):
+            optimizer_slots, input_shape, _resident=True)):
         # At build each stage places every variable its layers use on its
         # device, tied ones too (a later stage moves them on).
         used = {id(v): _variable_bytes(v) for call in calls[start:start + size]
