@@ -203,6 +203,16 @@ def _cpu_seconds(pid):
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def _system_cpu_seconds(pid):
+    """System (kernel) CPU seconds of a process, from /proc (field 15)."""
+    try:
+        fields = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(
+            ")", 1)[1].split()
+    except OSError:
+        return None
+    return int(fields[12]) / os.sysconf("SC_CLK_TCK")
+
+
 def _run_delay_seconds(pid):
     """Seconds the threads of a process were runnable but not running.
 
@@ -274,12 +284,14 @@ def _interleave(runs, rounds, pids, errors):
     """Each run of `runs` once per round, in turn: noise hits them alike.
 
     Adds to each run its step times and, per process of `pids`, its CPU
-    use and wait (fractions of the wall time) and CPU seconds per step. A
+    use and wait (fractions of the wall time), CPU seconds per step and
+    the system (kernel) part of those. A
     run that raises is reported in `errors` and dropped.
     """
     for _ in range(rounds):
         for label, r in list(runs.items()):
             cpu0 = [_cpu_seconds(pid) for pid in pids]
+            sys0 = [_system_cpu_seconds(pid) for pid in pids]
             wait0 = [_run_delay_seconds(pid) for pid in pids]
             start = time.perf_counter()
             try:
@@ -294,6 +306,8 @@ def _interleave(runs, rounds, pids, errors):
             r["steps"] += steps
             r["cpu"].append(_per(cpu0, cpu1, wall))
             r["cpu_per_step"].append(_per(cpu0, cpu1, count))
+            r.setdefault("system_per_step", []).append(_per(
+                sys0, [_system_cpu_seconds(pid) for pid in pids], count))
             r["wait"].append(_per(
                 wait0, [_run_delay_seconds(pid) for pid in pids], wall))
 

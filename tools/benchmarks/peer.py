@@ -71,9 +71,10 @@ def child_keras_baseline(p):
     x, y = peer_jobs.data(np, job, p["steps"] * job["batch"])
     warm = p["warm"] * job["batch"]
     _fit_steps(keras, model, x[:warm], y[:warm], job["batch"])
-    start = time.process_time()
+    start, system = time.process_time(), os.times().system
     steps = _fit_steps(keras, model, x, y, job["batch"])
     cpu = (time.process_time() - start) / p["steps"]
+    system = (os.times().system - system) / p["steps"]
     flops = None
     if p.get("count_flops"):
         try:
@@ -82,6 +83,7 @@ def child_keras_baseline(p):
             pass
     return {"step_seconds": median(steps), "best_step_seconds": min(steps),
             "steps": steps, "cpu_seconds_per_step": cpu,
+            "system_cpu_seconds_per_step": system,
             "parameters": model.count_params(), "flops_per_step": flops}
 
 
@@ -133,13 +135,17 @@ def child_keras_pipeline(p):
         schedule, k, m = r["config"]
         per_step = [median([row[w] for row in r["cpu_per_step"]])
                     for w in range(len(pids))]
+        system = [median([row[w] for row in r["system_per_step"]])
+                  for w in range(len(pids))]
         out.append({"schedule": schedule, "num_stages": k,
                     "num_micro_batches": m,
                     "step_seconds": median(r["steps"]),
                     "best_step_seconds": min(r["steps"]),
                     "steps": r["steps"],
                     "worker_cpu_seconds_per_step": per_step[:-1],
-                    "client_cpu_seconds_per_step": per_step[-1]})
+                    "client_cpu_seconds_per_step": per_step[-1],
+                    "worker_system_cpu_seconds_per_step": system[:-1],
+                    "client_system_cpu_seconds_per_step": system[-1]})
     return {"runs": out, "errors": errors}
 
 
