@@ -133,8 +133,16 @@ def _ms(seconds):
     return None if seconds is None else seconds * 1e3
 
 
-def _tf_env(threads=None):
-    """Imports TF/Keras (after pinning) and sets the thread pools."""
+def _tf_env(threads=None, spinning=True):
+    """Imports TF/Keras (after pinning) and sets the thread pools.
+
+    `spinning=False`: the pools' idle threads sleep at once, as in a
+    `keras_pipe.local_workers` worker whose threads outnumber its core
+    (`keras_pipe.distributed.worker.thread_spinning`), so that a one-core
+    reference runs its threads as the pipeline's workers do. TF's eager
+    context has no public setter for it: its config is amended before the
+    context starts.
+    """
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     os.environ.setdefault("KERAS_BACKEND", "tensorflow")
     import tensorflow as tf
@@ -142,6 +150,15 @@ def _tf_env(threads=None):
         intra, inter = threads
         tf.config.threading.set_intra_op_parallelism_threads(intra)
         tf.config.threading.set_inter_op_parallelism_threads(inter)
+    if not spinning:
+        from tensorflow.python.eager import context
+        config = context.Context.config
+
+        def without_spinning(self):
+            proto = config.fget(self)
+            proto.experimental.disable_thread_spinning = True
+            return proto
+        context.Context.config = property(without_spinning)
     import keras
     return tf, keras
 

@@ -58,8 +58,9 @@ def _count_keras_flops(tf, keras, model, job):
 
 @child("keras_baseline")
 def child_keras_baseline(p):
-    """The whole job as one Keras model in this process (pinned), warm."""
-    tf, keras = _tf_env([INTRA_OP_THREADS, 2])
+    """The whole job as one Keras model in this process (pinned), warm;
+    its 4 intra-op threads do not spin, as the pipeline's workers'."""
+    tf, keras = _tf_env([INTRA_OP_THREADS, 2], spinning=False)
     import numpy as np
     job = p["job"]
     keras.utils.set_random_seed(0)
