@@ -565,6 +565,7 @@ def _peer_entry():
         return [{"schedule": schedule, "num_stages": k,
                  "num_micro_batches": m, "step_seconds": s, "steps": [s],
                  "worker_cpu_seconds_per_step": [0.1, 0.09],
+                 "worker_system_cpu_seconds_per_step": [0.01, 0.002],
                  "client_cpu_seconds_per_step": 0.05,
                  "cpu_seconds_per_step": 0.12}
                 for m, s in zip((2, 4), seconds)]
@@ -617,10 +618,11 @@ def test_peer_goals_compare_best_with_best_and_1f1b_per_m():
                             ["GFLOPs per step", "3.10", "2.90", "3.00"]]
     account = tables[2]
     assert account[0].startswith("mlp: where the time goes")
-    # keras_pipe: each worker's and the client's CPU per step; torch: rank
-    # 0's, once per run (before and after keras_pipe).
+    # keras_pipe: each worker's CPU per step and its system part, and the
+    # client's CPU; torch: rank 0's, once per run (before and after
+    # keras_pipe).
     assert account[2][0] == ["keras_pipe", "1f1b", 2, 2, "160", "200",
-                             "100/90", "50", "150", "0.62"]
+                             "100/90", "10/2", "50", "150", "0.62"]
     assert [r[:4] for r in account[2] if r[0] != "keras_pipe"] == [
         ["torch (after keras_pipe)", "1f1b", 2, 2],
         ["torch (after keras_pipe)", "1f1b", 2, 4],

@@ -6,6 +6,7 @@ size) is in `tests/test_worker_memory.py`; serving is in
 """
 
 import json
+import os
 import sys
 
 import pytest
@@ -14,6 +15,7 @@ import tensorflow as tf
 import keras_pipe
 from keras_pipe.distributed import runtime
 from keras_pipe.distributed import worker as worker_lib
+from tests.support.ports import free_port
 
 
 def _expected(cluster, job, task, intra=None, inter=None):
@@ -42,6 +44,54 @@ def test_server_def_is_the_one_tf_makes(cluster, job, task, intra, inter):
     made = tf.train.ServerDef.FromString(
         runtime.server_def(tasks, job, task, intra, inter))
     assert made == _expected(cluster, job, task, intra, inter), made
+
+
+def test_threads_that_outnumber_the_cpus_do_not_spin():
+    # local_workers' 4 intra-op threads on one core: a spinning idle
+    # thread would take the core from the one with work.
+    assert worker_lib.thread_spinning(4, 1) is False
+    assert worker_lib.thread_spinning(2, 2) is True
+    assert worker_lib.thread_spinning(None, 1) is True
+    tasks = worker_lib._tasks({"worker": ["127.0.0.1:2222"]})
+    made = tf.train.ServerDef.FromString(runtime.server_def(
+        tasks, "worker", 0, 4, None, thread_spinning=False))
+    expected = _expected({"worker": ["127.0.0.1:2222"]}, "worker", 0, 4)
+    expected.default_session_config.experimental.disable_thread_spinning = \
+        True
+    assert made == expected, made
+
+
+def test_serve_stops_spinning_where_threads_outnumber_its_cpus(
+        monkeypatch):
+    made = []
+
+    class Server:
+        def __init__(self, definition):
+            made.append(tf.train.ServerDef.FromString(definition))
+            self.target = "grpc://127.0.0.1:2222"
+
+        def start(self):
+            pass
+
+    monkeypatch.setattr(runtime, "Server", Server)
+    monkeypatch.setattr(runtime, "load", lambda: None)
+    monkeypatch.setattr(worker_lib.bind_lib, "pin", lambda bind: None)
+    monkeypatch.setattr(worker_lib, "listening_hosts",
+                        lambda port: ["127.0.0.1"])
+    monkeypatch.setattr(worker_lib.heap_lib, "configure", lambda heap: None)
+    cpu = min(os.sched_getaffinity(0))
+    port = free_port()
+    before = os.sched_getaffinity(0)
+    try:
+        for threads in (4, 1):
+            worker_lib.serve({"worker": [f"127.0.0.1:{port}"]}, 0,
+                             intra_op_threads=threads, cpu_affinity=[cpu])
+    finally:
+        os.sched_setaffinity(0, before)
+    config = [m.default_session_config for m in made]
+    assert [c.intra_op_parallelism_threads for c in config] == [4, 1]
+    assert [c.experimental.disable_thread_spinning for c in config] == [
+        True, False]
 
 
 def test_cluster_forms_without_tensorflow():

@@ -5,7 +5,8 @@ The client is the process that runs `fit` and drives the workers of
 this builds the peer benchmark's job (`tools/benchmarks/peer_jobs.py`) on 2
 local workers, warms it up with one `fit`, then runs a measured `fit` and
 reports, per step between two steps' ends (the first step left out), the
-CPU of the client (`time.process_time`) and of each worker (/proc), and the
+CPU of the client (`time.process_time`) and of each worker (/proc, with
+its system part), and the
 client's CPU per step over the whole `fit` call (setup and end included).
 `--reseed` calls `keras.utils.set_random_seed(0)` between the warm-up and
 the measured `fit`: TF then instantiates the step function again at its
@@ -27,6 +28,11 @@ sys.path.insert(0, ROOT)
 def _cpu_seconds(pid):
     fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _system_seconds(pid):
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return int(fields[12]) / os.sysconf("SC_CLK_TCK")
 
 
 def main(argv=None):
@@ -59,7 +65,8 @@ def main(argv=None):
 
         def on_train_batch_end(self, batch, logs=None):
             self.rows.append([time.process_time()]
-                             + [_cpu_seconds(p) for p in self.pids])
+                             + [_cpu_seconds(p) for p in self.pids]
+                             + [_system_seconds(p) for p in self.pids])
 
     with keras_pipe.local_workers(num_workers=2) as devices:
         workers = _worker_pids()
@@ -86,10 +93,13 @@ def main(argv=None):
             first, last = clock.rows[0], clock.rows[-1]
             n = len(clock.rows) - 1
             per = [(b - a) / n * 1000 for a, b in zip(first, last)]
+            k = len(workers)
             print(f"{config:12s} client {per[0]:6.0f} ms/step in the epoch, "
                   f"{whole * 1000:6.0f} over the whole fit; workers "
-                  + "/".join(f"{w:.0f}" for w in per[1:])
-                  + f" ms/step; load {os.getloadavg()[0]:.1f}", flush=True)
+                  + "/".join(f"{w:.0f}" for w in per[1:1 + k])
+                  + " ms/step (system "
+                  + "/".join(f"{w:.0f}" for w in per[1 + k:])
+                  + f"); load {os.getloadavg()[0]:.1f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -76,7 +76,7 @@ def _bytes_field(number, data):
 
 
 def server_def(tasks, job, task, intra_op_threads=None,
-               inter_op_threads=None):
+               inter_op_threads=None, thread_spinning=True):
     """A serialized `tensorflow.ServerDef` (protocol "grpc").
 
     Args:
@@ -85,6 +85,9 @@ def server_def(tasks, job, task, intra_op_threads=None,
         task: this task's index in `job`.
         intra_op_threads: the sessions' intra-op pool, or `None` (TF's).
         inter_op_threads: the sessions' inter-op pool, or `None` (TF's).
+        thread_spinning: whether idle threads of TF's pools spin before
+            they sleep (TF's default); `False` sets the config's
+            `experimental.disable_thread_spinning`.
 
     Returns:
         Bytes that parse as the `tf.train.ServerDef` that
@@ -94,7 +97,8 @@ def server_def(tasks, job, task, intra_op_threads=None,
     # ServerDef: cluster = 1, job_name = 2, task_index = 3,
     # default_session_config = 4, protocol = 5. ClusterDef: job = 1.
     # JobDef: name = 1, tasks = 2 (map<int32, string>: key 1, value 2).
-    # ConfigProto: intra_op_parallelism_threads = 2, inter_op_... = 5.
+    # ConfigProto: intra_op_parallelism_threads = 2, inter_op_... = 5,
+    # experimental = 16 (Experimental: disable_thread_spinning = 9).
     cluster = b"".join(
         _bytes_field(1, _bytes_field(1, name.encode()) + b"".join(
             _bytes_field(2, _int_field(1, index)
@@ -106,6 +110,8 @@ def server_def(tasks, job, task, intra_op_threads=None,
         config += _int_field(2, intra_op_threads)
     if inter_op_threads is not None:
         config += _int_field(5, inter_op_threads)
+    if not thread_spinning:
+        config += _bytes_field(16, _int_field(9, 1))
     return (_bytes_field(1, cluster) + _bytes_field(2, job.encode())
             + (_int_field(3, task) if task else b"")
             + _bytes_field(4, config)

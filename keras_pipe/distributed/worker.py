@@ -224,7 +224,9 @@ def serve(cluster, task, job="worker", bind="127.0.0.1",
             sizes (`keras_pipe.connect(inter_op_threads=...)`). Defaults to
             `None` (TF's choice).
         intra_op_threads: size of TF's intra-op pool, >= 1. Defaults to
-            `None`.
+            `None`. More threads than CPUs this process may run on: the
+            idle ones sleep at once instead of spinning
+            (`thread_spinning`).
         cpu_affinity: CPU ids this process may run on (Linux). Defaults to
             `None` (unchanged).
         heap: how glibc keeps freed tensor buffers
@@ -262,7 +264,9 @@ def serve(cluster, task, job="worker", bind="127.0.0.1",
     bind_lib.pin(bind)
     server = runtime.Server(runtime.server_def(
         tasks, job, task, intra_op_threads=intra_op_threads,
-        inter_op_threads=inter_op_threads))
+        inter_op_threads=inter_op_threads,
+        thread_spinning=thread_spinning(intra_op_threads,
+                                        len(os.sched_getaffinity(0)))))
     server.start()
     hosts = listening_hosts(port)
     if bind not in bind_lib.WILDCARDS and any(
@@ -271,6 +275,23 @@ def serve(cluster, task, job="worker", bind="127.0.0.1",
             f"The TF server of /job:{job}/task:{task} listens on {hosts} "
             f"port {port}, not only on {bind!r}. Stop this process.")
     return server
+
+
+def thread_spinning(intra_op_threads, num_cpus):
+    """Whether the worker's idle pool threads may spin before sleeping.
+
+    TF's thread pools spin a while for new work before they sleep: that
+    pays where each thread has a CPU of its own. With more intra-op
+    threads than CPUs (`keras_pipe.local_workers` runs 4 on one core) a
+    spinning thread takes the core from the thread with work: a
+    Transformer stage's forward and backward pass (4 pre-norm blocks,
+    d=256) cost 1.2-1.6x the CPU time with 4 spinning threads on one core
+    than with 1 thread, and about the same as 1 thread with 4 that do not
+    spin, while the MLP's 4-thread gain on small products stays
+    (docs/performance.md). So: no spinning when the threads outnumber
+    the CPUs.
+    """
+    return intra_op_threads is None or intra_op_threads <= num_cpus
 
 
 def _cpu_list(text):

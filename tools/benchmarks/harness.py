@@ -137,8 +137,16 @@ def _ms(seconds):
     return None if seconds is None else seconds * 1e3
 
 
-def _tf_env(threads=None):
-    """Imports TF/Keras (after pinning) and sets the thread pools."""
+def _tf_env(threads=None, spinning=True):
+    """Imports TF/Keras (after pinning) and sets the thread pools.
+
+    `spinning=False`: the pools' idle threads sleep at once, as in a
+    `keras_pipe.local_workers` worker whose threads outnumber its core
+    (`keras_pipe.distributed.worker.thread_spinning`), so that a one-core
+    reference runs its threads as the pipeline's workers do. TF's eager
+    context has no public setter for it: its config is amended before the
+    context starts.
+    """
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     os.environ.setdefault("KERAS_BACKEND", "tensorflow")
     import tensorflow as tf
@@ -146,6 +154,15 @@ def _tf_env(threads=None):
         intra, inter = threads
         tf.config.threading.set_intra_op_parallelism_threads(intra)
         tf.config.threading.set_inter_op_parallelism_threads(inter)
+    if not spinning:
+        from tensorflow.python.eager import context
+        config = context.Context.config
+
+        def without_spinning(self):
+            proto = config.fget(self)
+            proto.experimental.disable_thread_spinning = True
+            return proto
+        context.Context.config = property(without_spinning)
     import keras
     return tf, keras
 
@@ -205,6 +222,16 @@ def _cpu_seconds(pid):
     except OSError:
         return None
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _system_cpu_seconds(pid):
+    """System (kernel) CPU seconds of a process, from /proc (field 15)."""
+    try:
+        fields = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(
+            ")", 1)[1].split()
+    except OSError:
+        return None
+    return int(fields[12]) / os.sysconf("SC_CLK_TCK")
 
 
 def _run_delay_seconds(pid):
@@ -278,12 +305,14 @@ def _interleave(runs, rounds, pids, errors):
     """Each run of `runs` once per round, in turn: noise hits them alike.
 
     Adds to each run its step times and, per process of `pids`, its CPU
-    use and wait (fractions of the wall time) and CPU seconds per step. A
+    use and wait (fractions of the wall time), CPU seconds per step and
+    the system (kernel) part of those. A
     run that raises is reported in `errors` and dropped.
     """
     for _ in range(rounds):
         for label, r in list(runs.items()):
             cpu0 = [_cpu_seconds(pid) for pid in pids]
+            sys0 = [_system_cpu_seconds(pid) for pid in pids]
             wait0 = [_run_delay_seconds(pid) for pid in pids]
             start = time.perf_counter()
             try:
@@ -298,6 +327,8 @@ def _interleave(runs, rounds, pids, errors):
             r["steps"] += steps
             r["cpu"].append(_per(cpu0, cpu1, wall))
             r["cpu_per_step"].append(_per(cpu0, cpu1, count))
+            r.setdefault("system_per_step", []).append(_per(
+                sys0, [_system_cpu_seconds(pid) for pid in pids], count))
             r["wait"].append(_per(
                 wait0, [_run_delay_seconds(pid) for pid in pids], wall))
 

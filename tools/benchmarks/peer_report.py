@@ -123,6 +123,9 @@ def account_rows(entry):
                 run["num_micro_batches"], fmt(step * 1e3, 0),
                 fmt(base_step and base_step * 1e3, 0),
                 "/".join(fmt(c and c * 1e3, 0) for c in workers),
+                "/".join(fmt(c and c * 1e3, 0) for c in run.get(
+                    "worker_system_cpu_seconds_per_step") or [
+                        run.get("system_cpu_seconds_per_step")]),
                 fmt((run.get("client_cpu_seconds_per_step") or 0) * 1e3
                     if system == "keras_pipe" else None, 0),
                 fmt(base_cpu and base_cpu * 1e3, 0),
@@ -183,7 +186,8 @@ def peer_tables(results):
             "pipeline process per step against the 1-core process's; busy: "
             "the busier pipeline process's CPU / the step)",
             ["system", "schedule", "K", "M", "step", "1-core step",
-             "CPU per process", "client CPU", "1-core CPU", "busy"],
+             "CPU per process", "of which system", "client CPU",
+             "1-core CPU", "busy"],
             account_rows(entry)))
         errors = [e for key in ("keras_pipeline", "torch_pipeline_before",
                                 "torch_pipeline_after")
