@@ -186,12 +186,21 @@ class _KeptProbe:
     stopped (hung) one lets the deadline pass, a dead one fails to connect.
     After a failure the channel is dropped, so the next probe connects
     afresh instead of waiting out grpc's reconnection backoff.
+
+    A deadline that passes does not tell a hung worker from a busy one: a
+    worker pinned to one core of a loaded host missed 2 probes of 1 s in
+    a row while it trained (5 of 18 configurations of a benchmark run at
+    load average 10-20 were cancelled that way). So `_Watch` gives a
+    silent task `silence` seconds, and a refused one `misses` probes.
     """
 
     def __init__(self):
         self.channels = {}
 
     def __call__(self, address, timeout):
+        """`"ok"` (it answered), `"silent"` (no answer within `timeout`:
+        stopped, or too busy on a loaded host) or `"down"` (no server:
+        the connection failed)."""
         import grpc  # A TensorFlow dependency.
 
         channel = self.channels.get(address)
@@ -200,10 +209,13 @@ class _KeptProbe:
         try:
             channel.unary_unary(_PING)(b"", timeout=timeout)
         except grpc.RpcError as error:
-            if error.code() != grpc.StatusCode.UNIMPLEMENTED:
-                self.channels.pop(address).close()
-                return False
-        return True
+            if error.code() == grpc.StatusCode.UNIMPLEMENTED:
+                return "ok"
+            self.channels.pop(address).close()
+            if error.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                return "silent"
+            return "down"
+        return "ok"
 
     def close(self):
         for channel in self.channels.values():
@@ -482,10 +494,11 @@ class _Watch:
 
     active = False  # One watchdog at a time: nested calls share it.
 
-    def __init__(self, tasks, interval, misses):
+    def __init__(self, tasks, interval, misses, silence):
         self.tasks = tasks
         self.interval = interval
         self.misses = misses
+        self.silence = silence
         self.lost = {}
         self.lost_at = None
         self.manager = _compat.cancellation.CancellationManager()
@@ -494,14 +507,20 @@ class _Watch:
                                        name="keras_pipe-watch")
 
     def _run(self):
-        failures = dict.fromkeys(self.tasks, 0)
+        refused = dict.fromkeys(self.tasks, 0)
+        answered = dict.fromkeys(self.tasks, time.monotonic())
         alive = _KeptProbe()
         try:
             while not self.stop.wait(self.interval):
                 for name, address in self.tasks.items():
-                    ok = alive(address, self.interval)
-                    failures[name] = 0 if ok else failures[name] + 1
-                    if failures[name] >= self.misses:
+                    state = alive(address, self.interval)
+                    now = time.monotonic()
+                    if state == "ok":
+                        answered[name], refused[name] = now, 0
+                    elif state == "down":
+                        refused[name] += 1
+                    if (refused[name] >= self.misses
+                            or now - answered[name] >= self.silence):
                         self.lost[name] = address
                 if self.lost:
                     self.lost_at = time.monotonic()
@@ -511,22 +530,32 @@ class _Watch:
             alive.close()
 
 
+# Seconds a task may give no answer (a deadline passes, the connection
+# stays open) before it counts as hung: a busy worker on a loaded host
+# can miss several probes (`_KeptProbe`); one whose process is gone is
+# refused at once and counts after `misses` probes.
+HUNG_AFTER = 30.0
+
+
 def run(devices, action, function, *args, interval=1.0, misses=2,
-        grace=5.0, **kwargs):
+        silence=None, grace=5.0, **kwargs):
     """Calls `function(*args, **kwargs)`, ended early if a worker is lost.
 
     Without remote devices (or inside another `run`) this is a plain call.
     Otherwise the call runs in a helper thread while a watchdog probes every
     task holding one of `devices` each `interval` seconds. After `misses`
-    failed probes in a row the task is lost: the watchdog cancels the TF
+    refused probes in a row (no server at its address), or `silence`
+    seconds without an answer (a hung worker, or one too busy to answer
+    for that long), the task is lost: the watchdog cancels the TF
     calls (a `CancellationManager`), and if the call still has not returned
     `grace` seconds later (TF does not cancel a remote call waiting on a
     hung worker) it is left blocked in its thread and this function raises.
     A TF error raised by the call while a task is unreachable (TF raises one
     by itself when a killed worker's connection closes) is translated the
     same way, and one saying that a task was restarted since `connect`
-    becomes a `WorkerRestartedError`. So a lost worker ends the call within about
-    `interval * (misses + 1) + grace` seconds. Keras' thread-local state
+    becomes a `WorkerRestartedError`. So a dead worker ends the call within
+    about `interval * (misses + 1) + grace` seconds, a hung one within
+    `silence + interval + grace`. Keras' thread-local state
     (dtype policy, seed generator) is copied into the helper thread.
 
     Args:
@@ -536,8 +565,10 @@ def run(devices, action, function, *args, interval=1.0, misses=2,
         *args, **kwargs: its arguments.
         interval: seconds between probes (and probe deadline). Defaults to
             `1.0`.
-        misses: failed probes in a row that mark a task lost. Defaults to
-            `2`.
+        misses: refused probes in a row that mark a task lost. Defaults
+            to `2`.
+        silence: seconds without an answer that mark a task lost.
+            Defaults to `None`: `HUNG_AFTER` (30 s).
         grace: seconds a cancelled call gets to return. Defaults to `5.0`.
 
     Returns:
@@ -560,7 +591,8 @@ def run(devices, action, function, *args, interval=1.0, misses=2,
         except tf.errors.OpError as error:
             _raise_stage_error(function, action, args, kwargs, error)
             raise
-    watchdog = _Watch(tasks, interval, misses)
+    watchdog = _Watch(tasks, interval, misses,
+                      HUNG_AFTER if silence is None else silence)
     keras_state = _compat.keras_global_state()
     outcome = {}
     # Set when `call` ends. Not `Thread.is_alive`: a KeyboardInterrupt in

@@ -281,7 +281,13 @@ def run_stage_error(args):
 
 
 def run_hang(args):
-    """Freeze a worker (SIGSTOP) mid-fit: the watchdog must end the fit."""
+    """Freeze a worker (SIGSTOP) mid-fit: the watchdog must end the fit.
+
+    A silent task counts as hung after `HUNG_AFTER` seconds (30 by
+    default, for busy workers on a loaded host); 4 here, to keep it short.
+    """
+    from keras_pipe.distributed import cluster as cluster_lib
+    cluster_lib.HUNG_AFTER = 4.0
     x, y = data()
     keras_pipe.connect(args.cluster, timeout=30.0)
     model = make_model(remote_devices(len(args.cluster["worker"])))
