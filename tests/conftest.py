@@ -31,3 +31,18 @@ def _seed():
 # argument checks and small transparency checks, under ~90 s on 2 cores.
 # A test is fast unless marked: long ones carry `@pytest.mark.slow`, or
 # their module `pytestmark = pytest.mark.slow`.
+
+
+def pytest_collection_modifyitems(config, items):
+    """Leaves out the `zoo` cases unless `-m` names them (`-m zoo`).
+
+    They take no path the suite's zoo cases do not (tests/test_zoo.py);
+    the README's test command runs without them.
+    """
+    if "zoo" in (config.getoption("markexpr") or ""):
+        return
+    kept = [item for item in items if item.get_closest_marker("zoo") is None]
+    if len(kept) < len(items):
+        config.hook.pytest_deselected(
+            items=[item for item in items if item not in kept])
+        items[:] = kept

@@ -73,10 +73,12 @@ def test_stages_and_micro_batches(devices, num_stages, num_micro_batches):
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "reduction",
-    ["sum_over_batch_size", "sum", "mean", "mean_with_sample_weight",
-     "none", None])
+    ["sum_over_batch_size", "sum", "mean_with_sample_weight", "none"])
 @pytest.mark.parametrize("weighted", [False, True])
 def test_loss_reductions_uneven_micro_batches(devices, reduction, weighted):
+    """Each branch of `keras_pipe.engine.losses` (and of Keras'
+    `reduce_values`): "mean" takes "sum_over_batch_size"'s, None takes
+    "none"'s, in both."""
     pipe, reference = helpers.pipeline_and_reference(2, 4, "always", devices)
     compile_both(pipe, reference, loss=keras.losses.SparseCategoricalCrossentropy(
         from_logits=True, reduction=reduction))
@@ -156,11 +158,17 @@ def test_regularization_losses_are_exact(devices):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("num_stages,num_micro_batches",
-                         [(1, 2), (2, 3), (4, 3), (4, 8)])
-@pytest.mark.parametrize("remat", ["always", "except_last", "never"])
+@pytest.mark.parametrize("num_stages,num_micro_batches,remat", [
+    (1, 2, "always"), (2, 3, "except_last"), (4, 3, "never"),
+    (4, 8, "never")])
 def test_one_f_one_b_equals_unpipelined(devices, num_stages,
                                         num_micro_batches, remat):
+    """1F1B's shapes: one stage (its first stage holds the loss), fewer
+    micro-batches than stages (4, 3: no steady phase), more (4, 8), and
+    uneven micro-batches (10 rows). Each remat mode under 1F1B is
+    tests/test_every_schedule.py's (3 stages, 5 micro-batches); here one
+    mode per shape, "never" twice: without remat the shape decides which
+    weight passes run deferred (`Executor._with_deferred_weights`)."""
     pipe, reference = helpers.pipeline_and_reference(
         num_stages, num_micro_batches, remat, devices, schedule="1f1b")
     compile_both(pipe, reference, optimizer="adam")

@@ -19,6 +19,23 @@ exception: verify must name it (plain BatchNormalization, and
 `keras_pipe.layers.defer_batch_norm`'s DeferredBatchNormalization, which
 defers only the moving statistics) and flag nothing else.
 
+The README's test command runs 18 of the 34 cases; the other 16 carry the
+`zoo` marker (`python -m pytest -q -m zoo tests/test_zoo.py` runs them,
+`python -m tests.test_zoo` runs all 34). What a case proves about
+keras_pipe is the path it takes through it: the schedule, the number of
+stages K and micro-batches M (M=1: no sums), the placement (two stages per
+device for interleaved_1f1b and zbv), the inputs (a dict of token ids and
+masks, four seq2seq inputs, images), how each weight's gradient is summed
+(dense; a batch-independent gather: a position table, repeated relative
+buckets; a data-dependent one: an Embedding, MoE routing; a weight read
+twice: tied embeddings), random layers (Dropout, DropPath) and the
+verdicts verify names (BatchNormalization at M>1, plain and deferred;
+add_loss at M>1). The 18 take every one of those; each `zoo` case names
+in `covered_by` the suite's cases that take its paths (its own layers run
+inside a stage, where keras_pipe calls them as Keras does). Every
+schedule runs at M=1 and M>1 but interleaved_1f1b and zbv (M=2 only, as
+in the 34).
+
     python -m tests.test_zoo [MODEL ...]   prints the table of docs/zoo.md
                                            with each case's CPU seconds
 """
@@ -55,6 +72,10 @@ class Case:
     expect: str = EQUAL        # EQUAL, BATCH_NORM_NAMED, ADDED_LOSS_NAMED
     xfail: str = None          # reason, for a known difference
     learning_rate: float = 1e-2
+    # The suite's cases whose paths this one's are (see the module
+    # docstring): set, the case runs with `-m zoo` and in `main`, not by
+    # the README's test command.
+    covered_by: str = None
 
     @property
     def id(self):
@@ -464,39 +485,55 @@ CASES = [
     # KerasHub text classifiers
     Case("BertTextClassifier", _bert, 2, 2, "zb_h2"),
     Case("DistilBertTextClassifier", _distilbert, 2, 1, "gpipe"),
-    Case("RobertaTextClassifier", _roberta, 3, 4, "1f1b"),
-    Case("AlbertTextClassifier", _albert, 2, 2, "zb_h1"),
-    Case("DebertaV3TextClassifier", _deberta, 2, 2, "gpipe"),
-    Case("FNetTextClassifier", _fnet, 2, 2, "1f1b"),
-    Case("RoformerV2TextClassifier", _roformer_v2, 2, 1, "zb_h2"),
+    Case("RobertaTextClassifier", _roberta, 3, 4, "1f1b",
+         covered_by="ViT (K=3, M=4, 1f1b, a position table), BERT"),
+    Case("AlbertTextClassifier", _albert, 2, 2, "zb_h1",
+         covered_by="BERT (its inputs), Bloom (zb_h1 at M=2)"),
+    Case("DebertaV3TextClassifier", _deberta, 2, 2, "gpipe",
+         covered_by="T5 (repeated relative buckets, gpipe at M=2)"),
+    Case("FNetTextClassifier", _fnet, 2, 2, "1f1b",
+         covered_by="GPT2 (1f1b at M=2), BERT (token inputs)"),
+    Case("RoformerV2TextClassifier", _roformer_v2, 2, 1, "zb_h2",
+         covered_by="Gemma, Mistral, Qwen (rotary positions), "
+         "ResNetV2 (zb_h2 at M=1)"),
     # KerasHub causal LMs
     Case("GPT2CausalLM", _gpt2, 2, 2, "1f1b"),
     Case("GemmaCausalLM", _gemma, 4, 2, "zbv"),
-    Case("LlamaCausalLM", _llama, 3, 1, "gpipe"),
+    Case("LlamaCausalLM", _llama, 3, 1, "gpipe",
+         covered_by="Qwen, Mistral (the same decoder), DistilBERT "
+         "(gpipe at M=1), MobileNetV2 (K=3 at M=1)"),
     Case("MistralCausalLM", _mistral, 2, 4, "zb_h2"),
     Case("QwenCausalLM", _qwen, 4, 2, "interleaved_1f1b"),
     Case("BloomCausalLM", _bloom, 2, 2, "zb_h1"),
-    Case("OPTCausalLM", _opt, 2, 4, "gpipe"),
-    Case("GPTNeoXCausalLM", _gpt_neox, 2, 1, "1f1b"),
+    Case("OPTCausalLM", _opt, 2, 4, "gpipe",
+         covered_by="ViT (a position table at M=4), GPT2"),
+    Case("GPTNeoXCausalLM", _gpt_neox, 2, 1, "1f1b",
+         covered_by="Gemma/Qwen (rotary), MobileNetV2 (1f1b at M=1)"),
     Case("MixtralCausalLM", _mixtral, 2, 2, "zb_h2"),
     Case("MixtralCausalLM+router_aux_loss", lambda: _mixtral(0.02), 2, 2,
          "zb_h2", ADDED_LOSS_NAMED),
     # KerasHub seq2seq
-    Case("BartSeq2SeqLM", _bart, 2, 2, "1f1b"),
+    Case("BartSeq2SeqLM", _bart, 2, 2, "1f1b",
+         covered_by="T5 (the four seq2seq inputs), GPT2 (1f1b at M=2)"),
     Case("T5Seq2SeqLM", _t5, 2, 2, "gpipe"),
     # KerasHub image classifiers
     Case("ViTImageClassifier", _vit, 3, 4, "1f1b"),
     Case("ResNetImageClassifier", _hub_resnet, 2, 1, "zb_h1"),
-    Case("DeiTImageClassifier", _deit, 2, 2, "zb_h2"),
+    Case("DeiTImageClassifier", _deit, 2, 2, "zb_h2",
+         covered_by="ViT (its position table), BERT (zb_h2 at M=2)"),
     Case("SwinTransformerImageClassifier", _swin, 2, 2, "1f1b"),
     # keras.applications
-    Case("MobileNetV3", _mobilenet_v3, 2, 1, "1f1b"),
-    Case("ResNet", lambda: _resnet(False), 2, 1, "gpipe"),
+    Case("MobileNetV3", _mobilenet_v3, 2, 1, "1f1b",
+         covered_by="EfficientNetV2 (squeeze-and-excite), MobileNetV2"),
+    Case("ResNet", lambda: _resnet(False), 2, 1, "gpipe",
+         covered_by="ResNet+defer_batch_norm, ResNetV2, DistilBERT"),
     Case("ResNet+defer_batch_norm", lambda: _resnet(False, True), 2, 2,
          "interleaved_1f1b", BATCH_NORM_NAMED),
     Case("ResNetV2", lambda: _resnet(True), 3, 1, "zb_h2"),
-    Case("DenseNet", _densenet, 2, 1, "zb_h2"),
-    Case("EfficientNet", _efficientnet, 2, 1, "gpipe"),
+    Case("DenseNet", _densenet, 2, 1, "zb_h2",
+         covered_by="ResNetV2 (zb_h2, BatchNormalization at M=1)"),
+    Case("EfficientNet", _efficientnet, 2, 1, "gpipe",
+         covered_by="EfficientNetV2, MobileNetV2, DistilBERT"),
     Case("EfficientNetV2", _efficientnet_v2, 2, 2, "zb_h1",
          BATCH_NORM_NAMED),
     # Cut over two devices: verify's plain Keras run is on a copy of the
@@ -505,8 +542,11 @@ CASES = [
     # At 1e-2 the first step sends VGG16's loss to 9.3e5 and the rounding
     # of the micro-batch sums grows to 6.7e-2 of the update by step 3
     # (losses equal to 6 digits): a trajectory too unstable to compare.
-    Case("VGG16", _vgg16, 2, 4, "1f1b", learning_rate=1e-4),
-    Case("MobileNet", _mobilenet, 2, 1, "zb_h1"),
+    Case("VGG16", _vgg16, 2, 4, "1f1b", learning_rate=1e-4,
+         covered_by="ViT (1f1b at M=4), ConvNeXt"),
+    Case("MobileNet", _mobilenet, 2, 1, "zb_h1",
+         covered_by="MobileNetV2 (depthwise), ResNetImageClassifier "
+         "(zb_h1, BatchNormalization at M=1)"),
     Case("MobileNetV2", _mobilenet_v2, 3, 1, "1f1b"),
 ]
 
@@ -556,9 +596,16 @@ def verdict(report):
     return ADDED_LOSS_NAMED if ADDED_LOSSES in report.causes else "explained"
 
 
+def _marks(case):
+    marks = [pytest.mark.zoo] if case.covered_by else []
+    if case.xfail:
+        marks.append(pytest.mark.xfail(strict=True, reason=case.xfail))
+    return marks
+
+
 @pytest.mark.parametrize("case", [
-    pytest.param(c, marks=[pytest.mark.xfail(strict=True, reason=c.xfail)]
-                 if c.xfail else []) for c in CASES], ids=[c.id for c in CASES])
+    pytest.param(c, marks=_marks(c)) for c in CASES],
+    ids=[c.id for c in CASES])
 def test_zoo_model_trains_as_keras(devices, case):
     report = run_case(case, devices)
     assert report.prediction_difference < 1e-4, report
