@@ -329,6 +329,17 @@ def _inner_recompute_bytes(call, rows, shapes=None):
     return 0
 
 
+def _attention_lengths(call, rows, shapes):
+    """A `MultiHeadAttention` call's query and value lengths (tokens)."""
+    query = cost_lib.dims(cost_lib.shape_of(call.inputs[0], shapes), rows)
+    t_q = t_v = math.prod(query[1:-1])
+    if len(call.inputs) > 1:
+        t_v = math.prod(cost_lib.dims(
+            cost_lib.shape_of(call.inputs[1], shapes), rows)[1:-1])
+    return t_q, t_v
+
+
+
 def _saved_bytes(call, rows, recompute=False, shapes=None):
     """Bytes the tape keeps for one call of `rows` rows: its outputs, and
     the inner tensors of attention, normalization and activations whose
@@ -339,12 +350,7 @@ def _saved_bytes(call, rows, recompute=False, shapes=None):
     if isinstance(op, keras.Operation):
         return out + _inner_recompute_bytes(call, rows, shapes)
     if isinstance(op, keras.layers.MultiHeadAttention):
-        query = cost_lib.dims(cost_lib.shape_of(call.inputs[0], shapes), rows)
-        t_q = math.prod(query[1:-1])
-        t_v = t_q
-        if len(call.inputs) > 1:
-            t_v = math.prod(cost_lib.dims(
-                cost_lib.shape_of(call.inputs[1], shapes), rows)[1:-1])
+        t_q, t_v = _attention_lengths(call, rows, shapes)
         value_dim = op.value_dim or op.key_dim
         heads = op.num_heads
         # Query (and its scaled copy), key, value and attention output.
@@ -442,12 +448,7 @@ def _stash_bytes(call, rows, shapes=None):
     total += sum(cost_lib.tensor_bytes(x, rows, shapes)
                  for x in call.outputs)
     if isinstance(op, keras.layers.MultiHeadAttention):
-        query = cost_lib.dims(cost_lib.shape_of(call.inputs[0], shapes), rows)
-        t_q = math.prod(query[1:-1])
-        t_v = t_q
-        if len(call.inputs) > 1:
-            t_v = math.prod(cost_lib.dims(
-                cost_lib.shape_of(call.inputs[1], shapes), rows)[1:-1])
+        t_q, t_v = _attention_lengths(call, rows, shapes)
         value_dim = op.value_dim or op.key_dim
         total += 4 * rows * op.num_heads * (
             t_q * op.key_dim + t_v * op.key_dim + t_v * value_dim

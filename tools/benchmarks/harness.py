@@ -214,24 +214,28 @@ def _fit_steps(keras, model, x, y, batch_size):
     return clock.steps()
 
 
-def _cpu_seconds(pid):
-    """User + system CPU seconds of a process, from /proc."""
+def _stat_fields(pid):
+    """The fields of /proc/<pid>/stat after the command name, or None."""
     try:
-        fields = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(
+        return pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(
             ")", 1)[1].split()
     except OSError:
+        return None
+
+
+def _cpu_seconds(pid):
+    """User + system CPU seconds of a process, from /proc."""
+    fields = _stat_fields(pid)
+    if fields is None:
         return None
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _system_cpu_seconds(pid):
     """System (kernel) CPU seconds of a process, from /proc (field 15)."""
-    try:
-        fields = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(
-            ")", 1)[1].split()
-    except OSError:
-        return None
-    return int(fields[12]) / os.sysconf("SC_CLK_TCK")
+    fields = _stat_fields(pid)
+    return None if fields is None else int(fields[12]) / os.sysconf(
+        "SC_CLK_TCK")
 
 
 def _run_delay_seconds(pid):
