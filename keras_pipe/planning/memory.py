@@ -339,7 +339,6 @@ def _attention_lengths(call, rows, shapes):
     return t_q, t_v
 
 
-
 def _saved_bytes(call, rows, recompute=False, shapes=None):
     """Bytes the tape keeps for one call of `rows` rows: its outputs, and
     the inner tensors of attention, normalization and activations whose
