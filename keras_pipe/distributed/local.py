@@ -31,12 +31,12 @@ __all__ = ["local_workers"]
 _PR_SET_PDEATHSIG = 1
 
 # Threads of each worker's intra-op pool, all on the worker's one core, by
-# the kernels TF runs there (`TF_ENABLE_ONEDNN_OPTS`: the client's setting,
-# which a worker must share). Micro-batches make small matrix products,
+# the kernels TF runs (`TF_ENABLE_ONEDNN_OPTS`: the client's setting, passed
+# on to the workers). Micro-batches make small matrix products,
 # and TF's own (Eigen) products cost far more per row below a few hundred
 # rows: on one pinned core (AMD EPYC, 3 December 2026), a 64 x 1024 by
-# (1024 x 1024)^T product, the input gradient of a Dense layer, took 83-87
-# ms of CPU per 512 rows against 21-25 ms at 512 rows; with oneDNN 24 ms.
+# (1024 x 1024)^T product, the input gradient of a Dense layer, took 74-97
+# ms of CPU per 512 rows against 16-25 ms at 512 rows; with oneDNN 24-28.
 # The forward and backward pass of 4 x Dense(1024) on 512 rows cut into M
 # micro-batches, CPU ms per step at M = 1 / 8: Eigen with 4 threads 211 /
 # 390 (with 1 thread a micro-batch of 256 rows cost 1.26-1.45x per row of
