@@ -72,7 +72,7 @@ def onednn_enabled():
 
     TF reads `TF_ENABLE_ONEDNN_OPTS` once, when it is imported; its default
     depends on the CPU (on by default on some Intel CPUs, off on this AMD
-    EPYC). A worker must run the same setting as its client.
+    EPYC). `keras_pipe.local_workers` passes it on to its workers.
     """
     from tensorflow.python.util import _pywrap_util_port
     return bool(_pywrap_util_port.IsMklEnabled())

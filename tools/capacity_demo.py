@@ -161,7 +161,7 @@ def _train(keras, np, model, optimizer):
 
 def child_unsplit(args):
     from keras_pipe.distributed import heap
-    heap.return_freed_memory()  # as the workers do: a like-for-like process
+    heap.configure("return")  # as its workers (--heap return): like for like
     import keras
     import numpy as np
     keras.utils.set_random_seed(0)

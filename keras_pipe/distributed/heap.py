@@ -30,7 +30,7 @@ starts its threads (the environment variables `MALLOC_ARENA_MAX` and
 import ctypes
 import ctypes.util
 
-__all__ = ["HEAP_MODES", "check_mode", "configure", "return_freed_memory"]
+__all__ = ["HEAP_MODES", "check_mode", "configure"]
 
 HEAP_MODES = ("reuse", "return", "glibc")
 
@@ -90,8 +90,3 @@ def configure(mode, arena_max=2, mmap_threshold=1 << 20):
             libc.mallopt(_M_MMAP_THRESHOLD, int(mmap_threshold)))
     return applied
 
-
-def return_freed_memory(mmap_threshold=1 << 20, arena_max=2):
-    """`configure("return", ...)`: freed big blocks go back to the OS."""
-    return configure("return", arena_max=arena_max,
-                     mmap_threshold=mmap_threshold)
