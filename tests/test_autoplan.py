@@ -256,3 +256,22 @@ def test_hand_built_stages_with_auto_name_from_model():
                        r'batch_size=\.\.\., schedule="auto"\)'):
         keras_pipe.PipelineModel([keras.layers.Dense(4), keras.layers.Dense(4)],
                                  schedule="auto")
+
+
+def test_a_links_baseline_moves_nothing(devices):
+    # The link was timed against a baseline whose input lived on the source
+    # too, so both functions moved the tensor and their difference (the
+    # transfer) was noise: latency 0 on 2 workers.
+    source, target = devices[0], devices[1]
+    (moved, x), (local, y) = profiling._transfer_pair(source, target, 4096)
+    assert x.device.endswith(source.split("device:")[-1])
+    assert y.device.endswith(target.split("device:")[-1])
+
+    def placed(function, arg):
+        graph = function.get_concrete_function(arg).graph
+        return {op.device.split("device:")[-1] for op in graph.get_operations()
+                if op.device and op.type not in ("Placeholder", "Identity")}
+
+    target_name = target.split("device:")[-1]
+    assert placed(local, y) == {target_name}
+    assert placed(moved, x) == {source.split("device:")[-1], target_name}
