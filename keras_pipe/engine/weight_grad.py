@@ -593,7 +593,7 @@ def _replayed_gradients(plan, params, stashes, shared=()):
                           tf.zeros_like(stash[m.grad_slots[0]])
                           if i in m.zeros else values[t.ref()]
                           for i, t in enumerate(m.op.inputs)]
-                outs = _replay(m.op, inputs)
+                outs = _replay_mixing(m.op, inputs)
                 for k, slot in m.grad_slots.items():
                     ys.append(outs[k])
                     grad_ys.append(stash[slot])
@@ -755,6 +755,26 @@ def _replay(op, inputs):
     for attr, name in attr_names:
         kwargs[name] = op.get_attr(attr.name)
     return tf.nest.flatten(getattr(tf.raw_ops, op.type)(**kwargs))
+
+
+def _replay_mixing(op, inputs):
+    """`_replay` for W's mixing ops, a `BiasAdd` as a broadcast `AddV2`.
+
+    Why: with oneDNN (`TF_ENABLE_ONEDNN_OPTS=1`, the default on Intel CPUs)
+    TF's graph rewrite merges a `Conv2DBackpropFilter` and a `BiasAddGrad`
+    into one node; in a W that replays a convolution and its bias over
+    several micro-batches the merged node closes a cycle, and the step
+    fails with "N nodes in a cycle". The gradient of `x + b` with respect to
+    `b` is the same sum over every axis but the channels' (as `BiasAddGrad`
+    computes it, up to the order of float additions), and leaves nothing
+    to merge.
+    """
+    if op.type != "BiasAdd":
+        return _replay(op, inputs)
+    x, bias = inputs
+    if op.get_attr("data_format").decode().startswith("NC"):
+        bias = tf.reshape(bias, [-1] + [1] * (x.shape.rank - 2))
+    return [tf.add(x, bias)]
 
 
 def _is_stateful(op):
