@@ -258,20 +258,23 @@ def test_hand_built_stages_with_auto_name_from_model():
                                  schedule="auto")
 
 
-def test_a_links_baseline_moves_nothing(devices):
+def test_a_link_is_timed_per_hop_of_a_chain(devices):
     # The link was timed against a baseline whose input lived on the source
     # too, so both functions moved the tensor and their difference (the
-    # transfer) was noise: latency 0 on 2 workers.
+    # transfer) was noise: latency 0 on 2 workers. Each chain's input lives
+    # on its first device; the one on the target alone moves nothing, the
+    # other moves the tensor at every hop.
     source, target = devices[0], devices[1]
-    (moved, x), (local, y) = profiling._transfer_pair(source, target, 4096)
-    assert x.device.endswith(source.split("device:")[-1])
-    assert y.device.endswith(target.split("device:")[-1])
 
-    def placed(function, arg):
-        graph = function.get_concrete_function(arg).graph
-        return {op.device.split("device:")[-1] for op in graph.get_operations()
-                if op.device and op.type not in ("Placeholder", "Identity")}
+    def moves(chain):
+        function, x = profiling._hop_chain(chain, 4096)
+        assert x.device.endswith(chain[0].split("device:")[-1])
+        graph = function.get_concrete_function(x).graph
+        placed = [op.device.split("device:")[-1]
+                  for op in graph.get_operations()
+                  if op.type in ("AddV2", "Sum")]
+        return sum(a != b for a, b in zip(placed, placed[1:])) + (
+            placed[0] != chain[0].split("device:")[-1])
 
-    target_name = target.split("device:")[-1]
-    assert placed(local, y) == {target_name}
-    assert placed(moved, x) == {source.split("device:")[-1], target_name}
+    assert moves([target] * 5) == 0
+    assert moves([source, target, source, target, source]) == 4

@@ -510,51 +510,59 @@ def stage_call_seconds(device=None, repeats=20, cache=True):
     return seconds
 
 
-def _transfer_pair(source, target, num_bytes):
-    """Two `(function, input)` pairs doing the same work on `num_bytes` of
-    float32: the first makes it on `source` and reduces it on `target` (one
-    transfer), the second does both on `target` (none). Their inputs live
-    where their first op runs, so the second moves nothing."""
+def _hop_chain(devices, num_bytes):
+    """`(function, input)`: `num_bytes` of float32 passed along `devices`
+    (one `+ 1` on each), then reduced on the last; its input lives on the
+    first. Consecutive devices that differ move the tensor once each."""
 
-    def make(where):
-        @tf.function
-        def run(x):
-            with tf.device(where):
-                y = x + 1.0
-            with tf.device(target):
-                return tf.reduce_sum(y[:1])
-        return run
+    @tf.function
+    def run(x):
+        y = x
+        for device in devices[1:]:
+            with tf.device(device):
+                y = y + 1.0
+        with tf.device(devices[-1]):
+            return tf.reduce_sum(y[:1])
 
-    n = max(num_bytes // 4, 1)
-    pairs = []
-    for where in (source, target):
-        with tf.device(where):
-            pairs.append((make(where), tf.ones([n])))
-    return pairs
+    with tf.device(devices[0]):
+        x = tf.ones([max(num_bytes // 4, 1)])
+    return run, x
 
 
 def link(source=None, target=None, sizes=(2**10, 2**22), repeats=9,
-         cache=True):
-    """Measured transfer time from device `source` to `target`.
+         hops=16, cache=True):
+    """Measured transfer time between devices `source` and `target`.
 
-    Times a `tf.function` that makes a tensor on `source` and reduces it
-    on `target`, for small and large `sizes` (bytes), against the same on
-    `target` alone; a line through the two differences gives latency and
-    bandwidth.
+    Times one `tf.function` passing a tensor back and forth `hops` times
+    against one passing it twice, both against the same chains on
+    `target` alone (the same ops, nothing moved): the difference per hop is
+    one transfer inside a step, without the step's own costs (a function
+    spanning two workers dispatches to both: about a millisecond on
+    loopback, which the step's fixed cost holds, not each transfer). Small
+    and large `sizes` (bytes) give latency and bandwidth.
 
     Returns:
         A `Link`.
     """
-    key = _key("link", _device_name(source), _device_name(target), sizes)
+    key = _key("link", _device_name(source), _device_name(target), sizes,
+               hops)
     if cache:
         hit = _load().get(key)
         if hit is not None:
             return Link(**hit)
     times = []
     for size in sizes:
-        (moved, x), (local, y) = _transfer_pair(source, target, size)
-        times.append(max(_timed(moved, [x], repeats)
-                         - _timed(local, [y], repeats), 0.0))
+        per_chain = {}
+        for where in ((source, target), (target, target)):
+            for n in (hops, 2):
+                function, x = _hop_chain(
+                    [where[h % 2] for h in range(n + 1)], size)
+                per_chain[where, n] = _timed(function, [x], repeats)
+        cross = per_chain[(source, target), hops] - per_chain[
+            (source, target), 2]
+        local = per_chain[(target, target), hops] - per_chain[
+            (target, target), 2]
+        times.append(max((cross - local) / (hops - 2), 0.0))
     (s0, s1), (t0, t1) = sizes, times
     slope = max((t1 - t0) / (s1 - s0), 1e-12)
     latency = max(t0 - slope * s0, 0.0)
