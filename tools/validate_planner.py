@@ -190,9 +190,11 @@ def child(p):
         search_seconds = time.perf_counter() - start
         print(json.dumps({"model": name, "costs": _costs(remote)}),
               flush=True)
-        # The first pipeline built on fresh workers runs its first epochs
-        # slower (the workers' first functions, heap and caches): without
-        # this untimed one, rank 0, the pick, paid it alone.
+        # Untimed first: in the grid of 3 December, rank 0 (the pick, the
+        # first pipeline built on the model) was the slowest of the three
+        # schedules that run the same step at K=2, M=1 on 4 of 5 models
+        # (MLP 25.0 ms against 16.3 and 22.2), so its regret was mostly
+        # being first.
         _time_steps(bench, keras, makers[name], ranked[0], remote, batch, 8)
         rows = []
         for rank, c in enumerate(ranked):
