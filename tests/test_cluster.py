@@ -178,6 +178,21 @@ def test_connect_names_down_and_hung_workers_in_bounded_time():
     assert context.get_server_def() is None
 
 
+def test_after_an_error_a_silent_task_is_not_lost_a_closed_port_is():
+    """`run` decides after a failed call which tasks are lost. It asked for
+    a gRPC answer within 2 s, so a worker too busy to answer (one pinned
+    core of a loaded host) turned the call's own error into "Lost ...".
+    Now a task is lost there if it takes no TCP connection."""
+    down = f"127.0.0.1:{free_port()}"
+    with socket.socket() as silent_socket:  # accepts, never answers
+        silent_socket.bind(("127.0.0.1", 0))
+        silent_socket.listen()
+        silent = f"127.0.0.1:{silent_socket.getsockname()[1]}"
+        tasks = {"silent": silent, "down": down}
+        assert cluster_lib._unreachable(tasks, 1.0) == tasks  # the old rule
+        assert cluster_lib._gone(tasks) == {"down": down}
+
+
 def test_watchdog_probe_keeps_its_channel_and_sees_a_stop(workers):
     """One channel per task while it answers; a stopped one is silent in
     time, a port with no server is down."""

@@ -247,21 +247,42 @@ def _unreachable(tasks, timeout):
     return pending
 
 
+def _tcp_state(address):
+    """`"accepts"` (the kernel takes a TCP connection: the process lives,
+    perhaps stopped or busy), `"refused"` (nothing listens) or another
+    reason a connection could not be made."""
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)),
+                                      timeout=1.0):
+            return "accepts"
+    except ConnectionRefusedError:
+        return "refused"
+    except (OSError, ValueError) as exc:
+        return f"no connection: {exc}"
+
+
+def _gone(tasks):
+    """The subset of `tasks` that takes no TCP connection: its process (or
+    host) is gone. A live worker too busy to answer a gRPC probe in time
+    (one pinned core of a loaded host) still accepts a connection: it is
+    not gone, and the error of the call it ran is the one to report."""
+    return {n: a for n, a in tasks.items() if _tcp_state(a) != "accepts"}
+
+
+_TCP_MEANING = {
+    "accepts": "accepts TCP connections but gives no gRPC answer: hung, or "
+               "not a TF server",
+    "refused": "connection refused: nothing listens on that port"}
+
+
 def _why_down(tasks):
     """What a TCP connect to each task shows, e.g. 'task:1: connection refused'."""
     reasons = []
     for name, address in tasks.items():
-        host, _, port = address.rpartition(":")
-        try:
-            with socket.create_connection((host.strip("[]"), int(port)),
-                                          timeout=1.0):
-                why = ("accepts TCP connections but gives no gRPC answer: "
-                       "hung, or not a TF server")
-        except ConnectionRefusedError:
-            why = "connection refused: nothing listens on that port"
-        except (OSError, ValueError) as exc:
-            why = f"no connection: {exc}"
-        reasons.append(f"{name.rsplit('/', 1)[-1]}: {why}")
+        state = _tcp_state(address)
+        reasons.append(f"{name.rsplit('/', 1)[-1]}: "
+                       f"{_TCP_MEANING.get(state, state)}")
     return "; ".join(reasons)
 
 
@@ -626,7 +647,11 @@ def run(devices, action, function, *args, interval=1.0, misses=2,
         _Watch.active = False
     error = outcome.get("error")
     if not done.is_set() or isinstance(error, tf.errors.OpError):
-        lost = dict(watchdog.lost) or _unreachable(tasks, interval * misses)
+        # After an error, a task is lost if the watchdog saw it so or it
+        # takes no connection; not for missing a probe (busy, loaded).
+        lost = dict(watchdog.lost) or (
+            _gone(tasks) if done.is_set()
+            else _unreachable(tasks, interval * misses))
         if lost:
             detail = (_first_line(error) if error is not None else
                       f"no answer {grace:g} s after cancelling; the call is "
