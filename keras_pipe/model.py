@@ -128,7 +128,7 @@ class PipelineModel(model_io.SavingMethods, keras.Model):
     def from_model(cls, model, num_stages=None, devices=None,
                    num_micro_batches=1, remat="except_last", balance="params",
                    memory_budget=None, batch_size=None, input_shape=None,
-                   sample_inputs=None, **kwargs):
+                   sample_inputs=None, loss=None, **kwargs):
         """Cuts a built Sequential or Functional model into a pipeline.
 
         The stages reuse `model`'s layers (weights shared, not copied); see
@@ -162,6 +162,9 @@ class PipelineModel(model_io.SavingMethods, keras.Model):
                 cost, as in `keras_pipe.planning.partition.split_model`
                 (`input_shape={"token_ids": (None, 128)}` for inputs of
                 unknown length). Default to `None`.
+            loss: with `schedule="auto"`, the loss you will compile with,
+                so the plan costs the loss head (as `keras_pipe.plan`).
+                Defaults to `None`: `model`'s compiled loss, if any.
             **kwargs: `PipelineModel` arguments (`schedule`) and
                 `keras.Model` arguments (`name`, ...). `schedule="auto"`
                 builds the plan of `keras_pipe.plan(..., schedule="auto")`
@@ -184,7 +187,7 @@ class PipelineModel(model_io.SavingMethods, keras.Model):
             balance=balance, memory_budget=memory_budget,
             batch_size=batch_size, input_shape=input_shape,
             sample_inputs=sample_inputs,
-            schedule=kwargs.pop("schedule", "gpipe"))
+            schedule=kwargs.pop("schedule", "gpipe"), loss=loss)
         pipe = cls(stages, **arguments, **kwargs)
         if chosen is not None:
             pipe.plan = chosen

@@ -6,6 +6,7 @@ import warnings
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 
 import keras_pipe
 from keras_pipe.engine import schedule
@@ -278,3 +279,82 @@ def test_a_link_is_timed_per_hop_of_a_chain(devices):
 
     assert moves([target] * 5) == 0
     assert moves([source, target, source, target, source]) == 4
+
+
+def _measured_without_timing(monkeypatch, loss_per_row):
+    """search(measure=True) with every measurement replaced: FLOPs for the
+    calls, no fixed costs, and a loss head of `loss_per_row` s per row."""
+    def flops(graph, rows, device=None, shapes=None):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the FLOPs fallback's warning
+            return profiling.flops_costs(graph, rows, 2e10, shapes)
+
+    monkeypatch.setattr(profiling, "call_costs", flops)
+    monkeypatch.setattr(profiling, "step_overhead",
+                        lambda devices: profiling.Overhead(0.0, 0.0))
+    monkeypatch.setattr(profiling, "link",
+                        lambda a, b: profiling.Link(0.0, 1e12))
+    monkeypatch.setattr(profiling, "update_rate",
+                        lambda device, slots: profiling.UpdateRate(0.0, 0.0))
+    seen = []
+
+    def loss_seconds(loss, outputs, rows, device=None, shapes=None):
+        seen.append((loss, rows))
+        return loss_per_row * rows
+
+    monkeypatch.setattr(profiling, "loss_seconds", loss_seconds)
+    return seen
+
+
+def test_the_loss_head_is_costed_per_micro_batch_or_per_batch(
+        devices, monkeypatch):
+    seen = _measured_without_timing(monkeypatch, 1e-3)
+    model = _mlp(depth=3, width=16)
+
+    def step(loss, name):
+        (c,) = [c for c in autoplan.search(
+            model, devices=devices[:2], batch_size=32, schedules=[name],
+            micro_batch_choices=[4], loss=loss) if c.num_stages == 2]
+        return c.step_time
+
+    # GPipe waits for the full batch's loss (32 rows: 32 ms) once; 1F1B
+    # seeds each micro-batch from its part (8 rows: 8 ms, M=4 times on the
+    # last stage's device).
+    assert step("mse", "gpipe") - step(None, "gpipe") == pytest.approx(
+        0.032, rel=0.02)
+    gained = step("mse", "1f1b") - step(None, "1f1b")
+    assert 0.008 <= gained <= 0.032 + 1e-9
+    assert ("mse", 8) in seen and ("mse", 32) in seen
+    # A compiled model's own loss is the default.
+    model.compile("sgd", "mae")
+    seen.clear()
+    step(None, "gpipe")
+    assert seen and {loss for loss, _ in seen} == {"mae"}
+
+
+def test_loss_seconds_times_a_sparse_cross_entropy_and_warns_on_a_dict(
+        monkeypatch, tmp_path):
+    monkeypatch.setenv("KERAS_PIPE_CACHE", str(tmp_path / "costs.json"))
+    x = keras.Input((6, 5))
+    model = keras.Model(x, keras.layers.Dense(50)(x))
+    graph = graph_lib.read_graph(model)
+    # Integer targets of the logits' shape without the class axis.
+    sparse = profiling.loss_seconds("sparse_categorical_crossentropy",
+                                    graph.outputs, 8, repeats=1, target=1e-3)
+    dense = profiling.loss_seconds("mse", graph.outputs, 8, repeats=1,
+                                   target=1e-3)
+    assert sparse > 0 and dense > 0
+    target = profiling._loss_target(
+        keras.losses.get("sparse_categorical_crossentropy"),
+        tf.zeros([8, 6, 50]))
+    assert target.dtype == tf.int32 and target.shape == (8, 6)
+    with pytest.warns(UserWarning, match="costs no loss head"):
+        assert profiling.loss_seconds({"out": "mse"}, graph.outputs, 8) == 0
+
+
+def test_loss_outside_auto_is_refused_not_ignored(devices):
+    with pytest.raises(ValueError, match='schedule="auto" only'):
+        keras_pipe.plan(_mlp(depth=2), devices=devices[:2], loss="mse")
+    with pytest.raises(ValueError, match='schedule="auto" only'):
+        keras_pipe.PipelineModel.from_model(_mlp(depth=2),
+                                            devices=devices[:2], loss="mse")

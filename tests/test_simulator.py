@@ -94,6 +94,24 @@ def test_call_cost_remat_loss_and_step_cost():
         "0F0", "0F1", "0B1", "0B0"]
 
 
+def test_the_full_batch_loss_and_the_parts_loss():
+    # GPipe seeds from the full-batch loss once (full_loss 3 after both
+    # forward calls); 1F1B from each micro-batch's part (loss 0.5 each).
+    # One stage, forward 1, backward 2. GPipe: F [0,1] [1,2], loss to 5, B
+    # [5,7] [7,9]. 1F1B: F0 [0,1], loss to 1.5, B0 [1.5,3.5], F1 [3.5,4.5],
+    # loss to 5, B1 [5,7].
+    costs = simulator.Costs(forward=[1], backward=[2], loss=0.5,
+                            full_loss=3)
+    assert simulator.simulate(schedule.gpipe(2, 1), [0],
+                              costs).step_time == pytest.approx(9)
+    one_f_one_b = schedule.get_schedule("1f1b").build(2, 1, 1)
+    assert simulator.simulate(one_f_one_b, [0],
+                              costs).step_time == pytest.approx(7)
+    # Without full_loss, the full batch's loss is `loss`, as before.
+    assert simulator.Costs(forward=[1], backward=[2],
+                           loss=0.5).full_loss == 0.5
+
+
 def test_split_backward_by_hand():
     # zb_h1, one micro-batch, 2 stages: device 1 F [1,2], B [2,3], W
     # [3,6]; device 0 F [0,1], B waits for device 1's B [3,4], W [4,7].

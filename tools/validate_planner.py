@@ -186,7 +186,7 @@ def child(p):
         ranked = autoplan.search(
             model, devices=remote, batch_size=batch,
             micro_batch_choices=p["micro_batches"],
-            schedules=p["schedules"], input_shape=shape)
+            schedules=p["schedules"], input_shape=shape, loss=loss)
         search_seconds = time.perf_counter() - start
         print(json.dumps({"model": name, "costs": _costs(remote)}),
               flush=True)

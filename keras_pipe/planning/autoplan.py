@@ -107,8 +107,10 @@ class _Measured:
     step's fixed costs, transfers and optimizer updates."""
 
     def __init__(self, graph, shapes, devices, measure, flops_per_second,
-                 optimizer_slots):
+                 optimizer_slots, loss=None):
         self.graph, self.shapes = graph, shapes
+        self.loss = loss
+        self._losses = {}
         self.device = devices[0] if devices else None
         self.measure = measure
         self.flops_per_second = flops_per_second
@@ -135,6 +137,17 @@ class _Measured:
         for rows, costs in zip(all_rows, profiling.smooth(
                 [self.calls(r) for r in all_rows])):
             self._calls[rows] = costs
+
+    def loss_seconds(self, rows):
+        """The loss head's seconds for `rows` rows (0 without a loss or
+        without measuring)."""
+        if self.loss is None or not self.measure:
+            return 0.0
+        if rows not in self._losses:
+            self._losses[rows] = profiling.loss_seconds(
+                self.loss, self.graph.outputs, rows, self.device,
+                self.shapes)
+        return self._losses[rows]
 
     def calls(self, rows):
         if rows not in self._calls:
@@ -236,7 +249,8 @@ def _candidate(name, stage_devices, m, batch_size, graph, measured,
         bytes_per_second=measured.link.bytes_per_second,
         update=[float(measured.update[e] - measured.update[a])
                 for a, e in spans],
-        step=measured.overhead.step)
+        step=measured.overhead.step, loss=measured.loss_seconds(rows),
+        full_loss=measured.loss_seconds(batch_size))
     result = simulator.simulate(ticks, stage_devices, sim_costs, remat, m)
     device_peaks = [0.0] * num_devices
     for j, d in enumerate(stage_devices):
@@ -250,7 +264,8 @@ def _candidate(name, stage_devices, m, batch_size, graph, measured,
 def search(model, devices=None, num_devices=None, batch_size=None,
            memory_budget=None, micro_batch_choices=(1, 2, 4, 8),
            schedules=None, optimizer_slots=2, measure=True,
-           flops_per_second=2e10, input_shape=None, sample_inputs=None):
+           flops_per_second=2e10, input_shape=None, sample_inputs=None,
+           loss=None):
     """Every configuration that fits, fastest simulated step first.
 
     ```python
@@ -281,6 +296,10 @@ def search(model, devices=None, num_devices=None, batch_size=None,
             to `2e10`.
         input_shape, sample_inputs: as in `keras_pipe.plan`. Default to
             `None`.
+        loss: the loss the pipeline will be compiled with, to time the loss
+            head (`profiling.loss_seconds`). Defaults to `None`: the
+            model's compiled loss if it has one, else the loss head is not
+            costed.
 
     Returns:
         A list of `Candidate`s, fastest first.
@@ -311,8 +330,10 @@ def search(model, devices=None, num_devices=None, batch_size=None,
     shapes = shapes_lib.infer_shapes(graph, input_shape, sample_inputs,
                                      what='schedule="auto"')
     allowed = np.array(partition_lib.allowed_cuts(graph), bool)
+    if loss is None:
+        loss = getattr(model, "loss", None)
     measured = _Measured(graph, shapes, list(dict.fromkeys(devices or [])),
-                         measure, flops_per_second, optimizer_slots)
+                         measure, flops_per_second, optimizer_slots, loss)
     ranked, needs = [], []
     ms = sorted({min(_validation.check_positive_int("micro_batch_choices",
                                                    m), batch_size)

@@ -161,7 +161,7 @@ def plan(model, num_stages=None, num_micro_batches=1, balance="params",
          remat="except_last", batch_size=None, devices=None,
          optimizer_slots=2, flops_per_second=None, memory_budget=None,
          schedule="gpipe", input_shape=None, sample_inputs=None,
-         micro_batch_choices=(1, 2, 4, 8), measure=True):
+         micro_batch_choices=(1, 2, 4, 8), measure=True, loss=None):
     """Plans the pipeline `PipelineModel.from_model` would build, without it.
 
     ```python
@@ -226,6 +226,11 @@ def plan(model, num_stages=None, num_micro_batches=1, balance="params",
             `keras_pipe.planning.profiling`); `False` costs from FLOPs at
             `flops_per_second` (2e10 if not given), with a warning.
             Defaults to `True`.
+        loss: with `schedule="auto"`, the loss the pipeline will be
+            compiled with: its loss head (on the last stage, per
+            micro-batch or once for the batch) is timed and simulated.
+            Defaults to `None`: `model`'s compiled loss if any, else not
+            costed (a softmax over a large vocabulary is then missed).
 
     Returns:
         A `Plan`.
@@ -248,6 +253,11 @@ def plan(model, num_stages=None, num_micro_batches=1, balance="params",
         _validation.check_positive_number("flops_per_second", flops_per_second)
     if schedule != "auto":
         schedule_lib.get_schedule(schedule)
+        if loss is not None:
+            raise ValueError(
+                'loss= costs the loss head for schedule="auto" only; here it '
+                "would be ignored. Drop it, or pass schedule=\"auto\". "
+                f"Received: loss={loss!r}, schedule={schedule!r}")
     if devices is not None and (isinstance(devices, str) or not isinstance(
             devices, (list, tuple))):
         raise TypeError(
@@ -263,7 +273,8 @@ def plan(model, num_stages=None, num_micro_batches=1, balance="params",
             optimizer_slots=optimizer_slots, measure=measure,
             **({"flops_per_second": flops_per_second}
                if flops_per_second else {}),
-            input_shape=input_shape, sample_inputs=sample_inputs)
+            input_shape=input_shape, sample_inputs=sample_inputs,
+            loss=loss)
         auto, memory_budget = ranked, None
         best = ranked[0]
         schedule, num_stages = best.schedule, best.num_stages
@@ -365,7 +376,7 @@ def plan(model, num_stages=None, num_micro_batches=1, balance="params",
 
 def stages_from_model(model, num_stages, devices, num_micro_batches, remat,
                       balance, memory_budget, batch_size, input_shape,
-                      sample_inputs, schedule):
+                      sample_inputs, schedule, loss=None):
     """The stages and `PipelineModel` arguments of `from_model`.
 
     Returns:
@@ -381,11 +392,17 @@ def stages_from_model(model, num_stages, devices, num_micro_batches, remat,
                 "stage). Received: num_stages=None, devices=None")
         num_stages = len(devices)
     chosen = None
+    if loss is not None and schedule != "auto":
+        raise ValueError(
+            'from_model(loss=...) costs the loss head for schedule="auto" '
+            "only; here it would be ignored. Drop it (compile with the loss), "
+            f'or pass schedule="auto". Received: loss={loss!r}, '
+            f"schedule={schedule!r}")
     if schedule == "auto":
         chosen = plan(model, num_stages=num_stages, devices=devices,
                       batch_size=batch_size, memory_budget=memory_budget,
                       schedule="auto", input_shape=input_shape,
-                      sample_inputs=sample_inputs)
+                      sample_inputs=sample_inputs, loss=loss)
         num_stages, devices = chosen.num_stages, chosen.devices
         num_micro_batches, remat = chosen.num_micro_batches, chosen.remat
         balance, schedule, memory_budget = (chosen.sizes, chosen.schedule,

@@ -36,7 +36,8 @@ from keras_pipe.planning.balance import cost as cost_lib
 
 __all__ = ["CallCosts", "Link", "Overhead", "UpdateRate", "cache_path",
            "call_costs", "cached", "flops_costs",
-           "flops_update_rate", "link", "set_overhead_probe", "smooth",
+           "flops_update_rate", "link", "loss_seconds", "set_overhead_probe",
+           "smooth",
            "step_overhead", "stage_call_seconds", "update_rate",
            "update_seconds"]
 
@@ -411,6 +412,77 @@ def call_costs(graph, rows, device=None, shapes=None, training=True,
     if cache:
         _store(key, dataclasses.asdict(result))
     return result
+
+
+def _loss_functions(loss, num_outputs):
+    """One Keras loss function per output, or None where `loss` is not one
+    `keras.losses.get` reads (a dict by output name is not costed)."""
+    if isinstance(loss, (list, tuple)):
+        if len(loss) != num_outputs:
+            return None
+        return [keras.losses.get(x) for x in loss]
+    if isinstance(loss, dict):
+        return None
+    return [keras.losses.get(loss)] * num_outputs
+
+
+def _loss_target(function, y_pred):
+    """A target the loss takes for `y_pred`: zeros of its shape, or integer
+    class indices (a sparse cross-entropy's) of its shape without the last
+    axis."""
+    dense = tf.zeros_like(y_pred)
+    try:
+        function(dense, y_pred)
+        return dense
+    except (ValueError, tf.errors.InvalidArgumentError):
+        return tf.zeros(tf.shape(y_pred)[:-1], tf.int32)
+
+
+def loss_seconds(loss, outputs, rows, device=None, shapes=None, repeats=5,
+                 target=0.005, cache=True):
+    """Measured seconds of the loss head for `rows` rows: the loss of
+    outputs like `outputs` (the model's output KerasTensors) and its
+    gradient with respect to them, timed in a loop on `device` as
+    `call_costs` times a layer call. 0.0 where `loss` cannot be read per
+    output (a dict of losses).
+
+    ```python
+    graph = keras_pipe.planning.graph.read_graph(model)
+    keras_pipe.planning.profiling.loss_seconds(
+        "sparse_categorical_crossentropy", graph.outputs, rows=32)
+    ```
+    """
+    functions = _loss_functions(loss, len(outputs))
+    if functions is None:
+        warnings.warn(
+            f"keras_pipe costs no loss head for loss={loss!r}: give one loss, "
+            f"or a list of {len(outputs)} (one per output), to time it.",
+            stacklevel=2)
+        return 0.0
+    key = _key("loss", [keras.saving.serialize_keras_object(f)
+                        for f in functions],
+               [list(cost_lib.shape_of(x, shapes)) for x in outputs],
+               _device_name(device), rows, target)
+    if cache:
+        hit = _load().get(key)
+        if hit is not None:
+            return hit
+    with tf.device(device) if device else contextlib.nullcontext():
+        y_preds = [tf.cast(cost_lib.sample_input(x, rows, shapes), "float32")
+                   for x in outputs]
+        y_trues = [_loss_target(f, y) for f, y in zip(functions, y_preds)]
+
+    def head(flat):
+        with tf.GradientTape() as tape:
+            tape.watch(flat)
+            total = tf.add_n([tf.reduce_mean(f(t, y)) for f, t, y in
+                              zip(functions, y_trues, flat)])
+        return tape.gradient(total, flat) + [total]
+
+    seconds = _per_run(_loop(head, device), y_preds, repeats, target, device)
+    if cache:
+        _store(key, seconds)
+    return seconds
 
 
 def _theil_sen(xs, ys):

@@ -66,9 +66,12 @@ class Costs:
             `0`.
         bytes_per_second: transfer bandwidth; `None` for infinite.
             Defaults to `None`.
-        loss: the loss head's time on the last stage's device (once for
-            the full batch, or per micro-batch when seeded by parts).
+        loss: the loss head's time on the last stage's device for one
+            micro-batch (a schedule whose backward calls start before its
+            last forward call seeds each micro-batch from its own part).
             Defaults to `0`.
+        full_loss: the loss head's time for the full batch (every other
+            schedule seeds from it once). Defaults to `None`: `loss`.
         update: per stage, its optimizer update at the end of the step.
             Defaults to zeros.
         step: a fixed cost of the step (splitting the batch, reading the
@@ -87,6 +90,7 @@ class Costs:
     loss: float = 0.0
     update: list = None
     step: float = 0.0
+    full_loss: float = None
 
     def __post_init__(self):
         k = len(self.forward)
@@ -98,6 +102,8 @@ class Costs:
         self.weight = list(self.weight or [0.0] * k)
         self.recompute = list(self.recompute or self.forward)
         self.output_bytes = list(self.output_bytes or [0] * k)
+        if self.full_loss is None:
+            self.full_loss = self.loss
         self.update = list(self.update or [0.0] * k)
         for name in ("backward_input", "weight", "recompute",
                      "output_bytes", "update"):
@@ -292,7 +298,7 @@ def simulate(ticks, stage_devices, costs, remat="never",
             ends = [done.get(("F", ii, j)) for ii in range(m)]
             if None in ends:
                 return None
-            loss_done = max(ends) + costs.loss
+            loss_done = max(ends) + costs.full_loss
         return max(own, loss_done)
 
     remaining = sum(len(c) for c in per_device)
