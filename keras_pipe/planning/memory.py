@@ -416,6 +416,16 @@ def backward_workspace(call, shapes=None):
     return shard * image * filter_total * size
 
 
+def _stashes_output_gradient(op):
+    """Whether a split backward pass stashes the gradient of `op`'s
+    output for its W: a layer with trainable weights, but not batch
+    normalization, which in training scales by the batch's statistics:
+    its weights meet only per-channel vectors (`x * (gamma *
+    rsqrt(var))`), a stash of vectors."""
+    return bool(getattr(op, "trainable_weights", None)) and not isinstance(
+        op, keras.layers.BatchNormalization)
+
+
 def _stash_bytes(call, rows, shapes=None):
     """What a split backward pass (`engine.weight_grad`) keeps of one call
     for its W: per mixing op (an op with a weight operand) its inputs and
@@ -426,11 +436,7 @@ def _stash_bytes(call, rows, shapes=None):
     tape's other tensors (an activation's output, softmax scores) are
     freed when B returns."""
     op = call.operation
-    if not getattr(op, "trainable_weights", None) or isinstance(
-            op, keras.layers.BatchNormalization):
-        # Batch normalization in training scales by the batch's statistics:
-        # its weights meet only per-channel vectors (`x * (gamma *
-        # rsqrt(var))`), a stash of vectors.
+    if not _stashes_output_gradient(op):
         return 0
     if isinstance(op, (keras.layers.LayerNormalization,
                        keras.layers.GroupNormalization)):
@@ -467,7 +473,7 @@ class Block:
     recompute: int      # alive at once in a recompute, one micro-batch
     largest: int        # the largest single call output, one micro-batch
     largest_variable: int
-    mixing: int         # outputs of the calls with trainable weights
+    mixing: int         # outputs whose gradients a split backward stashes
     workspace: int = 0  # the largest scratch buffer of one backward op
     stash: int = 0      # a split backward's stash, one micro-batch
 
@@ -495,10 +501,11 @@ class Profile:
                 call, rows, shapes))
             self.saved.append(self.saved[-1] + _saved_bytes(
                 call, rows, shapes=shapes))
+            # The output gradients a split backward pass (`"Bi"`) makes
+            # and stashes for W: not batch normalization's (a vector).
             self.mixed.append(self.mixed[-1] + (sum(
                 cost_lib.tensor_bytes(x, rows, shapes) for x in call.outputs)
-                if getattr(call.operation, "trainable_weights", None)
-                else 0))
+                if _stashes_output_gradient(call.operation) else 0))
             kept = _inner_recompute_bytes(call, rows, shapes)
             op = call.operation
             own = isinstance(op, keras.layers.Layer) and _gradient_needs(
