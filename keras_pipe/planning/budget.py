@@ -122,7 +122,9 @@ def block_grid(profile, n):
         "trainable": trainable[e] - trainable[a],
         "largest": largest, "largest_variable": largest_var,
         "mixing": mixed[e] - mixed[a], "workspace": workspace,
-        "stash": stashed[e] - stashed[a]}
+        "stash": stashed[e] - stashed[a],
+        "seeded": np.broadcast_to(
+            np.array([0] + profile.seeded, float)[None, :], (n + 1, n + 1))}
     return (np.stack([grid[f] for f in memory_lib.FEATURES], -1),
             weights[e] - weights[a], trainable[e] - trainable[a])
 

@@ -18,7 +18,8 @@ anything is built. The model follows what the executor holds
   the largest activation gradients, and the output gradients of the other
   micro-batches in flight, which a next stage running ahead may have sent;
 * stage 0 also holds the mini-batch, the last stage the merged outputs and
-  their loss gradient;
+  their loss gradient (under GPipe only from the merge on: before, the
+  outputs of the micro-batches run so far);
 * where the executor splits a backward pass without remat
   (`schedule.defer_weight_runs` with `num_stages`, read from the
   schedule's actions by `StageActions.executor_order`: GPipe's runs fed
@@ -416,6 +417,16 @@ def backward_workspace(call, shapes=None):
     return shard * image * filter_total * size
 
 
+def _stashes_output_gradient(op):
+    """Whether a split backward pass stashes the gradient of `op`'s
+    output for its W: a layer with trainable weights, but not batch
+    normalization, which in training scales by the batch's statistics:
+    its weights meet only per-channel vectors (`x * (gamma *
+    rsqrt(var))`), a stash of vectors."""
+    return bool(getattr(op, "trainable_weights", None)) and not isinstance(
+        op, keras.layers.BatchNormalization)
+
+
 def _stash_bytes(call, rows, shapes=None):
     """What a split backward pass (`engine.weight_grad`) keeps of one call
     for its W: per mixing op (an op with a weight operand) its inputs and
@@ -426,11 +437,7 @@ def _stash_bytes(call, rows, shapes=None):
     tape's other tensors (an activation's output, softmax scores) are
     freed when B returns."""
     op = call.operation
-    if not getattr(op, "trainable_weights", None) or isinstance(
-            op, keras.layers.BatchNormalization):
-        # Batch normalization in training scales by the batch's statistics:
-        # its weights meet only per-channel vectors (`x * (gamma *
-        # rsqrt(var))`), a stash of vectors.
+    if not _stashes_output_gradient(op):
         return 0
     if isinstance(op, (keras.layers.LayerNormalization,
                        keras.layers.GroupNormalization)):
@@ -467,9 +474,11 @@ class Block:
     recompute: int      # alive at once in a recompute, one micro-batch
     largest: int        # the largest single call output, one micro-batch
     largest_variable: int
-    mixing: int         # outputs of the calls with trainable weights
+    mixing: int         # outputs whose gradients a split backward stashes
     workspace: int = 0  # the largest scratch buffer of one backward op
     stash: int = 0      # a split backward's stash, one micro-batch
+    seeded: int = 0     # of `mixing`: the last call's output (its gradient
+    #                     is the stage's incoming one)
 
 
 class Profile:
@@ -495,10 +504,11 @@ class Profile:
                 call, rows, shapes))
             self.saved.append(self.saved[-1] + _saved_bytes(
                 call, rows, shapes=shapes))
+            # The output gradients a split backward pass (`"Bi"`) makes
+            # and stashes for W: not batch normalization's (a vector).
             self.mixed.append(self.mixed[-1] + (sum(
                 cost_lib.tensor_bytes(x, rows, shapes) for x in call.outputs)
-                if getattr(call.operation, "trainable_weights", None)
-                else 0))
+                if _stashes_output_gradient(call.operation) else 0))
             kept = _inner_recompute_bytes(call, rows, shapes)
             op = call.operation
             own = isinstance(op, keras.layers.Layer) and _gradient_needs(
@@ -510,6 +520,8 @@ class Profile:
         self.out = [sum(cost_lib.tensor_bytes(x, rows, shapes) for x in c.outputs)
                      for c in graph.calls]
         self.workspace = [backward_workspace(c, shapes) for c in graph.calls]
+        self.seeded = [o if _stashes_output_gradient(c.operation) else 0
+                       for o, c in zip(self.out, graph.calls)]
         # A variable used by several calls (tied weights) is counted with
         # its last call: each stage's build places the variables of its
         # layers on its device, so the last stage to use one keeps it
@@ -569,7 +581,8 @@ class Profile:
             largest_variable=max(self.largest_var[a:b]),
             mixing=self.mixed[b] - self.mixed[a],
             workspace=max(self.workspace[a:b]),
-            stash=self.stashed[b] - self.stashed[a])
+            stash=self.stashed[b] - self.stashed[a],
+            seeded=self.seeded[b - 1])
 
 
 @dataclasses.dataclass
@@ -594,7 +607,8 @@ class StageMemory:
 
 
 FEATURES = ("inputs", "outputs", "activations", "recompute", "trainable",
-            "largest", "largest_variable", "mixing", "workspace", "stash")
+            "largest", "largest_variable", "mixing", "workspace", "stash",
+            "seeded")
 _CATEGORIES = ("boundary", "activations", "gradients", "transient")
 
 
@@ -620,6 +634,7 @@ def moments(actions, mode, num_micro_batches, first=False, last=False,
     if first:
         # The mini-batch stays alive all step; micro-batches are its slices.
         fixed = fixed + _unit("inputs", m)
+    base = fixed
     if last:
         # Merged outputs and the loss gradient.
         fixed = fixed + _unit("outputs", 2 * m)
@@ -640,6 +655,11 @@ def moments(actions, mode, num_micro_batches, first=False, last=False,
     whole_seed = last and "F" in kinds and not any(
         k != "F" for k in kinds[:len(kinds) - kinds[::-1].index("F")])
     arriving = zero if whole_seed else _unit("outputs")
+    # The gradient of the stage's last call's output is the one arriving
+    # (or, seeded whole, a slice of the loss gradient): a split backward's
+    # stash holds it without a copy of its own.
+    seeded = _unit("seeded")
+    done = 0
     for n, (kind, i) in enumerate(order):
         remat = remat_of(i)
         boundary = sum((v[0] for v in held.values()), zero)
@@ -650,9 +670,21 @@ def moments(actions, mode, num_micro_batches, first=False, last=False,
             held[i] = (boundary_of, zero if remat else _unit("recompute"))
             making = _unit("largest", 2) if remat else (
                 _unit("recompute") + _unit("largest"))
+            # Seeded whole, the loss and its gradient come after every
+            # forward pass: until then the last stage holds the outputs of
+            # the earlier micro-batches (the one being made is `making`'s).
             result.append(np.stack([
                 boundary + boundary_of, kept + making, sums,
-                fixed + _unit("outputs")]))
+                base + _unit("outputs", done) if whole_seed
+                else fixed + _unit("outputs")]))
+            done += 1
+            if whole_seed and done == m:
+                # The merge and the loss: the micro-batches' outputs
+                # concatenated (at M = 1 the output itself), then the loss
+                # gradient; every micro-batch's tape still held.
+                result.append(np.stack([
+                    boundary + boundary_of, kept + held[i][1], sums,
+                    fixed]))
             continue
         if kind == "Wg":
             run.append(i)
@@ -685,10 +717,13 @@ def moments(actions, mode, num_micro_batches, first=False, last=False,
             # Input gradients only; the stash (the mixing ops' inputs, kept
             # anyway, and output gradients) stays for the W call.
             result.append(np.stack([
-                boundary, kept + _unit("mixing"), sums,
+                boundary, kept + _unit("mixing") - seeded, sums,
                 fixed + arriving + _unit("largest") + waiting
                 + _unit("workspace")]))
-            held[i] = (held[i][0], _unit("stash"))
+            # Seeded whole, the stashed output gradient is the loss
+            # gradient's slice (in `fixed`); else the arrived gradient.
+            held[i] = (held[i][0], _unit("stash") - (
+                seeded if whole_seed else zero))
             continue
         if remat:
             # One traced call: recompute, backward, and the running sums,

@@ -150,8 +150,10 @@ class Partition:
         tied: `(layer_name, stages)` for each layer whose trainable
             variables are used by several stages.
         shapes: `{id(KerasTensor): shape}` the costs were computed with
-            (`keras_pipe.planning.balance.shapes.infer_shapes`), or `None` when the
-            cut needed no shapes.
+            (`keras_pipe.planning.balance.shapes.infer_shapes`), also
+            inferred when `input_shape` or `sample_inputs` was given to a
+            cut that needs no shapes (`balance="params"`, a list), or
+            `None` when neither was given and the cut needed none.
     """
 
     graph: object
@@ -419,6 +421,14 @@ def cut(model, num_stages, balance="params", devices=None,
         return balance_lib.cost.time(graph, device, micro, shapes=shapes)
 
     sizes, costs = _resolve_sizes(graph, num_stages, balance, costs_of)
+    if shapes is None and (input_shape is not None
+                           or sample_inputs is not None):
+        # A cut by parameters or by a list needs no shapes, but the memory
+        # model (`keras_pipe.planning.memory.predict`) reads them from the
+        # partition: without, a dimension the model leaves unknown (a
+        # sequence length) counts as 1.
+        shapes = shapes_lib.infer_shapes(graph, input_shape, sample_inputs,
+                                         what="the memory prediction")
     _warn_weightless_stages(graph, sizes)
     return Partition(graph, sizes, costs, _boundaries(graph, sizes),
                      _tied(graph, sizes), shapes)
