@@ -60,6 +60,18 @@ def test_transposed_kernels_step_like_the_unsplit_model(devices, onednn,
     check_one_step(pipe, reference, x, y)
 
 
+def test_remat_except_last_transposes_for_the_last_micro_batch(devices,
+                                                               onednn):
+    # Only the last micro-batch's forward runs in place; its 256 rows pay
+    # for the transposes on their own.
+    pipe, reference = helpers.pair(_stages, devices, M, "except_last",
+                                   schedule="1f1b")
+    compile_both(pipe, reference)
+    x, y, _ = helpers.data(4 * BATCH)
+    assert len(_transposed_products(_graph(pipe, x, y))) == 3
+    check_one_step(pipe, reference, x, y)
+
+
 @pytest.mark.parametrize("schedule", ["gpipe", "zb_h1"])
 def test_each_kernel_is_transposed_once_per_step(devices, onednn, schedule):
     # One Transpose per wide kernel, whatever M; every forward product on
