@@ -56,6 +56,8 @@ from keras.src.utils import naming as _naming  # noqa: E402
 from keras.src.utils import tracking as _tracking  # noqa: E402
 from tensorflow.python.eager import cancellation  # noqa: E402
 from tensorflow.python.eager import context as _tf_context  # noqa: E402
+from tensorflow.python.eager import record as _tf_record  # noqa: E402
+from tensorflow.python.framework import op_callbacks as _op_callbacks  # noqa: E402
 
 # Keras' Functional graph: the class, how it calls one operation, and how
 # it unwraps a single output (`keras_pipe.planning.graph`, `keras_pipe.saving.files`).
@@ -76,6 +78,28 @@ def onednn_enabled():
     """
     from tensorflow.python.util import _pywrap_util_port
     return bool(_pywrap_util_port.IsMklEnabled())
+
+
+@contextlib.contextmanager
+def op_callback(callback):
+    """Within: `callback` sees every op this thread builds (TF's op
+    callbacks, the hook of `tf.debugging.experimental.enable_dump_debug_info`)
+    and may return replacement outputs, which later ops and the gradient
+    tapes take instead (`keras_pipe.engine.products`).
+
+    `callback(op_type, inputs, attrs, outputs, op_name=None, graph=None)`
+    returns None or a list of tensors, one per output.
+    """
+    _op_callbacks.add_op_callback(callback)
+    try:
+        yield
+    finally:
+        _op_callbacks.remove_op_callback(callback)
+
+
+def stop_recording():
+    """A context in which no gradient tape of this thread records ops."""
+    return _tf_record.stop_recording()
 
 
 def set_initial_epoch(model, epoch):

@@ -360,3 +360,33 @@ def test_called_graph_is_the_function_a_call_op_runs():
     graph = found["graph"]
     assert [t.op.type for t in graph.inputs] == ["Placeholder"]
     assert len(graph.outputs) == 1
+
+
+def test_op_callback_replaces_outputs_for_later_ops_and_the_tape():
+    # The hook of keras_pipe.engine.products: an op callback's returned
+    # tensors replace the op's outputs for the ops built after it, and the
+    # tape records the original op with the replacement as its output (so
+    # the gradient is the original op's); ops built under stop_recording
+    # are not on the tape.
+    seen = []
+
+    def callback(op_type, inputs, attrs, outputs, op_name=None, graph=None):
+        if op_type != "Square":
+            return None
+        seen.append(op_type)
+        with _compat.stop_recording():
+            return [3.0 * outputs[0]]  # not the square's value
+
+    @tf.function(autograph=False)
+    def run(x):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            with _compat.op_callback(callback):
+                y = tf.square(x)
+            z = y + 0.0
+        return z, tape.gradient(z, x)
+
+    z, grad = run(tf.constant(2.0))
+    assert seen == ["Square"]
+    assert float(z) == 12.0  # 3 * 2^2: later ops read the replacement
+    assert float(grad) == 4.0  # d(x^2)/dx: the tape's op is the Square

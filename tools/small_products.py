@@ -6,9 +6,11 @@
 
 Pinned to one core (`--core`, default the last this process may run on),
 with `--threads` intra-op threads, as a `keras_pipe.local_workers` worker.
-Prints, per product, the least CPU ms per 512 rows over 5 rounds at 512
-and at 64 rows: the forward `x @ w` and the input gradient `dy @ w^T` of a
-Dense(1024) layer. Then a stage of 4 x Dense(1024), forward and backward
+Prints, per product, the least CPU ms per 512 rows over 5 rounds at 512,
+256, 128 and 64 rows: the forward `x @ w`, the same with the kernel stored
+transposed, `x @ transpose(wt)` (what a pipeline stage runs with oneDNN on
+small micro-batches, `keras_pipe.engine.products`), and the input gradient
+`dy @ w^T` of a Dense(1024) layer. Then a stage of 4 x Dense(1024), forward and backward
 (input and weight gradients) of 512 rows cut into M micro-batches: CPU ms
 per step at M = 1, 2, 4, 8. CPU time, not wall time: on a shared machine
 it is what a pinned worker pays, whatever else runs.
@@ -48,15 +50,19 @@ def main():
           f"{args.threads} intra-op threads, core {args.core}, load "
           f"{os.getloadavg()[0]:.1f}")
     w = tf.Variable(tf.random.normal([1024, 1024]))
-    for rows in (512, 64):
+    wt = tf.Variable(tf.transpose(w))
+    for rows in (512, 256, 128, 64):
         x = tf.random.normal([rows, 1024])
         n = 512 // rows
         forward = tf.function(lambda x=x: x @ w)
+        transposed = tf.function(
+            lambda x=x: tf.matmul(x, wt, transpose_b=True))
         backward = tf.function(
             lambda x=x: tf.matmul(x, w, transpose_b=True))
         print(f"  {rows:3d} rows: x @ w {_cpu_ms(forward, 20 * n) * n:5.1f}"
-              f" ms, dy @ w^T {_cpu_ms(backward, 20 * n) * n:5.1f} ms "
-              "per 512 rows")
+              f" ms, x @ transpose(wt) "
+              f"{_cpu_ms(transposed, 20 * n) * n:5.1f} ms, dy @ w^T "
+              f"{_cpu_ms(backward, 20 * n) * n:5.1f} ms per 512 rows")
     ws = [tf.Variable(tf.random.normal([1024, 1024]) * 0.03)
           for _ in range(4)]
     x = tf.random.normal([512, 1024])

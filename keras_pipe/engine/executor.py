@@ -27,7 +27,7 @@ import keras
 import tensorflow as tf
 
 from keras_pipe import _compat
-from keras_pipe.engine import attached, microbatch, release
+from keras_pipe.engine import attached, microbatch, products, release
 from keras_pipe.engine import schedule as schedule_lib
 from keras_pipe.engine.gradients import sum_gradients, sum_micro_batches
 from keras_pipe.engine.replicas import replica_of
@@ -99,6 +99,9 @@ class Step:
         weight_calls: `weight_calls[(r, j)]`, the ops and the running sums
             of the last W call of stage `j` of replica `r`.
         total_rows: the rows of the global batch (int or scalar tensor).
+        kernels: `kernels[(r, j)]`, stage `j`'s kernels transposed for
+            replica `r`'s forward calls (`keras_pipe.engine.products`),
+            where that pays.
         loss: the full-batch loss, once computed within the step.
         seeded_by_parts: whether micro-batches are seeded from their own
             parts of the loss (some backward call starts before the last
@@ -122,6 +125,7 @@ class Step:
     loss: object = None
     seeded_by_parts: bool = False
     weight_calls: dict = dataclasses.field(default_factory=dict)
+    kernels: dict = dataclasses.field(default_factory=dict)
     _shares: dict = dataclasses.field(default_factory=dict)
 
     @property
@@ -431,7 +435,7 @@ class Executor:
             control_inputs=step.last.get(runner.device, []),
             differentiable=step.differentiable,
             name=f"stage{j}/mb{i}/forward", observer=observer,
-            split=step.cells[i][j].split)
+            split=step.cells[i][j].split, kernels=self._kernels(step, i, j))
         step.last[runner.device] = keras.tree.flatten(run.outputs)[:1]
         self._thread_state(step, i, j, runner, new_state)
         step.cells[i][j].run = run
@@ -439,6 +443,26 @@ class Executor:
             else _handed_over(run.outputs, runner.device,
                               self.runner(step, i, j + 1).device,
                               f"stage{j}/mb{i}/send")
+
+    def _kernels(self, step, i, j):
+        """Stage `j`'s kernels transposed once for replica `r`'s forward
+        calls of the step, if those run in place on small micro-batches
+        (`keras_pipe.engine.products.worth_it`), else None."""
+        if step.differentiable or self._remat(step, i, j):
+            return None
+        r = step.replica[i]
+        if (r, j) not in step.kernels:
+            # The rows of the calls that run in place (remat "except_last":
+            # the last one only) pay for the transposes.
+            sizes = [mb.size for ii, mb in enumerate(step.micro_batches)
+                     if step.replica[ii] == r
+                     and not self._remat(step, ii, j)]
+            worth = all(isinstance(n, int) for n in sizes) and (
+                products.worth_it(max(sizes), sum(sizes)))
+            step.kernels[(r, j)] = (
+                products.TransposedKernels(step.params[r][j]) if worth
+                else None)
+        return step.kernels[(r, j)]
 
     def _thread_state(self, step, i, j, runner, new_state):
         """Records micro-batch `i`'s state updates on stage `j`."""

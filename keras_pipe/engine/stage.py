@@ -72,6 +72,7 @@ class StageRun:
     remat: bool
     tape: object = None  # records the forward's ops when remat is off
     ops: list = None     # those ops, when a split backward pass follows
+    stand_ins: dict = None  # {op: the op it replaced} (transposed kernels)
 
 
 class Stage:
@@ -227,7 +228,7 @@ class Stage:
 
     def forward(self, inputs, params, state, training, remat,
                 control_inputs=(), differentiable=False, name="forward",
-                observer=None, split=False):
+                observer=None, split=False, kernels=None):
         """Forward pass of one micro-batch; returns (StageRun, new_state).
 
         `control_inputs` make this micro-batch wait for the previous one on
@@ -243,9 +244,13 @@ class Stage:
         backward pass follows, B then W) also keeps those ops, so that B can
         take gradients w.r.t. the ops inside the stage (`backward_input`),
         and leaves the inputs' batch size open in them, as in the traced
-        call, so that W may concatenate micro-batches.
+        call, so that W may concatenate micro-batches. `kernels` (a
+        `keras_pipe.engine.products.TransposedKernels` of this stage and
+        step, or None) makes the in-place forward products multiply by
+        kernels transposed once per step.
         """
         tape = ops = None
+        stand_ins = {}
         with tf.device(self.device), tf.name_scope(name):
             if not differentiable:
                 inputs = keras.tree.map_structure(
@@ -271,14 +276,16 @@ class Stage:
                         graph = tf.compat.v1.get_default_graph()
                         first = len(graph.get_operations())
                     tape.watch(float_leaves(inputs) + list(params))
-                    outputs, new_state, losses = self.call_inline(
-                        inputs, params, state, training)
+                    with (kernels.rewriting(stand_ins) if kernels is not None
+                          else contextlib.nullcontext()):
+                        outputs, new_state, losses = self.call_inline(
+                            inputs, params, state, training)
                     if split:
                         ops = graph.get_operations()[first:]
             if observer is not None:
                 observer.end(name, keras.tree.flatten(outputs) + losses)
         run = StageRun(inputs, params, state, outputs, losses, remat, tape,
-                       ops)
+                       ops, stand_ins)
         return run, new_state
 
     def backward(self, run, output_grads, loss_grads, training, totals,
@@ -353,7 +360,7 @@ class Stage:
                         list(output_grads) + list(loss_grads))
                     grads, stash = split.backward_recorded(
                         run.tape, run.ops, run.inputs, list(run.params), ys,
-                        grad_ys)
+                        grad_ys, stand_ins=run.stand_ins)
                 else:
                     grads, stash = split.backward_input(
                         run.inputs, list(run.params), list(run.state),

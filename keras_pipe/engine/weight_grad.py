@@ -95,6 +95,8 @@ class _Mixing:
     grad_slots: dict    # output index -> stash slot
     concat: bool
     zeros: tuple = ()   # X inputs W feeds as zeros (additive ops)
+    outputs: list = None  # what B differentiates: op.outputs, or its
+    #                       stand-in's (`keras_pipe.engine.products`)
 
 
 @dataclasses.dataclass
@@ -224,7 +226,8 @@ class SplitBackward:
         return ([next(grads) if is_float(t) else None for t in flat_inputs],
                 Stash(stash, key))
 
-    def backward_recorded(self, tape, ops, inputs, params, ys, grad_ys):
+    def backward_recorded(self, tape, ops, inputs, params, ys, grad_ys,
+                          stand_ins=None):
         """B from a forward pass that `tape` recorded: nothing recomputed.
 
         The forward pass ran the stage's ops in place (not as a function
@@ -241,6 +244,11 @@ class SplitBackward:
             params: the trainable values the forward pass read.
             ys: the forward's outputs and losses that have a gradient.
             grad_ys: their gradients.
+            stand_ins: `{op: the op it replaced}`: ops built in place of
+                another whose outputs the tape records as theirs (a
+                product with a transposed kernel,
+                `keras_pipe.engine.products`). W replays the replaced op.
+                Defaults to `None` (none).
 
         Returns:
             `(input_grads, stash)` as `backward_input` returns them.
@@ -248,7 +256,7 @@ class SplitBackward:
         flat_inputs = keras.tree.flatten(inputs)
         if not ys:
             return [None] * len(flat_inputs), Stash([], None)
-        plan = _make_plan(ops, inputs, params, ys)
+        plan = _make_plan(ops, inputs, params, ys, stand_ins)
         grads, stash = _input_gradients(plan, tape, float_leaves(inputs),
                                         params, ys, grad_ys)
         key = ("recorded",) + _structure(plan)
@@ -399,7 +407,7 @@ def _input_gradients(plan, tape, float_inputs, params, ys, grad_ys):
     """B's body: input gradients and the stash, from the forward's tape."""
     if not plan.splittable:
         return _fused_input(plan, tape, float_inputs, params, ys, grad_ys)
-    sources = [m.op.outputs[k] for m in plan.mixing for k in m.grad_slots]
+    sources = [m.outputs[k] for m in plan.mixing for k in m.grad_slots]
     grads = tape.gradient(
         ys, float_inputs + sources, output_gradients=grad_ys,
         unconnected_gradients=tf.UnconnectedGradients.NONE)
@@ -426,8 +434,16 @@ def _fused_input(plan, tape, float_inputs, params, ys, grad_ys):
     return grads[:n], stash
 
 
-def _make_plan(ops, inputs, params, ys):
-    """Classifies the stage's ops into P, C and X; finds the mixing ops."""
+def _make_plan(ops, inputs, params, ys, stand_ins=None):
+    """Classifies the stage's ops into P, C and X; finds the mixing ops.
+
+    An op of `stand_ins` (`{op: the op it replaced}`) is left out: the op
+    it replaced, which nothing runs, is classified in its place, with the
+    stand-in's outputs as the ones B differentiates.
+    """
+    stand_ins = stand_ins or {}
+    replaced = {original: new for new, original in stand_ins.items()}
+    ops = [op for op in ops if op not in stand_ins]
     for leaf in keras.tree.flatten(inputs):
         if isinstance(leaf, (tf.SparseTensor, tf.RaggedTensor)):
             return SplitPlan(False, "sparse or ragged inputs")
@@ -480,7 +496,8 @@ def _make_plan(ops, inputs, params, ys):
             op, {i: None for i in xs if i not in zeros},
             {k: None for k, t in enumerate(op.outputs)
              if t.dtype.is_floating},
-            _concatenable(op, kind_of), zeros))
+            _concatenable(op, kind_of), zeros,
+            list((replaced[op] if op in replaced else op).outputs)))
     return SplitPlan(True, params=list(params), replay=replay, mixing=mixing,
                      direct=[(y, None) for y in direct])
 
@@ -501,7 +518,7 @@ def _fill_stash(plan, output_grads, ys, grad_ys):
 
     kept = []
     for m in plan.mixing:
-        grads = {k: output_grads[m.op.outputs[k].ref()] for k in m.grad_slots}
+        grads = {k: output_grads[m.outputs[k].ref()] for k in m.grad_slots}
         grads = {k: g for k, g in grads.items() if g is not None}
         if not grads:
             continue
