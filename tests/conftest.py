@@ -33,12 +33,66 @@ def _seed():
 # their module `pytestmark = pytest.mark.slow`.
 
 
+# The longest files, longest first: seconds of one full suite run
+# (`-n 2 --dist loadfile --junitxml`, summed per file, at load ~7 on 2
+# cores, so 3-4x a quiet machine's). With `--dist loadfile` xdist hands
+# out whole files in the order the workers collect them; by default it
+# sorts them by their number of tests, which leaves long files of few
+# tests (the examples, the snippets) for last. Longest first, the two
+# workers end together.
+LONGEST_FILES = (
+    "test_zoo.py",                # 1174 s
+    "test_readme_snippets.py",    # 909
+    "test_cluster.py",            # 528
+    "test_examples.py",           # 450
+    "test_transparency.py",       # 380
+    "test_sparse_gradients.py",   # 374
+    "test_every_schedule.py",     # 373
+    "test_saving.py",             # 360
+    "test_partition.py",          # 245
+    "test_attached.py",           # 242
+    "test_invariance.py",         # 213
+    "test_bad_inputs.py",         # 181
+    "test_placement.py",          # 135
+    "test_benchmark.py",          # 125
+    "test_executor.py",           # 123
+    "test_local.py",              # 118
+    "test_memory_tables.py",      # 118
+    "test_timeline.py",           # 106
+    "test_keras_hub.py",          # 104
+)
+
+
+def pytest_configure(config):
+    """Keeps the file order below under `--dist loadfile` (no re-sort)."""
+    if getattr(config.option, "dist", "no") in ("loadfile", "loadscope"):
+        config.option.loadscopereorder = False
+
+
+def _longest_first(items):
+    """`items` with `LONGEST_FILES` first, then the others by test count."""
+    counts = {}
+    for item in items:
+        counts[item.path.name] = counts.get(item.path.name, 0) + 1
+
+    def key(item):
+        name = item.path.name
+        if name in LONGEST_FILES:
+            return (LONGEST_FILES.index(name), 0, "")
+        return (len(LONGEST_FILES), -counts[name], name)
+
+    items.sort(key=key)  # stable: each file's tests keep their order
+
+
 def pytest_collection_modifyitems(config, items):
     """Leaves out the `zoo` cases unless `-m` names them (`-m zoo`).
 
     They take no path the suite's zoo cases do not (tests/test_zoo.py);
-    the README's test command runs without them.
+    the README's test command runs without them. Under xdist, orders the
+    files longest first (`LONGEST_FILES`).
     """
+    if hasattr(config, "workerinput"):
+        _longest_first(items)
     if "zoo" in (config.getoption("markexpr") or ""):
         return
     kept = [item for item in items if item.get_closest_marker("zoo") is None]

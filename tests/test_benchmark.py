@@ -471,6 +471,7 @@ def test_probe_line_reports_the_host_speed():
     assert harness.probe_line({}) is None
 
 
+@pytest.mark.slow  # a TF child: the full suite runs it
 def test_probe_child_times_each_core():
     # Runs the child (not timed: any positive time passes).
     result = harness.run_child("probe", {"repeats": 3}, 300)
@@ -495,6 +496,7 @@ def test_kernel_rows_relate_each_micro_batch_size_to_the_whole_batch():
         ["140.0", "1.00x"], ["-", "-"], ["210.0", "1.50x"]]
 
 
+@pytest.mark.slow  # a TF child: the full suite runs it
 def test_kernel_child_times_each_micro_batch_size():
     # Runs the child on a small layer (not timed: any positive time passes).
     result = harness.run_child("kernel", {"batch": 64, "width": 32,

@@ -14,9 +14,14 @@ import pytest
 
 from keras_pipe.distributed import heap
 
+# The child loads heap.py by its path: `keras_pipe.distributed.heap` would
+# run keras_pipe/__init__ and import Keras and TensorFlow (15-30 s of CPU)
+# for a module that needs only ctypes.
 _CHILD = r"""
-import ctypes, json, resource, sys
-from keras_pipe.distributed import heap
+import ctypes, importlib.util, json, resource, sys
+spec = importlib.util.spec_from_file_location("heap", sys.argv[2])
+heap = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(heap)
 applied = heap.configure(sys.argv[1])
 libc = ctypes.CDLL("libc.so.6")
 libc.malloc.restype = ctypes.c_void_p
@@ -40,7 +45,7 @@ print(json.dumps({"applied": applied, "faults_per_round": faults / rounds,
 
 
 def _faults(mode):
-    out = subprocess.run([sys.executable, "-c", _CHILD, mode],
+    out = subprocess.run([sys.executable, "-c", _CHILD, mode, heap.__file__],
                          capture_output=True, text=True, check=True)
     return json.loads(out.stdout)
 

@@ -4,6 +4,7 @@ Read from the source with `ast`, so the test needs no TF session.
 """
 
 import ast
+import functools
 import os
 
 import pytest
@@ -14,6 +15,12 @@ PACKAGE = os.path.join(os.path.dirname(os.path.dirname(__file__)),
 
 def _modules():
     """`{dotted name: ast tree}` for every module of the package."""
+    return dict(_parsed())
+
+
+@functools.cache
+def _parsed():
+    """The package's modules, parsed once (the tests only read the trees)."""
     found = {}
     for root, _, files in os.walk(PACKAGE):
         for name in files:
