@@ -25,16 +25,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 
-def _cpu_seconds(pid):
-    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def _system_seconds(pid):
-    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-    return int(fields[12]) / os.sysconf("SC_CLK_TCK")
-
-
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--job", default="transformer",
@@ -52,6 +42,7 @@ def main(argv=None):
 
     import keras_pipe
     from tools.benchmarks import peer_jobs
+    from tools.benchmarks.harness import _cpu_seconds, _system_cpu_seconds
     from tools.benchmarks.peer import _worker_pids
 
     job = peer_jobs.jobs(args.quick)[args.job]
@@ -66,7 +57,7 @@ def main(argv=None):
         def on_train_batch_end(self, batch, logs=None):
             self.rows.append([time.process_time()]
                              + [_cpu_seconds(p) for p in self.pids]
-                             + [_system_seconds(p) for p in self.pids])
+                             + [_system_cpu_seconds(p) for p in self.pids])
 
     with keras_pipe.local_workers(num_workers=2) as devices:
         workers = _worker_pids()

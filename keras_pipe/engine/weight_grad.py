@@ -497,7 +497,7 @@ def _make_plan(ops, inputs, params, ys, stand_ins=None):
             {k: None for k, t in enumerate(op.outputs)
              if t.dtype.is_floating},
             _concatenable(op, kind_of), zeros,
-            list((replaced[op] if op in replaced else op).outputs)))
+            list(replaced.get(op, op).outputs)))
     return SplitPlan(True, params=list(params), replay=replay, mixing=mixing,
                      direct=[(y, None) for y in direct])
 
