@@ -60,6 +60,16 @@ class _Interrupt(keras.callbacks.Callback):
                 raise ValueError("callback failed")
 
 
+@pytest.fixture(autouse=True)
+def _ctrl_c_raises():
+    """SIGINT raises KeyboardInterrupt, as at a terminal, however the suite
+    was started: a shell's background job starts with SIGINT ignored, and
+    Python then installs no handler for it."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
 @pytest.mark.parametrize("how, kind", [("sigint", KeyboardInterrupt),
                                        ("keyboard", KeyboardInterrupt),
                                        ("error", ValueError)])

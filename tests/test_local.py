@@ -108,9 +108,13 @@ def test_workers_get_the_heap_setting(heap, monkeypatch):
     assert command[command.index("--heap") + 1] == (heap or "reuse")
 
 _SCRIPT = textwrap.dedent("""
-    import os, sys, time
+    import os, signal, sys, time
     import keras_pipe
     import tensorflow as tf
+
+    # Ctrl-C as a terminal delivers it, however the suite was started (a
+    # shell's background job starts with SIGINT ignored).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
     def alive(pid):
         try:

@@ -442,6 +442,10 @@ def main():
     parser.add_argument("--worker-pids")
     parser.add_argument("--inter-op", type=int)
     args = parser.parse_args()
+    # Ctrl-C as a terminal delivers it, however the suite was started: a
+    # shell's background job starts with SIGINT ignored, and Python then
+    # raises no KeyboardInterrupt for it.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     {"remote": run_remote, "resume": run_resume, "hang": run_hang,
      "listen": run_listen, "restart": run_restart,
      "stage_error": run_stage_error,
