@@ -63,6 +63,7 @@ else:
     # The planner's step costs are measured by training a tiny pipeline, which
     # only this level (above the Keras model) can build.
     _profiling.set_overhead_probe(_calibration.measure)
+    _profiling.set_step_probe(_calibration.step_seconds)
 
     __all__ = ["BackupAndRestore", "DeferredBatchNormalization", "PipelineModel",
                "VerificationReport", "connect", "layers", "load_model",

@@ -18,12 +18,14 @@ import time
 
 import keras
 import numpy as np
+import tensorflow as tf
 
 from keras_pipe import model as model_lib
 from keras_pipe.engine import schedule as schedule_lib
 from keras_pipe.planning import profiling, simulator
+from keras_pipe.planning.balance import cost as cost_lib
 
-__all__ = ["least_median", "measure", "solve"]
+__all__ = ["least_median", "measure", "solve", "step_seconds"]
 
 _MICRO_BATCHES = (1, 8)
 
@@ -138,3 +140,100 @@ def measure(devices, steps=16, runs=3):
     times = {m: _step_seconds(layout, m, steps, runs)
              for m in _MICRO_BATCHES}
     return solve(times, stage_devices, latency)
+
+
+def _inputs(model, rows, shapes):
+    """Numpy inputs of `rows` rows in `model.input`'s structure (as the
+    planner costs them: normal floats, zero integers)."""
+    return keras.tree.map_structure(
+        lambda kt: cost_lib.sample_input(kt, rows, shapes).numpy(),
+        model.input)
+
+
+def _targets(model, rows, shapes, loss):
+    """Numpy targets the loss takes for each of `model`'s outputs."""
+    function = keras.losses.get(loss)
+
+    def target(kt):
+        y_pred = tf.zeros(cost_lib.dims(cost_lib.shape_of(kt, shapes),
+                                        rows), "float32")
+        return profiling.loss_target(function, y_pred).numpy()
+
+    return keras.tree.map_structure(target, model.output)
+
+
+def _optimizer(optimizer_slots):
+    """An optimizer with `optimizer_slots` variables per weight."""
+    if optimizer_slots >= 2:
+        return keras.optimizers.Adam(1e-6)
+    if optimizer_slots == 1:
+        return keras.optimizers.SGD(1e-6, momentum=0.9)
+    return keras.optimizers.SGD(1e-6)
+
+
+def step_seconds(model, devices, sizes, num_micro_batches, remat,
+                 batch_size, shapes, input_shape=None, sample_inputs=None,
+                 loss=None, optimizer_slots=2, schedule="gpipe", steps=8,
+                 runs=2):
+    """Measured seconds of a training step of `model` cut in `sizes`.
+
+    What the planner's layer costs miss is what a step adds to them on the
+    devices: its calls' inputs arriving from another process, buffers
+    not reused from the run before as in a loop, the host process sharing
+    the cores with the workers (on 2 pinned workers a KerasHub GPT-2's
+    calls each ran 20-50% longer in the step than in the profile's loop).
+    So the planner (`keras_pipe.planning.autoplan`) trains the real
+    pipeline once or twice and scales its costs to the step it measured.
+
+    Builds `PipelineModel.from_model` of a clone of `model` (its own
+    weights, copied: `model` is not touched) with `schedule` on `devices`
+    (one per stage), trains it on random data of `batch_size` rows (a warm
+    epoch of 2 steps first) and returns the least of `runs` epochs' median
+    step (`least_median`), each step timed at its end inside the epoch.
+
+    Args:
+        model: a built Functional or Sequential `keras.Model`.
+        devices: one device per stage.
+        sizes: layer calls per stage.
+        num_micro_batches: `M`.
+        remat: a remat mode or one per stage.
+        batch_size: rows per step.
+        shapes: `{id(KerasTensor): shape}` of `model`'s tensors
+            (`keras_pipe.planning.balance.shapes.infer_shapes`).
+        input_shape, sample_inputs: as in `PipelineModel.from_model`.
+        loss: the loss to train with. Defaults to `None` ("mse").
+        optimizer_slots: the optimizer's variables per weight (Adam 2,
+            SGD with momentum 1, SGD 0). Defaults to `2`.
+        schedule: a registered schedule's name. Defaults to `"gpipe"`.
+        steps: timed steps per epoch. Defaults to `8`.
+        runs: timed epochs. Defaults to `2`.
+
+    Returns:
+        Seconds per step.
+    """
+    loss = loss if isinstance(loss, (str, keras.losses.Loss)) or callable(
+        loss) else "mse"
+    clone = keras.models.clone_model(model)
+    clone.set_weights(model.get_weights())
+    pipe = model_lib.PipelineModel.from_model(
+        clone, num_stages=len(sizes), devices=list(devices),
+        num_micro_batches=num_micro_batches, remat=remat, balance=list(sizes),
+        schedule=schedule, input_shape=input_shape,
+        sample_inputs=sample_inputs)
+    pipe.compile(_optimizer(optimizer_slots), loss)
+    x = _inputs(model, batch_size, shapes)
+    y = _targets(model, batch_size, shapes, loss)
+
+    def repeat(data, times):
+        return keras.tree.map_structure(
+            lambda a: np.concatenate([a] * times), data)
+
+    pipe.fit(repeat(x, 2), repeat(y, 2), batch_size=batch_size, verbose=0)
+    medians = []
+    for _ in range(runs):
+        clock = _StepClock()
+        pipe.fit(repeat(x, steps + 1), repeat(y, steps + 1),
+                 batch_size=batch_size, verbose=0, shuffle=False,
+                 callbacks=[clock])
+        medians.append(np.diff(clock.ends))
+    return least_median(medians)

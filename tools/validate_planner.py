@@ -6,6 +6,7 @@ python tools/validate_planner.py [--models mlp,resnet,transformer,gpt2,bert]
                                  [--schedules gpipe,1f1b,...] [--quick]
                                  [--statistic median|min]
                                  [--out FILE.json]
+python tools/validate_planner.py --predict FILE.json [--out NEW.json]
 ```
 
 `--quick` is a subset (mlp and transformer; gpipe, 1f1b, zb_h2 and zbv;
@@ -26,6 +27,11 @@ update's rate), every configuration's predicted and measured step time and
 error, the median and largest |error|, and the pick's regret: the measured
 step of the predicted best against the best measured step of the grid.
 `--out` writes all of it as JSON (the rows, the costs, the summary).
+`--predict FILE.json` re-predicts a stored grid's measured rows with the
+planner as it is now, from the same cache (run it with the
+`KERAS_PIPE_CACHE` the grid filled: nothing is timed again, only the
+simulation and what the cache lacks), for a change of the model that
+needs no new measurement.
 
 A measurement, not a test: the machine may be shared, the numbers are what
 it measured.
@@ -173,20 +179,17 @@ def child(p):
     import keras
 
     import keras_pipe
-    from keras_pipe.planning import autoplan
     bench = _benchmark()
     devices = keras_pipe.connect({"worker": p["cluster"]}, timeout=60.0)
     remote = [names[0] for _, names in sorted(devices.items())]
     makers = _models(keras)
+    if p.get("predict"):
+        _predict(makers, remote, p)
+        return
     for name in p["models"]:
-        keras.utils.set_random_seed(0)
-        model, x, y, loss, shape = makers[name]()
         batch = BATCH[name]
         start = time.perf_counter()
-        ranked = autoplan.search(
-            model, devices=remote, batch_size=batch,
-            micro_batch_choices=p["micro_batches"],
-            schedules=p["schedules"], input_shape=shape, loss=loss)
+        ranked = _search(makers, name, remote, p)
         search_seconds = time.perf_counter() - start
         print(json.dumps({"model": name, "costs": _costs(remote)}),
               flush=True)
@@ -216,6 +219,59 @@ def child(p):
             print(json.dumps(entry), flush=True)
         print(json.dumps({"model": name, "search_seconds": search_seconds,
                           "done": True}), flush=True)
+
+
+def _search(makers, name, remote, p):
+    import keras
+
+    from keras_pipe.planning import autoplan
+    keras.utils.set_random_seed(0)
+    model, _, _, loss, shape = makers[name]()
+    return autoplan.search(
+        model, devices=remote, batch_size=BATCH[name],
+        micro_batch_choices=p["micro_batches"], schedules=p["schedules"],
+        input_shape=shape, loss=loss)
+
+
+def _stored_steps(rows, statistic):
+    """A stand-in for `profiling.model_step_seconds` that returns the
+    stored grid's measured step of the same GPipe configuration (the
+    search's calibration trains nothing again)."""
+    def step(model, graph, shapes, devices, sizes, m, remat, *args,
+             **kwargs):
+        schedule = args[5] if len(args) > 5 else kwargs.get("schedule",
+                                                            "gpipe")
+        for r in rows:
+            if (r["schedule"], r["num_stages"], r["M"]) == (
+                    schedule, len(sizes), m) and statistic in r:
+                if list(r["sizes"]) != list(sizes):
+                    print(f"calibration: stored cut {r['sizes']} is not "
+                          f"{list(sizes)}", file=sys.stderr)
+                return r[statistic]
+        raise LookupError(f"no stored {schedule} K={len(sizes)} M={m} row")
+    return step
+
+
+def _predict(makers, remote, p):
+    """Prints each stored row with the planner's prediction now (and its
+    rank among the stored rows' configurations)."""
+    from keras_pipe.planning import profiling
+    for name in dict.fromkeys(r["model"] for r in p["predict"]):
+        rows = [r for r in p["predict"] if r["model"] == name]
+        profiling.model_step_seconds = _stored_steps(rows, p["statistic"])
+        ranked = _search(makers, name, remote, p)
+        now = {(c.schedule, c.num_stages, c.num_micro_batches): (rank, c)
+               for rank, c in enumerate(ranked)}
+        for row in p["predict"]:
+            if row["model"] != name:
+                continue
+            rank, c = now[(row["schedule"], row["num_stages"], row["M"])]
+            entry = dict(row, rank=rank, predicted=c.step_time,
+                         sizes=c.sizes, remat=c.remat)
+            if p["statistic"] in entry:
+                entry["measured"] = entry[p["statistic"]]
+                entry["error"] = entry["predicted"] / entry["measured"] - 1
+            print(json.dumps(entry), flush=True)
 
 
 def _costs(remote):
@@ -249,8 +305,19 @@ def _table(rows):
     return "\n".join(lines)
 
 
+def calibration_point(row, rows):
+    """Whether the search trained `row`'s configuration to calibrate its
+    costs (`autoplan.search(calibrate=True)`, `calibration_points`)."""
+    from keras_pipe.planning import autoplan
+    ms = sorted({r["M"] for r in rows})
+    return any((row["schedule"], row["num_stages"], row["M"]) == (
+        name, len(devices), m) for name, devices, m in
+        autoplan.calibration_points(2, ms))
+
+
 def per_model(rows):
-    """Per model: configurations, median and max |error|, the pick (rank 0
+    """Per model: configurations, median and max |error| (of all and of the
+    configurations the search did not train to calibrate), the pick (rank 0
     of the search), the best measured configuration and the regret."""
     result = []
     for name in dict.fromkeys(r["model"] for r in rows):
@@ -258,12 +325,17 @@ def per_model(rows):
         if not done:
             continue
         errors = [abs(r["error"]) for r in done]
+        others = [abs(r["error"]) for r in done
+                  if not calibration_point(r, done)]
         pick = min(done, key=lambda r: r["rank"])
         best = min(done, key=lambda r: r["measured"])
         result.append({
             "model": name, "configs": len(done),
             "median_abs_error": statistics.median(errors),
-            "max_abs_error": max(errors), "pick": _name(pick),
+            "max_abs_error": max(errors),
+            "median_abs_error_others": statistics.median(others or errors),
+            "max_abs_error_others": max(others or errors),
+            "pick": _name(pick),
             "pick_measured": pick["measured"], "best": _name(best),
             "best_measured": best["measured"],
             "regret": pick["measured"] / best["measured"] - 1})
@@ -276,20 +348,28 @@ def _name(row):
 
 def summary(rows):
     """Per model: median and max |error|, the pick's regret (Markdown)."""
-    lines = ["| model | configs | median abs error | max abs error | pick | "
-             "pick measured ms | best measured | regret |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| model | configs | median abs error | max abs error | "
+             "without the trained | pick | pick measured ms | "
+             "best measured | regret |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for m in per_model(rows):
         lines.append(
             f"| {m['model']} | {m['configs']} | "
             f"{m['median_abs_error']:.0%} | {m['max_abs_error']:.0%} | "
+            f"{m['median_abs_error_others']:.0%} / "
+            f"{m['max_abs_error_others']:.0%} | "
             f"{m['pick']} | {m['pick_measured'] * 1e3:.1f} | {m['best']} "
             f"{m['best_measured'] * 1e3:.1f} ms | {m['regret']:+.0%} |")
     every = [abs(r["error"]) for r in rows if "measured" in r]
+    others = [abs(r["error"]) for r in rows if "measured" in r
+              and not calibration_point(r, [x for x in rows
+                                            if x["model"] == r["model"]])]
     if every:
         lines.append(f"\nall models: median |error| "
                      f"{statistics.median(every):.0%}, max {max(every):.0%} "
-                     f"over {len(every)} configurations")
+                     f"over {len(every)} configurations; without the "
+                     f"trained ones {statistics.median(others):.0%}, max "
+                     f"{max(others):.0%} over {len(others)}")
     return "\n".join(lines)
 
 
@@ -310,6 +390,9 @@ def main():
                         help=f"a subset: {QUICK}")
     parser.add_argument("--out", default=None,
                         help="a JSON file of the rows, costs and summary")
+    parser.add_argument("--predict", default=None,
+                        help="a JSON file of a stored grid (--out) to "
+                        "predict again, timing nothing")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -325,6 +408,14 @@ def main():
                                 args.micro_batches.split(",")],
               "schedules": args.schedules.split(",") if args.schedules
               else None, "steps": args.steps, "statistic": args.statistic}
+    if args.predict:
+        stored = json.loads(pathlib.Path(args.predict).read_text())
+        params["predict"] = stored["rows"]
+        params["models"] = list(dict.fromkeys(r["model"]
+                                              for r in stored["rows"]))
+        params["micro_batches"] = sorted({r["M"] for r in stored["rows"]})
+        params["schedules"] = sorted({r["schedule"]
+                                      for r in stored["rows"]})
     rows, costs, searches = [], {}, {}
     started, load_before = time.perf_counter(), os.getloadavg()
     with tempfile.TemporaryDirectory() as logdir, \

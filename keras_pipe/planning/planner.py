@@ -161,7 +161,8 @@ def plan(model, num_stages=None, num_micro_batches=1, balance="params",
          remat="except_last", batch_size=None, devices=None,
          optimizer_slots=2, flops_per_second=None, memory_budget=None,
          schedule="gpipe", input_shape=None, sample_inputs=None,
-         micro_batch_choices=(1, 2, 4, 8), measure=True, loss=None):
+         micro_batch_choices=(1, 2, 4, 8), measure=True, loss=None,
+         calibrate=True):
     """Plans the pipeline `PipelineModel.from_model` would build, without it.
 
     ```python
@@ -231,6 +232,10 @@ def plan(model, num_stages=None, num_micro_batches=1, balance="params",
             micro-batch or once for the batch) is timed and simulated.
             Defaults to `None`: `model`'s compiled loss if any, else not
             costed (a softmax over a large vocabulary is then missed).
+        calibrate: with `schedule="auto"` and `measure`, train GPipe on
+            a clone of `model` at the least and largest `M` and scale the
+            measured layer costs to those steps
+            (`keras_pipe.planning.autoplan.search`). Defaults to `True`.
 
     Returns:
         A `Plan`.
@@ -274,7 +279,7 @@ def plan(model, num_stages=None, num_micro_batches=1, balance="params",
             **({"flops_per_second": flops_per_second}
                if flops_per_second else {}),
             input_shape=input_shape, sample_inputs=sample_inputs,
-            loss=loss)
+            loss=loss, calibrate=calibrate)
         auto, memory_budget = ranked, None
         best = ranked[0]
         schedule, num_stages = best.schedule, best.num_stages

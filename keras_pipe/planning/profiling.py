@@ -35,10 +35,10 @@ from keras_pipe import _compat
 from keras_pipe.planning.balance import cost as cost_lib
 
 __all__ = ["CallCosts", "Link", "Overhead", "UpdateRate", "cache_path",
-           "call_costs", "cached", "flops_costs",
-           "flops_update_rate", "link", "loss_seconds", "set_overhead_probe",
-           "smooth",
-           "step_overhead", "stage_call_seconds", "update_rate",
+           "call_costs", "cached", "flops_costs", "flops_update_rate",
+           "has_step_probe", "link", "loss_seconds", "loss_target",
+           "model_step_seconds", "set_overhead_probe", "set_step_probe",
+           "smooth", "step_overhead", "stage_call_seconds", "update_rate",
            "update_seconds"]
 
 _VERSION = 3  # 3: a link timed per hop of a chain (was: moved vs moved)
@@ -426,7 +426,7 @@ def _loss_functions(loss, num_outputs):
     return [keras.losses.get(loss)] * num_outputs
 
 
-def _loss_target(function, y_pred):
+def loss_target(function, y_pred):
     """A target the loss takes for `y_pred`: zeros of its shape, or integer
     class indices (a sparse cross-entropy's) of its shape without the last
     axis."""
@@ -470,7 +470,7 @@ def loss_seconds(loss, outputs, rows, device=None, shapes=None, repeats=5,
     with tf.device(device) if device else contextlib.nullcontext():
         y_preds = [tf.cast(cost_lib.sample_input(x, rows, shapes), "float32")
                    for x in outputs]
-        y_trues = [_loss_target(f, y) for f, y in zip(functions, y_preds)]
+        y_trues = [loss_target(f, y) for f, y in zip(functions, y_preds)]
 
     def head(flat):
         with tf.GradientTape() as tape:
@@ -731,3 +731,41 @@ def step_overhead(devices, cache=True):
     return Overhead(**cached(
         ("overhead", [_device_name(d) for d in devices or [None]]),
         lambda: dataclasses.asdict(probe(list(devices or []))), cache))
+
+
+_STEP_PROBE = []
+
+
+def set_step_probe(probe):
+    """Sets `probe(model, devices, sizes, num_micro_batches, remat,
+    batch_size, shapes, input_shape, sample_inputs, loss, optimizer_slots,
+    schedule) -> seconds`, the measured training step of a pipeline of `model`
+    (`keras_pipe.calibration.step_seconds`), which this package cannot
+    build: `keras_pipe` sets it when imported."""
+    _STEP_PROBE[:] = [probe]
+
+
+def has_step_probe():
+    """Whether a step probe is set (`set_step_probe`)."""
+    return bool(_STEP_PROBE)
+
+
+def model_step_seconds(model, graph, shapes, devices, sizes,
+                       num_micro_batches, remat, batch_size,
+                       input_shape=None, sample_inputs=None, loss=None,
+                       optimizer_slots=2, schedule="gpipe", cache=True):
+    """The step probe's measured step (seconds), cached: keyed by the
+    model's calls and shapes, the schedule, the devices of the stages, the
+    cut, `M`, the remat modes, the batch, the loss and the optimizer's
+    slots."""
+    probe = _STEP_PROBE[0]
+    remat = [remat] * len(sizes) if isinstance(remat, str) else list(remat)
+    loss_key = (keras.saving.serialize_keras_object(keras.losses.get(loss))
+                if isinstance(loss, str) or callable(loss) else None)
+    return cached(
+        ("model_step", _graph_signature(graph, shapes), schedule,
+         [_device_name(d) for d in devices], list(sizes), num_micro_batches,
+         remat, batch_size, loss_key, optimizer_slots),
+        lambda: probe(model, devices, sizes, num_micro_batches, remat,
+                      batch_size, shapes, input_shape, sample_inputs, loss,
+                      optimizer_slots, schedule), cache)
