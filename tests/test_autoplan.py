@@ -436,3 +436,33 @@ def test_step_seconds_trains_a_clone_and_leaves_the_model_alone(devices,
     assert 0 < seconds < 5
     after = model.get_weights()
     assert all(np.array_equal(a, b) for a, b in zip(before, after))
+
+
+def _validate_planner():
+    import importlib.util
+    import pathlib
+    path = pathlib.Path(__file__).parents[1] / "tools" / "validate_planner.py"
+    spec = importlib.util.spec_from_file_location("validate_planner", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_validation_tables_leave_out_the_trained_configurations():
+    tool = _validate_planner()
+
+    def row(schedule, k, m, error):
+        return {"model": "m", "schedule": schedule, "num_stages": k, "M": m,
+                "rank": 0 if schedule == "zbv" else 1, "measured": 1.0,
+                "error": error}
+
+    rows = [row("gpipe", 2, 1, 0.0), row("gpipe", 2, 8, 0.0),
+            row("gpipe", 2, 4, 0.3), row("1f1b", 2, 8, -0.1),
+            row("zbv", 4, 1, 0.2)]
+    assert [tool.calibration_point(r, rows) for r in rows] == [
+        True, True, False, False, False]
+    (summary,) = tool.per_model(rows)
+    assert summary["median_abs_error"] == pytest.approx(0.1)
+    assert summary["median_abs_error_others"] == pytest.approx(0.2)
+    assert summary["max_abs_error_others"] == pytest.approx(0.3)
+    assert summary["pick"] == "zbv K=4 M=1"
