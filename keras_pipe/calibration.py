@@ -186,7 +186,7 @@ def step_seconds(model, devices, sizes, num_micro_batches, remat,
     pipeline once or twice and scales its costs to the step it measured.
 
     Builds `PipelineModel.from_model` of a clone of `model` (its own
-    weights, copied: `model` is not touched) with `schedule` on `devices`
+    weights: `model` is not touched) with `schedule` on `devices`
     (one per stage), trains it on random data of `batch_size` rows (a warm
     epoch of 2 steps first) and returns the least of `runs` epochs' median
     step (`least_median`), each step timed at its end inside the epoch.
@@ -213,8 +213,10 @@ def step_seconds(model, devices, sizes, num_micro_batches, remat,
     """
     loss = loss if isinstance(loss, (str, keras.losses.Loss)) or callable(
         loss) else "mse"
+    # A clone has its own weights, drawn by the same initializers (a
+    # KerasHub model's clone may even hold one variable more, a seed
+    # state: its weights are not copied).
     clone = keras.models.clone_model(model)
-    clone.set_weights(model.get_weights())
     pipe = model_lib.PipelineModel.from_model(
         clone, num_stages=len(sizes), devices=list(devices),
         num_micro_batches=num_micro_batches, remat=remat, balance=list(sizes),

@@ -127,3 +127,28 @@ def test_resnet_image_classifier_with_batch_norm(devices):
                                 balance="flops", atol=1e-5)
     assert [len(c) for c in _stage_calls(pipe)] == [4, 5, 17]
     _assert_predictions_match(model, pipe, x)
+
+
+@pytest.mark.slow  # trains a pipeline of a clone
+def test_the_planners_step_calibration_trains_a_clone_of_a_task_model(
+        devices):
+    """`calibration.step_seconds` clones a KerasHub task (its clone holds
+    one variable more than the model: weights are not copied) and trains
+    it with a sparse cross-entropy on token-id inputs."""
+    from keras_pipe import calibration
+    from keras_pipe.planning import graph as graph_lib
+    from keras_pipe.planning.balance import shapes as shapes_lib
+    model = _gpt2_lm()
+    shape = {"token_ids": (None, 8), "padding_mask": (None, 8)}
+    graph = graph_lib.read_graph(model)
+    shapes = shapes_lib.infer_shapes(graph, shape)
+    before = [w.copy() for w in model.get_weights()]
+    seconds = calibration.step_seconds(
+        model, devices[:2], [len(graph.calls) // 2,
+                             len(graph.calls) - len(graph.calls) // 2],
+        2, "never", 4, shapes, input_shape=shape,
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        steps=2, runs=1)
+    assert 0 < seconds < 10
+    assert all(np.array_equal(a, b)
+               for a, b in zip(before, model.get_weights()))
