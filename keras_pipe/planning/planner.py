@@ -3,7 +3,9 @@
 `plan` reads the model's graph, cuts it as `from_model` would, and estimates
 per stage the parameters, forward FLOPs, boundary bytes and peak training
 memory, plus the GPipe bubble and the step time. It builds no pipeline and
-moves no variable, so it runs on a laptop for a model meant for 8 GPUs.
+moves no variable, so it runs on a laptop for a model meant for 8 GPUs;
+only `schedule="auto"` with measured costs trains a clone of the model on
+the devices to calibrate them (`calibrate=False` does not).
 """
 
 import dataclasses
