@@ -77,3 +77,22 @@ def test_without_allocator_statistics_the_error_names_the_fix():
             tool.allocator_stats(tf)
     else:
         pytest.skip("this process keeps CPU allocator statistics")
+
+
+def test_a_repeated_measurement_keeps_the_median_run():
+    # issue 30: one run of a worker configuration moved by up to 23%
+    # against another; the table keeps the median of the repeats per peak.
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("memory_model", TOOL)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    runs = [[{"stage": 0, "measured": m0, "predicted": 100,
+              "error": 100 / m0 - 1},
+             {"stage": 1, "measured": m1, "predicted": 50,
+              "error": 50 / m1 - 1}]
+            for m0, m1 in ((229, 50), (212, 40), (191, 60))]
+    first, second = tool.median_of(runs)
+    assert first["measured"] == 212 and first["error"] == 100 / 212 - 1
+    assert first["runs"] == [229, 212, 191]
+    assert first["spread"] == (229 - 191) / 212
+    assert second["measured"] == 50 and second["runs"] == [50, 40, 60]
