@@ -460,3 +460,69 @@ def test_a_split_backward_stashes_the_incoming_gradient_without_a_copy():
         actions = memory.stage_actions("gpipe", m, 2)[1]
         peak = memory.stage_memory(same, actions, "never", m, 0, last=True)
         assert peak.total == 0, (m, peak)
+
+
+@pytest.fixture
+def onednn(monkeypatch):
+    from keras_pipe import _compat
+    monkeypatch.setattr(_compat, "onednn_enabled", lambda: True)
+
+
+def test_a_dense_stage_counts_the_kernels_it_would_transpose():
+    # issue 30: with oneDNN on, the forward products of small micro-batches
+    # read a transposed copy of each kernel of >= 512 columns
+    # (`engine.products`); a sequence's Dense multiplies rows times tokens
+    # rows (Keras folds them): above 256 its kernel is not transposed.
+    x = keras.Input((64,))
+    h = keras.layers.Dense(512)(x)
+    h = keras.layers.Dense(256)(h)
+    model = keras.Model(x, keras.layers.Dense(1024)(h))
+    part = partition.cut(model, 1, balance=[3])
+    block = memory.Profile(part.graph, 8).block(0, 3)
+    assert block.transposed == (64 * 512 + 256 * 1024) * 4
+    assert memory.Profile(part.graph, 512).block(0, 3).transposed == 0
+    x = keras.Input((64, 16))
+    sequence = keras.Model(x, keras.layers.Dense(512)(x))
+    part = partition.cut(sequence, 1, balance=[1])
+    assert memory.Profile(part.graph, 8).block(0, 1).transposed == 0
+    assert memory.Profile(part.graph, 4).block(0, 1).transposed == \
+        16 * 512 * 4   # 4 x 64 = 256 rows
+
+
+def test_transposes_follows_the_executors_rule(onednn):
+    # The micro-batches run in place decide (`products.transposes`).
+    assert memory.transposes("never", 512, 2)        # 256 + 256 rows
+    assert not memory.transposes("never", 512, 1)    # 512 rows
+    assert not memory.transposes("always", 512, 2)   # nothing in place
+    assert memory.transposes("except_last", 512, 2)  # the last: 256
+    assert not memory.transposes("except_last", 256, 2)  # 128: too few
+
+
+def test_transposed_kernels_are_held_while_forward_passes_run(onednn):
+    # The copies are made by the first forward call run in place and read
+    # by each: GPipe's forward passes hold them.
+    mib = 2**20
+    block = _only(transposed=4 * mib)
+    actions = memory.stage_actions("gpipe", 2, 2)[0]
+    held = memory.stage_memory(block, actions, "never", 2, 0,
+                               transposed=True)
+    assert memory.stage_memory(block, actions, "never", 2, 0).total == 0
+    assert held.total == held.transient == 4 * mib
+    # With remat "always" no forward call runs in place: nothing made.
+    assert memory.stage_memory(block, actions, "always", 2, 0,
+                               transposed=True).total == 0
+
+
+def test_predict_counts_transposed_kernels_when_the_step_makes_them(
+        monkeypatch):
+    # 1F1B, M = 4: each stage's largest backward pass (old and new sums)
+    # runs between two forward passes, with the copies alive.
+    from keras_pipe import _compat
+    part = partition.cut(_mlp(width=512, depth=4), 2, balance=[2, 3])
+    peaks = {}
+    for onednn in (True, False):
+        monkeypatch.setattr(_compat, "onednn_enabled", lambda o=onednn: o)
+        peaks[onednn] = memory.predict(part, 1024, 4, "never", "1f1b", 0)
+    kernels = 2 * 512 * 512 * 4   # per stage; Dense(3) is too narrow
+    assert [a.total - b.total for a, b in zip(peaks[True], peaks[False])] \
+        == [kernels, kernels]

@@ -5,13 +5,16 @@
 allocator keeps no statistics). Logical devices: the quick MLP, Adam, M=2,
 GPipe, remat never and always, 2 stages; every stage's predicted peak
 within 25% of TF's allocator peak. Workers: the worker-sized MLP (7 x
-Dense(2048)), Adam, M=2, 2 fresh worker processes; each worker's predicted
-resident peak within 25% of its `VmHWM` net of the idle worker (the
-issue's goal is 15%). The guard is the case's error plus its noise: the
-prediction is 220.1 / 196.3 MiB; measured on 3 December 2026 worker 0
-242.0, 243.9, 251.0 MiB and ~245 earlier (-9% to -12%), worker 1 212.7,
-216.1, 220.0 MiB and ~245 earlier (-8% to -20%): the same case moves by
-up to 15% between runs, so a 20% guard failed at random.
+Dense(2048)), Adam, M=2, 3 times in 2 fresh worker processes; each
+worker's predicted resident peak within 20% of the median of its `VmHWM`
+net of the idle worker (the issue's goal is 15%). The guard is the case's
+error plus its noise: the prediction is 220.1 / 196.3 MiB; single runs
+measured worker 0 242.0, 243.9, 251.0 MiB and ~245 (3 December 2026),
+273.9, 239.1, 232.7 (5 December: median 239.1, -8%), worker 1 212.7,
+216.1, 220.0 and ~245, then 220.8, 211.4, 218.9 (median 218.9, -10%). One
+run moved by up to 15% (worker 0: 17%) against another, so a 20% guard
+on one run failed at random; the two sets of 3 runs have medians of
+-10% / -9% and -8% / -10%.
 """
 
 import json
@@ -48,17 +51,17 @@ def test_logical_device_peaks_within_25_percent(tmp_path):
 
 
 @pytest.mark.slow
-def test_worker_resident_peaks_within_25_percent(tmp_path):
+def test_worker_resident_peaks_within_20_percent(tmp_path):
     results = _table(tmp_path, "--workers")
     assert len(results) == 2   # one configuration x 2 workers
     for r in results:
         # Adam: weights, 2 slots and the summed gradients at least.
         assert r["measured"] > 4 * r["parts"]["weights"] * 0.9, r
-        # Issue 30's goal is 15%; this case measured -8% to -20% over
-        # four runs (worker 1: 213-245 MiB for 196 predicted, see the
-        # module docstring). This guards what holds with the noise, not
-        # the goal.
-        assert abs(r["error"]) <= 0.25, r
+        assert len(r["runs"]) == 3, r
+        # Issue 30's goal is 15%; the median of 3 measured -8% and -10%
+        # (single runs -6% to -20%, see the module docstring). This guards
+        # what holds with the noise, not the goal.
+        assert abs(r["error"]) <= 0.20, r
 
 
 def test_without_allocator_statistics_the_error_names_the_fix():
@@ -74,3 +77,22 @@ def test_without_allocator_statistics_the_error_names_the_fix():
             tool.allocator_stats(tf)
     else:
         pytest.skip("this process keeps CPU allocator statistics")
+
+
+def test_a_repeated_measurement_keeps_the_median_run():
+    # issue 30: one run of a worker configuration moved by up to 23%
+    # against another; the table keeps the median of the repeats per peak.
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("memory_model", TOOL)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    runs = [[{"stage": 0, "measured": m0, "predicted": 100,
+              "error": 100 / m0 - 1},
+             {"stage": 1, "measured": m1, "predicted": 50,
+              "error": 50 / m1 - 1}]
+            for m0, m1 in ((229, 50), (212, 40), (191, 60))]
+    first, second = tool.median_of(runs)
+    assert first["measured"] == 212 and first["error"] == 100 / 212 - 1
+    assert first["runs"] == [229, 212, 191]
+    assert first["spread"] == (229 - 191) / 212
+    assert second["measured"] == 50 and second["runs"] == [50, 40, 60]

@@ -447,7 +447,7 @@ class Executor:
     def _kernels(self, step, i, j):
         """Stage `j`'s kernels transposed once for replica `r`'s forward
         calls of the step, if those run in place on small micro-batches
-        (`keras_pipe.engine.products.worth_it`), else None."""
+        (`keras_pipe.engine.products.transposes`), else None."""
         if step.differentiable or self._remat(step, i, j):
             return None
         r = step.replica[i]
@@ -457,11 +457,9 @@ class Executor:
             sizes = [mb.size for ii, mb in enumerate(step.micro_batches)
                      if step.replica[ii] == r
                      and not self._remat(step, ii, j)]
-            worth = all(isinstance(n, int) for n in sizes) and (
-                products.worth_it(max(sizes), sum(sizes)))
             step.kernels[(r, j)] = (
-                products.TransposedKernels(step.params[r][j]) if worth
-                else None)
+                products.TransposedKernels(step.params[r][j])
+                if products.transposes(sizes) else None)
         return step.kernels[(r, j)]
 
     def _thread_state(self, step, i, j, runner, new_state):

@@ -41,7 +41,8 @@ import tensorflow as tf
 
 from keras_pipe import _compat
 
-__all__ = ["MAX_ROWS", "MIN_COLUMNS", "TransposedKernels", "worth_it"]
+__all__ = ["MAX_ROWS", "MIN_COLUMNS", "TransposedKernels", "eligible",
+           "fits", "transposes", "worth_it"]
 
 # Micro-batches of at most this many rows get the transposed form (at 512
 # rows both forms cost the same).
@@ -61,6 +62,31 @@ def worth_it(rows, total_rows):
             and _compat.onednn_enabled())
 
 
+def transposes(sizes):
+    """Whether a stage's forward calls run in place, of `sizes` rows each
+    (one per micro-batch of the step; ints, or tensors for a batch known
+    only when the step runs), get transposed kernels (`worth_it` of the
+    largest and the sum); the executor's rule and the memory model's."""
+    return (bool(sizes) and all(isinstance(n, int) for n in sizes)
+            and worth_it(max(sizes), sum(sizes)))
+
+
+def fits(rows):
+    """Whether a forward `MatMul` of `rows` rows (`None`: unknown) gets the
+    transposed form: at most `MAX_ROWS` (more: rows folded into the batch,
+    a sequence's tokens)."""
+    return rows is None or rows <= MAX_ROWS
+
+
+def eligible(kernel):
+    """Whether a kernel (a variable or a tensor) is transposed for the
+    forward products that read it: float32, 2-D, at least `MIN_COLUMNS`
+    columns."""
+    shape = tuple(kernel.shape)
+    return (tf.as_dtype(kernel.dtype) == tf.float32 and len(shape) == 2
+            and shape[1] is not None and shape[1] >= MIN_COLUMNS)
+
+
 class TransposedKernels:
     """One stage's kernels transposed once per step, and the forward calls
     that read them.
@@ -75,7 +101,7 @@ class TransposedKernels:
     """
 
     def __init__(self, params):
-        self._params = {p.ref() for p in params if _eligible(p)}
+        self._params = {p.ref() for p in params if eligible(p)}
         self._transposed = {}
         self.products = 0  # forward products rewritten, all calls
 
@@ -94,8 +120,7 @@ class TransposedKernels:
             op = outputs[0].op
             x, w = inputs
             if (op.get_attr("transpose_a") or op.get_attr("transpose_b")
-                    or (x.shape.rank == 2 and x.shape[0] is not None
-                        and x.shape[0] > MAX_ROWS)):
+                    or (x.shape.rank == 2 and not fits(x.shape[0]))):
                 return None  # (rows folded into the batch: a sequence)
             with _compat.stop_recording():
                 if w.ref() not in self._transposed:
@@ -112,9 +137,4 @@ class TransposedKernels:
 
         with _compat.op_callback(callback):
             yield
-
-
-def _eligible(p):
-    return (p.dtype == tf.float32 and p.shape.rank == 2
-            and p.shape[1] is not None and p.shape[1] >= MIN_COLUMNS)
 

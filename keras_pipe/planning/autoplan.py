@@ -225,11 +225,12 @@ def fit_scale(simulated, measured, low=1 / 16, high=16.0):
 
 
 def _least_peak(actions, m, j, k, grid, weights, trainable,
-                optimizer_slots):
+                optimizer_slots, batch_size):
     """Per block, the stage's least peak over the remat modes."""
     fixed = weights + optimizer_slots * trainable
     return np.min([fixed + (grid @ memory_lib.moments(
-        actions, mode, m, j == 0, j == k - 1, optimizer_slots).sum(
+        actions, mode, m, j == 0, j == k - 1, optimizer_slots,
+        memory_lib.transposes(mode, batch_size, m)).sum(
             axis=1).T).max(axis=-1)
         for mode in _MODES], axis=0)
 
@@ -267,9 +268,9 @@ def _candidate(name, stage_devices, m, batch_size, graph, measured,
         peak_j = np.full((n + 1, n + 1), np.inf)
         fixed = weights + optimizer_slots * trainable
         for index, mode in enumerate(modes):
-            forms = memory_lib.moments(actions[j], mode, m, j == 0,
-                                       j == k - 1, optimizer_slots).sum(
-                                           axis=1)
+            forms = memory_lib.moments(
+                actions[j], mode, m, j == 0, j == k - 1, optimizer_slots,
+                memory_lib.transposes(mode, batch_size, m)).sum(axis=1)
             peak = fixed + (grid @ forms.T).max(axis=-1)
             recomputed = {"never": 0, "except_last": m - 1,
                           "always": m}[mode]
@@ -292,7 +293,8 @@ def _candidate(name, stage_devices, m, batch_size, graph, measured,
         # What the least-memory cut needs on its fullest stage's device.
         need, _ = budget_lib.min_max_cut(
             [_least_peak(actions[j], m, j, k, grid, weights, trainable,
-                         optimizer_slots) * per_device[stage_devices[j]]
+                         optimizer_slots, batch_size)
+             * per_device[stage_devices[j]]
              for j in range(k)], allowed, k)
         return need
     remat, stage_peaks, spans, start = [], [], [], 0

@@ -123,6 +123,8 @@ def block_grid(profile, n):
         "largest": largest, "largest_variable": largest_var,
         "mixing": mixed[e] - mixed[a], "workspace": workspace,
         "stash": stashed[e] - stashed[a],
+        "transposed": np.array(profile.transposed, float)[e]
+        - np.array(profile.transposed, float)[a],
         "seeded": np.broadcast_to(
             np.array([0] + profile.seeded, float)[None, :], (n + 1, n + 1))}
     return (np.stack([grid[f] for f in memory_lib.FEATURES], -1),
@@ -230,7 +232,8 @@ def search(model, num_stages, memory_budget, batch_size, schedule="gpipe",
             for index, mode in enumerate(_MODES):
                 forms = memory_lib.moments(
                     actions[j], mode, m, j == 0, j == num_stages - 1,
-                    optimizer_slots).sum(axis=1)
+                    optimizer_slots, memory_lib.transposes(
+                        mode, batch_size, m)).sum(axis=1)
                 peak = fixed + (grid @ forms.T).max(axis=-1)
                 recomputed = {"never": 0, "except_last": m - 1,
                               "always": m}[mode]

@@ -27,7 +27,12 @@ anything is built. The model follows what the executor holds
   whose input gradient goes to another device, with its W right after),
   the micro-batch keeps its stash (`Block.stash`: its mixing ops' inputs
   and output gradients) until its W call, which concatenates a run's
-  stashes op by op.
+  stashes op by op;
+* where the executor gives a stage's forward products transposed kernels
+  (`keras_pipe.engine.products`: oneDNN on, small micro-batches, its own
+  rule `products.transposes`), a transposed copy of each such kernel
+  (`Block.transposed`) from the stage's first forward call run in place to
+  its last.
 
 Validated per stage against TF's allocator peak by `tools/memory_model.py`
 (README, "Fitting a memory budget").
@@ -46,6 +51,8 @@ import numpy as np
 import tensorflow as tf
 
 from keras_pipe import _validation
+from keras_pipe.engine import microbatch as microbatch_lib
+from keras_pipe.engine import products as products_lib
 from keras_pipe.engine import schedule as schedule_lib
 from keras_pipe.planning.balance import cost as cost_lib
 from keras_pipe.planning.balance import shapes as shapes_lib
@@ -462,6 +469,33 @@ def _stash_bytes(call, rows, shapes=None):
     return total
 
 
+def _transposed_bytes(call, rows, shapes=None):
+    """Bytes of the transposed kernel a `Dense` call's forward product
+    reads when the step transposes kernels (`engine.products`): its kernel
+    if `products.eligible` and the product's rows (a micro-batch's, times
+    the tokens Keras folds into them for a sequence) `products.fits`; the
+    product is `MatMul(x, kernel)` only for a `Dense` (`EinsumDense`,
+    attention and convolutions build other ops)."""
+    op = call.operation
+    if not isinstance(op, keras.layers.Dense) or op.kernel is None or \
+            not products_lib.eligible(op.kernel):
+        return 0
+    dims = cost_lib.dims(cost_lib.shape_of(call.inputs[0], shapes), rows)
+    if not products_lib.fits(math.prod(dims[:-1])):
+        return 0
+    return _variable_bytes(op.kernel)
+
+
+def transposes(mode, batch_size, num_micro_batches):
+    """Whether a stage under remat `mode` gets transposed kernels in a step
+    of `batch_size` rows (`products.transposes` of its micro-batches run in
+    place: not rematerialized), as the executor decides."""
+    sizes = microbatch_lib.split_sizes(batch_size, num_micro_batches)
+    return products_lib.transposes(
+        [n for i, n in enumerate(sizes)
+         if not _remat(mode, i, len(sizes))])
+
+
 @dataclasses.dataclass
 class Block:
     """Sizes of a run of calls as one stage; activations per micro-batch."""
@@ -479,6 +513,8 @@ class Block:
     stash: int = 0      # a split backward's stash, one micro-batch
     seeded: int = 0     # of `mixing`: the last call's output (its gradient
     #                     is the stage's incoming one)
+    transposed: int = 0  # kernels whose forward products read a transposed
+    #                      copy (`products.eligible`), if the step makes them
 
 
 class Profile:
@@ -498,8 +534,10 @@ class Profile:
             for x in call.inputs:
                 needs_input[id(x)] = needs_input.get(id(x), False) or wants
         self.saved, self.recomputed, self.mixed = [0], [0], [0]
-        self.stashed = [0]
+        self.stashed, self.transposed = [0], [0]
         for call in graph.calls:
+            self.transposed.append(self.transposed[-1] + _transposed_bytes(
+                call, rows, shapes))
             self.stashed.append(self.stashed[-1] + _stash_bytes(
                 call, rows, shapes))
             self.saved.append(self.saved[-1] + _saved_bytes(
@@ -582,6 +620,7 @@ class Profile:
             mixing=self.mixed[b] - self.mixed[a],
             workspace=max(self.workspace[a:b]),
             stash=self.stashed[b] - self.stashed[a],
+            transposed=self.transposed[b] - self.transposed[a],
             seeded=self.seeded[b - 1])
 
 
@@ -608,7 +647,7 @@ class StageMemory:
 
 FEATURES = ("inputs", "outputs", "activations", "recompute", "trainable",
             "largest", "largest_variable", "mixing", "workspace", "stash",
-            "seeded")
+            "seeded", "transposed")
 _CATEGORIES = ("boundary", "activations", "gradients", "transient")
 
 
@@ -619,14 +658,15 @@ def _unit(name, times=1.0):
 
 
 def moments(actions, mode, num_micro_batches, first=False, last=False,
-            optimizer_slots=0):
+            optimizer_slots=0, transposed=False):
     """The moments a stage's peak may fall at, as linear forms of its sizes.
 
     Each moment is a `(4, len(FEATURES))` array: per category of
     `StageMemory` (boundary, activations, gradients, transient), the
     coefficients of a `Block`'s sizes. The planner evaluates them for every
     candidate block at once. `optimizer_slots` (Adam 2, SGD 0) sets what
-    the optimizer step holds (`update_temporaries`).
+    the optimizer step holds (`update_temporaries`); `transposed`: the
+    stage's forward products read transposed kernels (`transposes`).
     """
     m = num_micro_batches
     zero = np.zeros(len(FEATURES))
@@ -660,7 +700,9 @@ def moments(actions, mode, num_micro_batches, first=False, last=False,
     # stash holds it without a copy of its own.
     seeded = _unit("seeded")
     done = 0
+    starts = []   # per pass of `order`, the index of its first moment
     for n, (kind, i) in enumerate(order):
+        starts.append(len(result))
         remat = remat_of(i)
         boundary = sum((v[0] for v in held.values()), zero)
         kept = sum((v[1] for v in held.values()), zero)
@@ -755,6 +797,13 @@ def moments(actions, mode, num_micro_batches, first=False, last=False,
         # once would be 144 / 128). Not measured with Adam at M = 1 without
         # remat: its step keeps the full count.
         released = m == 1 and not remat and not optimizer_slots
+    in_place = [n for n, (kind, i) in enumerate(order)
+                if kind == "F" and not remat_of(i)]
+    if transposed and in_place:
+        # Made by the first forward call run in place, read by each: alive
+        # to the last one's products (not its merge and loss).
+        for moment in result[starts[in_place[0]]:starts[in_place[-1]] + 1]:
+            moment[3] = moment[3] + _unit("transposed")
     if released:
         # Updates in turn, each freeing its gradient: one gradient and one
         # update's temporaries at a time.
@@ -811,7 +860,7 @@ MMAP_THRESHOLD = 1 << 20
 
 
 def stage_memory(block, actions, mode, num_micro_batches, optimizer_slots=2,
-                 first=False, last=False, resident=False):
+                 first=False, last=False, resident=False, transposed=False):
     """The predicted peak of one stage running `actions` under remat `mode`.
 
     Args:
@@ -827,12 +876,14 @@ def stage_memory(block, actions, mode, num_micro_batches, optimizer_slots=2,
             gradient (the last stage). Defaults to `False`.
         resident: the peak of a worker's resident memory (heap
             "return"), not of the allocator. Defaults to `False`.
+        transposed: the stage's forward products read transposed kernels
+            (`transposes`). Defaults to `False`.
 
     Returns:
         A `StageMemory`.
     """
     forms = moments(actions, mode, num_micro_batches, first, last,
-                    optimizer_slots)
+                    optimizer_slots, transposed)
     values = forms @ features(block)          # (moments, categories)
     peak = values[int(np.argmax(values.sum(axis=1)))]
     hidden = block.outputs if first else block.inputs
@@ -904,9 +955,10 @@ def predict(partition, batch_size, num_micro_batches, remat="except_last",
     for j, size in enumerate(partition.sizes):
         block = profile.block(start, start + size)
         start += size
-        result.append(stage_memory(block, actions[j], modes[j], m,
-                                   optimizer_slots, first=j == 0,
-                                   last=j == k - 1, resident=_resident))
+        result.append(stage_memory(
+            block, actions[j], modes[j], m, optimizer_slots, first=j == 0,
+            last=j == k - 1, resident=_resident,
+            transposed=transposes(modes[j], batch_size, m)))
     return result
 
 
