@@ -466,3 +466,22 @@ def test_the_validation_tables_leave_out_the_trained_configurations():
     assert summary["median_abs_error_others"] == pytest.approx(0.2)
     assert summary["max_abs_error_others"] == pytest.approx(0.3)
     assert summary["pick"] == "zbv K=4 M=1"
+
+
+def test_a_calibration_that_fails_warns_and_the_search_goes_on(
+        devices, monkeypatch):
+    _measured_without_timing(monkeypatch, 0.0)
+    model = _mlp(depth=3, width=16)
+
+    def probe(*args, **kwargs):
+        raise ValueError("cannot clone this model")
+
+    monkeypatch.setattr(profiling, "_STEP_PROBE", [probe])
+    monkeypatch.setattr(profiling, "model_step_seconds", probe)
+    with pytest.warns(UserWarning, match="cannot clone this model.*"
+                      "calibrate=False"):
+        calibrated = autoplan.search(model, devices=devices[:2],
+                                     batch_size=32, micro_batch_choices=[1])
+    plain = autoplan.search(model, devices=devices[:2], batch_size=32,
+                            micro_batch_choices=[1], calibrate=False)
+    assert [c.step_time for c in calibrated] == [c.step_time for c in plain]
