@@ -41,7 +41,7 @@ from keras_pipe.distributed import diagnosis, exits
 
 __all__ = ["WorkerRestartedError", "WorkerUnavailableError", "check_addresses",
            "cluster_spec",
-           "connect", "probe", "run", "raise_if_lost"]
+           "connect", "is_remote", "probe", "run", "raise_if_lost"]
 
 
 class WorkerUnavailableError(ConnectionError):
@@ -487,6 +487,11 @@ def _with_local_job(spec, job_name, bind="127.0.0.1"):
             s.bind((host, 0))
             address = bind_lib.format_address(host, s.getsockname()[1])
     return tf.train.ClusterSpec({**spec.as_dict(), job_name: [address]})
+
+
+def is_remote(device):
+    """Whether `device` lives in a cluster task other than this process."""
+    return bool(_remote_tasks([device]))
 
 
 def _remote_tasks(devices):

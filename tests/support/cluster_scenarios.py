@@ -112,6 +112,50 @@ def run_remote(args):
     }))
 
 
+def run_placed(args):
+    """Array data batched on the first stage's worker: where each fit /
+    evaluate built its pipeline, and the same results as a local model."""
+    from keras_pipe import placed_data
+    keras_pipe.connect(args.cluster, timeout=30.0)
+    built = []
+    original = placed_data.PlacedArrays.get_tf_dataset
+
+    def recording(self):
+        dataset = original(self)
+        built.append(dataset.dataset._variant_tensor.device)
+        return dataset
+
+    placed_data.PlacedArrays.get_tf_dataset = recording
+    x, y = data()
+    remote = make_model(remote_devices(len(args.cluster["worker"])))
+    local = make_model([LOCAL, LOCAL])
+    copy_variables(remote, local)
+    results, devices = {}, {}
+    for name, model in (("remote", remote), ("local", local)):
+        keras.utils.set_random_seed(3)  # the same shuffles for both
+        before = len(built)
+        history = model.fit(x, y, batch_size=16, epochs=2, shuffle=True,
+                            validation_split=0.25,
+                            class_weight={0: 1.0, 1: 2.0, 2: 0.5}, verbose=0)
+        fit_devices = built[before:]
+        evaluated = model.evaluate(x, y, batch_size=12, verbose=0)
+        devices[name] = {"fit": fit_devices,
+                         "evaluate": built[before + len(fit_devices):]}
+        results[name] = {"history": history.history,
+                         "evaluate": evaluated, "values": values(model)}
+    chosen = [remote.data_device, local.data_device]
+    remote.data_device = None  # batched in this process again
+    before = len(built)
+    remote.evaluate(x, y, batch_size=12, verbose=0)
+    r, l = results["remote"], results["local"]
+    print(json.dumps({
+        "data_device": chosen,
+        "devices": devices, "opted_out": built[before:],
+        "history_remote": r["history"], "history_local": l["history"],
+        "evaluate_remote": r["evaluate"], "evaluate_local": l["evaluate"],
+        "weights_max_diff": max_diff(r["values"], l["values"])}))
+
+
 class _KillAt(keras.callbacks.Callback):
     """Signals a worker process (SIGKILL) before a given batch of an epoch."""
 
@@ -434,7 +478,8 @@ def main():
     parser.add_argument("scenario", choices=["remote", "resume", "hang",
                                              "listen", "restart",
                                              "stage_error", "timeline",
-                                             "threads", "interrupt"])
+                                             "threads", "interrupt",
+                                             "placed"])
     parser.add_argument("--cluster", required=True,
                         type=lambda s: {"worker": s.split(",")})
     parser.add_argument("--kill-pid", type=int)
@@ -450,7 +495,7 @@ def main():
      "listen": run_listen, "restart": run_restart,
      "stage_error": run_stage_error,
      "timeline": run_timeline, "threads": run_threads,
-     "interrupt": run_interrupt}[args.scenario](args)
+     "interrupt": run_interrupt, "placed": run_placed}[args.scenario](args)
 
 
 if __name__ == "__main__":
