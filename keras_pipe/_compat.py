@@ -78,6 +78,21 @@ no_automatic_tracking = _tracking.DotNotTrackScope
 get_server_def = _tf_context.get_server_def
 
 
+def disable_thread_spinning():
+    """Idle threads of TF's pools sleep at once instead of spinning.
+
+    Sets `experimental.disable_thread_spinning` in this process's context
+    config, which `tf.config.experimental_connect_to_cluster` also copies
+    into the contexts it creates on the workers. Takes effect if set
+    before TF starts in this process.
+    """
+    from tensorflow.core.protobuf import config_pb2
+    context = _tf_context.context()
+    if context._config is None:
+        context._config = config_pb2.ConfigProto()
+    context._config.experimental.disable_thread_spinning = True
+
+
 def sync_executors():
     """Waits until every op this process sent to a worker has run.
 
@@ -162,7 +177,7 @@ __all__ = ["ArrayDataAdapter", "DataAdapter", "Functional", "KerasSaveable",
            "SUPPORTED", "SeedGenerator",
            "draw_seed", "tf_random",
            "ask_to_proceed_with_overwrite", "called_graph", "can_convert_arrays",
-           "cancellation", "check_versions",
+           "cancellation", "check_versions", "disable_thread_spinning",
            "eager_scope", "get_keras_mask",
            "get_server_def", "keras_global_state", "no_automatic_tracking",
            "operation_fn", "reduce_weighted_values",

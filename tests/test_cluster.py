@@ -355,6 +355,10 @@ def test_remote_stages_match_single_process(workers):
     # A .keras file saved from remote stages reloads onto the same workers.
     assert result["reloaded_devices"] == result["variable_devices"]
     assert result["reloaded_predict_max_diff"] == 0.0
+    # connect() turns TF's thread spinning off here (and in the contexts
+    # the workers run this client's functions in): 0.3-2.4 ms less client
+    # CPU per MLP step, the workers' no more (docs/performance.md).
+    assert result["thread_spinning_disabled"] is True
 
 
 def test_array_data_are_batched_on_the_first_stages_worker(workers):

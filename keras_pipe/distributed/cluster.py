@@ -291,7 +291,7 @@ def _describe_tasks(tasks):
 
 
 def connect(cluster=None, timeout=30.0, job_name="localhost",
-            bind="127.0.0.1", inter_op_threads=None):
+            bind="127.0.0.1", inter_op_threads=None, thread_spinning=False):
     """Connects this process to a cluster of TF workers and lists their devices.
 
     Every task must answer within `timeout` seconds, else nothing is
@@ -335,6 +335,12 @@ def connect(cluster=None, timeout=30.0, job_name="localhost",
             thread). Defaults to `None`: the client's setting if one was
             made, else `max(4, os.cpu_count())`. Set it before TF runs any
             op in this process.
+        thread_spinning: whether idle threads of TF's pools in this
+            client and in the contexts the workers run its functions in
+            spin before they sleep (TF's default). Without spinning the
+            client spent 0.3-2.4 ms less CPU per step of the MLP
+            benchmark and the workers no more (docs/performance.md). Set
+            before TF runs any op in this process. Defaults to `False`.
 
     Returns:
         `{task name: [device names]}` for every task of the cluster, task
@@ -372,6 +378,8 @@ def connect(cluster=None, timeout=30.0, job_name="localhost",
             "--cluster ...), check its address, or raise `timeout`.", down)
     full_spec = _with_local_job(spec, job_name, bind)
     _set_inter_op_threads(inter_op_threads)
+    if not thread_spinning:
+        _compat.disable_thread_spinning()
     _pin_client(bind)
     tf.config.experimental_connect_to_cluster(full_spec, job_name=job_name)
     _check_client_listener(full_spec, job_name, bind)

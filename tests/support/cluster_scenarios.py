@@ -25,6 +25,7 @@ os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
+from tensorflow.python.eager import context as _context  # noqa: E402
 
 import keras_pipe  # noqa: E402
 from keras_pipe.distributed.cluster import WorkerUnavailableError  # noqa: E402
@@ -109,6 +110,8 @@ def run_remote(args):
         "predict_max_diff": max_diff([r["predict"]], [l["predict"]]),
         "reloaded_devices": reloaded_devices,
         "reloaded_predict_max_diff": reloaded_diff,
+        "thread_spinning_disabled": _context.context().config.experimental
+        .disable_thread_spinning,
     }))
 
 
