@@ -51,6 +51,12 @@ from keras.src.models.functional import (  # noqa: E402
 from keras.src.random.seed_generator import SeedGenerator, draw_seed  # noqa: E402
 from keras.src.saving import saving_lib as _saving_lib  # noqa: E402
 from keras.src.saving.keras_saveable import KerasSaveable  # noqa: E402
+from keras.src.trainers.data_adapters import array_slicing  # noqa: E402
+from keras.src.trainers.data_adapters.array_data_adapter import (  # noqa: E402
+    ArrayDataAdapter,
+    can_convert_arrays,
+)
+from keras.src.trainers.data_adapters.data_adapter import DataAdapter  # noqa: E402
 from keras.src.utils import io_utils as _io_utils  # noqa: E402
 from keras.src.utils import naming as _naming  # noqa: E402
 from keras.src.utils import tracking as _tracking  # noqa: E402
@@ -63,10 +69,41 @@ from tensorflow.python.framework import op_callbacks as _op_callbacks  # noqa: E
 # it unwraps a single output (`keras_pipe.planning.graph`, `keras_pipe.saving.files`).
 # `KerasSaveable`: the base of objects Keras saving walks (seed states).
 # `cancellation`: TF's cancellation manager (`keras_pipe.distributed.cluster`).
+# `DataAdapter`, `ArrayDataAdapter`, `can_convert_arrays`: how Keras' `fit`
+# takes its data; an adapter passed as `x` is used as it is
+# (`keras_pipe.placed_data`).
 to_snake_case = _naming.to_snake_case
 ask_to_proceed_with_overwrite = _io_utils.ask_to_proceed_with_overwrite
 no_automatic_tracking = _tracking.DotNotTrackScope
 get_server_def = _tf_context.get_server_def
+
+
+def disable_thread_spinning():
+    """Idle threads of TF's pools sleep at once instead of spinning.
+
+    Sets `experimental.disable_thread_spinning` in this process's context
+    config, which `tf.config.experimental_connect_to_cluster` also copies
+    into the contexts it creates on the workers. Takes effect if set
+    before TF starts in this process.
+    """
+    from tensorflow.core.protobuf import config_pb2
+    context = _tf_context.context()
+    if context._config is None:
+        context._config = config_pb2.ConfigProto()
+    context._config.experimental.disable_thread_spinning = True
+
+
+def sync_executors():
+    """Waits until every op this process sent to a worker has run.
+
+    An eager op on a remote device that returns nothing (`MakeIterator`) is
+    only queued there; a function run next may start before it
+    (`keras_pipe.placed_data`).
+    """
+    _tf_context.context().sync_executors()
+
+
+train_validation_split = array_slicing.train_validation_split
 
 
 def onednn_enabled():
@@ -136,17 +173,19 @@ def set_keras_global_attribute(name, value):
     """Sets one attribute of Keras' global state (in another thread)."""
     global_state.set_global_attribute(name, value)
 
-__all__ = ["Functional", "KerasSaveable", "SUPPORTED", "SeedGenerator",
+__all__ = ["ArrayDataAdapter", "DataAdapter", "Functional", "KerasSaveable",
+           "SUPPORTED", "SeedGenerator",
            "draw_seed", "tf_random",
-           "ask_to_proceed_with_overwrite", "called_graph", "cancellation",
-           "check_versions",
+           "ask_to_proceed_with_overwrite", "called_graph", "can_convert_arrays",
+           "cancellation", "check_versions", "disable_thread_spinning",
            "eager_scope", "get_keras_mask",
            "get_server_def", "keras_global_state", "no_automatic_tracking",
            "operation_fn", "reduce_weighted_values",
            "reinitialize_variable", "replaced_losses", "save_weights_to",
            "scale_loss_for_distribution",
            "set_initial_epoch", "set_keras_global_attribute", "set_keras_mask",
-           "to_snake_case", "unpack_singleton"]
+           "sync_executors",
+           "to_snake_case", "train_validation_split", "unpack_singleton"]
 
 reduce_weighted_values = _loss_lib.reduce_weighted_values
 scale_loss_for_distribution = _loss_lib.scale_loss_for_distribution

@@ -3,7 +3,7 @@
 import keras
 import tensorflow as tf
 
-from keras_pipe import _compat, _validation, reporting
+from keras_pipe import _compat, _validation, placed_data, reporting
 from keras_pipe.distributed import cluster
 from keras_pipe.engine import building, placement, release
 from keras_pipe.engine import executor as executor_lib
@@ -472,18 +472,59 @@ class PipelineModel(model_io.SavingMethods, keras.Model):
     # A worker lost mid-call ends it with an error naming the task
     # (`cluster.run`); a plain call when every stage is local.
 
+    # Array data of `fit` and `evaluate` are batched on the first stage's
+    # device when that is a remote worker (`keras_pipe.placed_data`); the
+    # error diagnosis replays the call's own arguments.
+
     def fit(self, *args, **kwargs):
         _validation.check_data("fit", args, kwargs)
         # TensorBoard(write_graph=True) gets the model config as Keras
         # writes it for a Functional model (`keras_pipe.reporting`).
         args, kwargs = reporting.with_config_writers_in(args, kwargs)
-        return cluster.run(self._resolved_devices, "fit", super().fit, *args,
-                           **kwargs)
+        return cluster.run(self._resolved_devices, "fit", self._placed_fit,
+                           *args, **kwargs)
+
+    def _placed_fit(self, *args, **kwargs):
+        args, kwargs = placed_data.placed_call(
+            "fit", self, self.data_device, args, kwargs)
+        return super().fit(*args, **kwargs)
 
     def evaluate(self, *args, **kwargs):
         _validation.check_data("evaluate", args, kwargs)
         return cluster.run(self._resolved_devices, "evaluate",
-                           super().evaluate, *args, **kwargs)
+                           self._placed_evaluate, *args, **kwargs)
+
+    def _placed_evaluate(self, *args, **kwargs):
+        args, kwargs = placed_data.placed_call(
+            "evaluate", self, self.data_device, args, kwargs)
+        return super().evaluate(*args, **kwargs)
+
+    @property
+    def data_device(self):
+        """Where `fit` and `evaluate` batch array data (numpy arrays,
+        tensors; not datasets or generators), or None for this process.
+
+        Defaults to the first stage's device if it is on a remote worker
+        (`keras_pipe.placed_data`): each batch is then cut there instead
+        of being sent from this process at every step, and the arrays are
+        copied there once per call (that worker holds them while the call
+        runs). Set it to None to batch in this process as Keras does (for
+        arrays that would not fit in that worker's memory), to a device
+        string for another device, or to `"auto"` for the default.
+        """
+        chosen = getattr(self, "_data_device", "auto")
+        if chosen != "auto":
+            return chosen
+        first = self._resolved_devices[0]
+        return first if cluster.is_remote(first) else None
+
+    @data_device.setter
+    def data_device(self, device):
+        if device is not None and not isinstance(device, str):
+            raise TypeError(
+                "data_device must be a device string, 'auto' or None. "
+                f"Received: data_device={device!r}")
+        self._data_device = device
 
     def predict(self, *args, **kwargs):
         _validation.check_data("predict", args, kwargs)

@@ -390,3 +390,37 @@ def test_op_callback_replaces_outputs_for_later_ops_and_the_tape():
     assert seen == ["Square"]
     assert float(z) == 12.0  # 3 * 2^2: later ops read the replacement
     assert float(grad) == 4.0  # d(x^2)/dx: the tape's op is the Square
+
+
+def test_fit_takes_a_data_adapter_as_it_is():
+    """`keras_pipe.placed_data` hands `fit` Keras' own `ArrayDataAdapter`
+    wrapped in a `DataAdapter`: Keras must use it as given, with the
+    batches the arrays make, and split validation data as Keras does."""
+    from keras.src.trainers.data_adapters import get_data_adapter  # noqa: PLC0415
+    x = np.arange(20, dtype="float32").reshape(10, 2)
+    y = np.arange(10, dtype="float32")
+    assert _compat.can_convert_arrays((x, y, None))
+    assert not _compat.can_convert_arrays((tf.data.Dataset.range(3), None,
+                                           None))
+    adapter = _compat.ArrayDataAdapter(x, y, batch_size=4, shuffle=False)
+    assert isinstance(adapter, _compat.DataAdapter)
+    assert get_data_adapter(adapter, batch_size=2, shuffle=True) is adapter
+    batches = [b[0].numpy() for b in adapter.get_tf_dataset()]
+    assert [len(b) for b in batches] == [4, 4, 2]
+    np.testing.assert_array_equal(np.concatenate(batches), x)
+    (train, _, _), (val_x, _, _) = _compat.train_validation_split(
+        (x, y, None), validation_split=0.2)
+    np.testing.assert_array_equal(train, x[:8])
+    np.testing.assert_array_equal(val_x, x[8:])
+
+
+def test_disable_thread_spinning_sets_the_context_config():
+    """What `keras_pipe.connect` sets (the workers' contexts copy it)."""
+    from tensorflow.python.eager import context  # noqa: PLC0415
+    saved = context.context()._config
+    try:
+        _compat.disable_thread_spinning()
+        assert context.context().config.experimental.disable_thread_spinning
+    finally:
+        context.context()._config = saved
+    _compat.sync_executors()  # no remote executor here: returns at once

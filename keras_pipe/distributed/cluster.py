@@ -41,7 +41,7 @@ from keras_pipe.distributed import diagnosis, exits
 
 __all__ = ["WorkerRestartedError", "WorkerUnavailableError", "check_addresses",
            "cluster_spec",
-           "connect", "probe", "run", "raise_if_lost"]
+           "connect", "is_remote", "probe", "run", "raise_if_lost"]
 
 
 class WorkerUnavailableError(ConnectionError):
@@ -291,7 +291,7 @@ def _describe_tasks(tasks):
 
 
 def connect(cluster=None, timeout=30.0, job_name="localhost",
-            bind="127.0.0.1", inter_op_threads=None):
+            bind="127.0.0.1", inter_op_threads=None, thread_spinning=False):
     """Connects this process to a cluster of TF workers and lists their devices.
 
     Every task must answer within `timeout` seconds, else nothing is
@@ -335,6 +335,12 @@ def connect(cluster=None, timeout=30.0, job_name="localhost",
             thread). Defaults to `None`: the client's setting if one was
             made, else `max(4, os.cpu_count())`. Set it before TF runs any
             op in this process.
+        thread_spinning: whether idle threads of TF's pools in this
+            client and in the contexts the workers run its functions in
+            spin before they sleep (TF's default). Without spinning the
+            client spent 0.3-2.4 ms less CPU per step of the MLP
+            benchmark and the workers no more (docs/performance.md). Set
+            before TF runs any op in this process. Defaults to `False`.
 
     Returns:
         `{task name: [device names]}` for every task of the cluster, task
@@ -372,6 +378,8 @@ def connect(cluster=None, timeout=30.0, job_name="localhost",
             "--cluster ...), check its address, or raise `timeout`.", down)
     full_spec = _with_local_job(spec, job_name, bind)
     _set_inter_op_threads(inter_op_threads)
+    if not thread_spinning:
+        _compat.disable_thread_spinning()
     _pin_client(bind)
     tf.config.experimental_connect_to_cluster(full_spec, job_name=job_name)
     _check_client_listener(full_spec, job_name, bind)
@@ -487,6 +495,11 @@ def _with_local_job(spec, job_name, bind="127.0.0.1"):
             s.bind((host, 0))
             address = bind_lib.format_address(host, s.getsockname()[1])
     return tf.train.ClusterSpec({**spec.as_dict(), job_name: [address]})
+
+
+def is_remote(device):
+    """Whether `device` lives in a cluster task other than this process."""
+    return bool(_remote_tasks([device]))
 
 
 def _remote_tasks(devices):
@@ -719,8 +732,13 @@ def raise_if_lost(devices, action, error):
 
 
 def _wait(done, watchdog, grace):
-    """Waits for `done`; returns early `grace` s after a task was lost."""
-    while not done.wait(0.1):
+    """Waits for `done`; returns early `grace` s after a task was lost.
+
+    In 1 s slices until a loss (a Ctrl-C still ends the wait at once), then
+    0.1 s: 0.1 s slices throughout cost the client 0.3-0.5 ms of CPU per
+    step of the MLP benchmark (docs/performance.md), 1 s slices under 0.1.
+    """
+    while not done.wait(1.0 if watchdog.lost_at is None else 0.1):
         if (watchdog.lost_at is not None
                 and time.monotonic() - watchdog.lost_at > grace):
             return

@@ -25,6 +25,7 @@ os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
+from tensorflow.python.eager import context as _context  # noqa: E402
 
 import keras_pipe  # noqa: E402
 from keras_pipe.distributed.cluster import WorkerUnavailableError  # noqa: E402
@@ -109,7 +110,53 @@ def run_remote(args):
         "predict_max_diff": max_diff([r["predict"]], [l["predict"]]),
         "reloaded_devices": reloaded_devices,
         "reloaded_predict_max_diff": reloaded_diff,
+        "thread_spinning_disabled": _context.context().config.experimental
+        .disable_thread_spinning,
     }))
+
+
+def run_placed(args):
+    """Array data batched on the first stage's worker: where each fit /
+    evaluate built its pipeline, and the same results as a local model."""
+    from keras_pipe import placed_data
+    keras_pipe.connect(args.cluster, timeout=30.0)
+    built = []
+    original = placed_data.PlacedArrays.get_tf_dataset
+
+    def recording(self):
+        dataset = original(self)
+        built.append(dataset.dataset._variant_tensor.device)
+        return dataset
+
+    placed_data.PlacedArrays.get_tf_dataset = recording
+    x, y = data()
+    remote = make_model(remote_devices(len(args.cluster["worker"])))
+    local = make_model([LOCAL, LOCAL])
+    copy_variables(remote, local)
+    results, devices = {}, {}
+    for name, model in (("remote", remote), ("local", local)):
+        keras.utils.set_random_seed(3)  # the same shuffles for both
+        before = len(built)
+        history = model.fit(x, y, batch_size=16, epochs=2, shuffle=True,
+                            validation_split=0.25,
+                            class_weight={0: 1.0, 1: 2.0, 2: 0.5}, verbose=0)
+        fit_devices = built[before:]
+        evaluated = model.evaluate(x, y, batch_size=12, verbose=0)
+        devices[name] = {"fit": fit_devices,
+                         "evaluate": built[before + len(fit_devices):]}
+        results[name] = {"history": history.history,
+                         "evaluate": evaluated, "values": values(model)}
+    chosen = [remote.data_device, local.data_device]
+    remote.data_device = None  # batched in this process again
+    before = len(built)
+    remote.evaluate(x, y, batch_size=12, verbose=0)
+    r, l = results["remote"], results["local"]
+    print(json.dumps({
+        "data_device": chosen,
+        "devices": devices, "opted_out": built[before:],
+        "history_remote": r["history"], "history_local": l["history"],
+        "evaluate_remote": r["evaluate"], "evaluate_local": l["evaluate"],
+        "weights_max_diff": max_diff(r["values"], l["values"])}))
 
 
 class _KillAt(keras.callbacks.Callback):
@@ -434,7 +481,8 @@ def main():
     parser.add_argument("scenario", choices=["remote", "resume", "hang",
                                              "listen", "restart",
                                              "stage_error", "timeline",
-                                             "threads", "interrupt"])
+                                             "threads", "interrupt",
+                                             "placed"])
     parser.add_argument("--cluster", required=True,
                         type=lambda s: {"worker": s.split(",")})
     parser.add_argument("--kill-pid", type=int)
@@ -450,7 +498,7 @@ def main():
      "listen": run_listen, "restart": run_restart,
      "stage_error": run_stage_error,
      "timeline": run_timeline, "threads": run_threads,
-     "interrupt": run_interrupt}[args.scenario](args)
+     "interrupt": run_interrupt, "placed": run_placed}[args.scenario](args)
 
 
 if __name__ == "__main__":
