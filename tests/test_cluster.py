@@ -139,7 +139,7 @@ def test_data_device_is_this_process_for_local_stages(devices):
     pipe.data_device = devices[1]
     assert pipe.data_device == devices[1]
     pipe.data_device = "auto"
-    assert pipe.data_device is None
+    assert pipe.data_device is None  # the first stage is not remote
     with pytest.raises(TypeError, match=r"data_device must be a device "
                        r"string, 'auto' or None. Received: data_device=1"):
         pipe.data_device = 1
@@ -362,12 +362,14 @@ def test_remote_stages_match_single_process(workers):
 
 
 def test_array_data_are_batched_on_the_first_stages_worker(workers):
-    """fit and evaluate build Keras' pipeline of array data on the first
-    stage's worker (the client sent every batch before: 2 x 2 MiB per
-    step of the MLP benchmark), with the same shuffles, validation split
-    and class weights: bit-identical to a model on this process."""
+    """With data_device="auto", fit and evaluate build Keras' pipeline of
+    array data on the first stage's worker (the client sends every batch
+    otherwise: 2 x 2 MiB per step of the MLP benchmark), with the same
+    shuffles, validation split and class weights: bit-identical to a model
+    on this process. The default is None (this process)."""
     result = _scenario("placed", "--cluster", workers.spec)
     first = "/job:worker/replica:0/task:0/device:CPU:0"
+    assert result["default"] is None  # opt-in: "auto" places them
     assert result["data_device"] == [first, None]
     assert result["devices"]["remote"] == {"fit": [first],
                                            "evaluate": [first]}

@@ -130,8 +130,9 @@ def local_workers(num_workers=2, cores=None, gpus=None,
     Call it before TensorFlow runs any op in this process (as
     `keras_pipe.connect`), and build the model inside the block: its
     variables live in the workers and go with them. Array data given to
-    the model's `fit` and `evaluate` are batched on the first stage's
-    worker, not in this process (`PipelineModel.data_device`).
+    the model's `fit` and `evaluate` are batched in this process, or on
+    the first stage's worker with `model.data_device = "auto"`
+    (`PipelineModel.data_device`).
 
     ```python
     import keras

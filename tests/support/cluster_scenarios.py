@@ -133,6 +133,8 @@ def run_placed(args):
     remote = make_model(remote_devices(len(args.cluster["worker"])))
     local = make_model([LOCAL, LOCAL])
     copy_variables(remote, local)
+    default = remote.data_device  # None: this process, as Keras does
+    remote.data_device = local.data_device = "auto"
     results, devices = {}, {}
     for name, model in (("remote", remote), ("local", local)):
         keras.utils.set_random_seed(3)  # the same shuffles for both
@@ -152,7 +154,7 @@ def run_placed(args):
     remote.evaluate(x, y, batch_size=12, verbose=0)
     r, l = results["remote"], results["local"]
     print(json.dumps({
-        "data_device": chosen,
+        "data_device": chosen, "default": default,
         "devices": devices, "opted_out": built[before:],
         "history_remote": r["history"], "history_local": l["history"],
         "evaluate_remote": r["evaluate"], "evaluate_local": l["evaluate"],
