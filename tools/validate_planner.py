@@ -392,9 +392,10 @@ def main():
                         "other jobs disturbed least)")
     parser.add_argument("--builds", type=int, default=1,
                         help="builds of each configuration; its step is "
-                        "the build with the least median (the same "
-                        "program measured up to 47%% apart in two builds "
-                        "of one quiet run)")
+                        "the build with the least median (on a host "
+                        "less steady than it looks, the same program "
+                        "measured up to 47%% apart in two builds of one "
+                        "run)")
     parser.add_argument("--quick", action="store_true",
                         help=f"a subset: {QUICK}")
     parser.add_argument("--out", default=None,
