@@ -104,11 +104,19 @@ def _step_seconds(devices, m, steps, runs):
     pipe.compile(keras.optimizers.Adam(1e-3), "mse")
     rows = max(_MICRO_BATCHES)
     x = np.ones((rows * (steps + 3), 1), "float32")
-    pipe.fit(x[:rows * 3], x[:rows * 3], batch_size=rows, verbose=0)  # warm
+    return _least_median_step(pipe, (x[:rows * 3], x[:rows * 3]), (x, x),
+                              rows, runs)
+
+
+def _least_median_step(pipe, warm, timed, batch_size, runs):
+    """`fit`s `pipe` on `warm` (untimed), then `runs` times on `timed`,
+    each step timed at its end inside the epoch; the least of the epochs'
+    median steps (`least_median`)."""
+    pipe.fit(*warm, batch_size=batch_size, verbose=0)
     medians = []
     for _ in range(runs):
         clock = _StepClock()
-        pipe.fit(x, x, batch_size=rows, verbose=0, shuffle=False,
+        pipe.fit(*timed, batch_size=batch_size, verbose=0, shuffle=False,
                  callbacks=[clock])
         medians.append(np.diff(clock.ends))
     return least_median(medians)
@@ -211,8 +219,7 @@ def step_seconds(model, devices, sizes, num_micro_batches, remat,
     Returns:
         Seconds per step.
     """
-    loss = loss if isinstance(loss, (str, keras.losses.Loss)) or callable(
-        loss) else "mse"
+    loss = loss if isinstance(loss, str) or callable(loss) else "mse"
     # A clone has its own weights, drawn by the same initializers (a
     # KerasHub model's clone may even hold one variable more, a seed
     # state: its weights are not copied).
@@ -226,16 +233,9 @@ def step_seconds(model, devices, sizes, num_micro_batches, remat,
     x = _inputs(model, batch_size, shapes)
     y = _targets(model, batch_size, shapes, loss)
 
-    def repeat(data, times):
+    def repeat(times):
         return keras.tree.map_structure(
-            lambda a: np.concatenate([a] * times), data)
+            lambda a: np.concatenate([a] * times), (x, y))
 
-    pipe.fit(repeat(x, 2), repeat(y, 2), batch_size=batch_size, verbose=0)
-    medians = []
-    for _ in range(runs):
-        clock = _StepClock()
-        pipe.fit(repeat(x, steps + 1), repeat(y, steps + 1),
-                 batch_size=batch_size, verbose=0, shuffle=False,
-                 callbacks=[clock])
-        medians.append(np.diff(clock.ends))
-    return least_median(medians)
+    return _least_median_step(pipe, repeat(2), repeat(steps + 1), batch_size,
+                              runs)

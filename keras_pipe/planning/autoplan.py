@@ -190,16 +190,8 @@ def scale_at(scales, rows):
     if not scales:
         return 1.0
     known = sorted(scales)
-    if rows <= known[0]:
-        return scales[known[0]]
-    if rows >= known[-1]:
-        return scales[known[-1]]
-    high = next(r for r in known if r >= rows)
-    low = max(r for r in known if r <= rows)
-    if high == low:
-        return scales[low]
-    share = (np.log(rows) - np.log(low)) / (np.log(high) - np.log(low))
-    return float(scales[low] + share * (scales[high] - scales[low]))
+    return float(np.interp(np.log(rows), np.log(known),
+                           [scales[r] for r in known]))
 
 
 def fit_scale(simulated, measured, low=1 / 16, high=16.0):
@@ -339,9 +331,7 @@ def calibration_points(num_devices, ms):
 def _calibrate(model, measured, devices, ms, batch_size, budgets,
                optimizer_slots, allowed, input_shape, sample_inputs):
     """Trains the `calibration_points` and sets `measured.scales` so that
-    their simulated steps are the measured ones. Returns
-    `[(schedule, K, M, measured seconds, simulated before)]`."""
-    trained = []
+    their simulated steps are the measured ones."""
     for name, stage_devices, m in calibration_points(len(devices), ms):
         c = _candidate(name, stage_devices, m, batch_size, measured.graph,
                        measured, budgets, optimizer_slots, allowed)
@@ -369,8 +359,6 @@ def _calibrate(model, measured, devices, ms, batch_size, budgets,
                               budgets, optimizer_slots, allowed).step_time
 
         measured.scales[rows] = fit_scale(simulated, seconds)
-        trained.append((name, len(stage_devices), m, seconds, c.step_time))
-    return trained
 
 
 def search(model, devices=None, num_devices=None, batch_size=None,
