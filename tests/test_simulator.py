@@ -75,6 +75,43 @@ def test_transfers_delay_the_receiver():
     assert result.busy == [3.25, 4]
 
 
+def test_a_received_input_occupies_the_receiving_device():
+    # receive 0.5 per input from another device. Device 0: F0 [0,1],
+    # F1 [1,2]. Device 1: F0 reads stage 0's output: [1,2.5]; F1 [2.5,4];
+    # the full-batch loss seeds B1 [4,6], B0 [6,8] (nothing received).
+    # Device 0: B1 reads stage 1's input gradient: [6,8.5]; B0 [8.5,11].
+    costs = simulator.Costs(forward=[1, 1], backward=[2, 2], receive=0.5)
+    result = simulator.simulate(schedule.gpipe(2, 2), [0, 1], costs)
+    assert result.step_time == 11
+    assert [(str(c), s, e) for c, s, e in result.spans[1]] == [
+        ("1F0", 1, 2.5), ("1F1", 2.5, 4), ("1B1", 4, 6), ("1B0", 6, 8),
+        ("1W1,0", 8, 8)]
+    assert result.busy == [7, 7]
+
+
+@pytest.mark.parametrize("name", schedule.schedule_names())
+def test_only_inputs_from_another_device_are_received(name):
+    # Each crossing stage boundary is received twice per micro-batch (its
+    # outputs forward, its input gradients back): the devices' busy time
+    # grows by that many receive costs, whichever placement (a V keeps the
+    # middle boundary on one device).
+    entry = schedule.get_schedule(name)
+    m = 4
+    for k, devices in ((2, [0, 1]), (4, schedule.stage_placement(
+            4, 2, entry.placement or "loop"))):
+        try:
+            ticks = entry.build(m, k, 2)
+        except ValueError:
+            continue
+        base = simulator.Costs(forward=[1] * k, backward=[2] * k)
+        plus = simulator.Costs(forward=[1] * k, backward=[2] * k,
+                               receive=0.25)
+        crossing = sum(devices[j] != devices[j + 1] for j in range(k - 1))
+        grown = (sum(simulator.simulate(ticks, devices, plus).busy)
+                 - sum(simulator.simulate(ticks, devices, base).busy))
+        assert grown == pytest.approx(0.25 * 2 * m * crossing)
+
+
 def test_call_cost_remat_loss_and_step_cost():
     # Every call costs 0.1 more; remat "always" redoes the forward (1) in
     # each backward; the loss (0.5) comes after both forward calls; the

@@ -133,6 +133,7 @@ class _Measured:
                                                "trainable_variables", None))
                                   for c in graph.calls])
         self.scales = {}  # rows -> the step's scale of the layers' work
+        self.receive = 0.0  # seconds per input received from another device
 
     def prepare(self, all_rows):
         """Measures every row count at once and `smooth`s them together."""
@@ -228,11 +229,63 @@ def _least_peak(actions, m, j, k, grid, weights, trainable,
         for mode in _MODES], axis=0)
 
 
-def _candidate(name, stage_devices, m, batch_size, graph, measured,
+@dataclasses.dataclass
+class _Step:
+    """One configuration's cut and remat, ready to simulate."""
+
+    ticks: list
+    stage_devices: list
+    num_micro_batches: int
+    rows: int
+    spans: list          # per stage, (first call, end call)
+    remat: list
+    output_bytes: list   # per stage, bytes of its outputs per micro-batch
+    weighted: object     # per layer call, whether it has weights
+    stage_peaks: list
+
+
+def _step_costs(step, measured, batch_size):
+    """The simulator's costs of `step` with `measured`'s costs now (its
+    calibration's scales and receive cost)."""
+    costs = measured.calls(step.rows)
+
+    def per_stage(values):
+        prefix = _prefix(values)
+        return [float(prefix[e] - prefix[a]) for a, e in step.spans]
+
+    # A split weight-gradient call ("W") replays the stage's mixing ops on
+    # their stashed inputs (`keras_pipe.engine.weight_grad`): their forward
+    # pass again, counted as the forward of each call with weights.
+    replay = per_stage(np.where(step.weighted, costs.forward, 0.0))
+    backward_input = per_stage(costs.backward_input)
+    weight = per_stage(costs.weight)
+    return simulator.Costs(
+        forward=per_stage(costs.forward),
+        backward=[b + w for b, w in zip(backward_input, weight)],
+        backward_input=backward_input,
+        weight=[w + r for w, r in zip(weight, replay)],
+        call=measured.overhead.call, output_bytes=step.output_bytes,
+        latency=measured.link.latency,
+        bytes_per_second=measured.link.bytes_per_second,
+        update=[float(measured.update[e] - measured.update[a])
+                for a, e in step.spans],
+        step=measured.overhead.step, loss=measured.loss_seconds(step.rows),
+        full_loss=measured.loss_seconds(batch_size),
+        receive=measured.receive)
+
+
+def _step_time(step, measured, batch_size):
+    """`step`'s simulated step time (seconds) with `measured`'s costs."""
+    return simulator.simulate(step.ticks, step.stage_devices,
+                              _step_costs(step, measured, batch_size),
+                              step.remat, step.num_micro_batches).step_time
+
+
+def _configure(name, stage_devices, m, batch_size, graph, measured,
                budgets, optimizer_slots, allowed):
-    """The best cut and remat of one (schedule, layout, M), simulated; or,
-    when nothing fits, the least device budget that would (bytes); None if
-    the schedule cannot run this layout."""
+    """The best cut and remat of one (schedule, layout, M) as a `_Step`;
+    or, when nothing fits, the least device budget that would (bytes); None
+    if the schedule cannot run this layout."""
     k, n = len(stage_devices), len(graph.calls)
     num_devices = 1 + max(stage_devices)
     build = schedule_lib.get_schedule(name).build
@@ -245,10 +298,6 @@ def _candidate(name, stage_devices, m, batch_size, graph, measured,
     f = _block(_prefix(costs.forward))
     bi = _block(_prefix(costs.backward_input))
     w = _block(_prefix(costs.weight))
-    # A split weight-gradient call ("W") replays the stage's mixing ops on
-    # their stashed inputs (`keras_pipe.engine.weight_grad`): their forward
-    # pass again, counted as the forward of each call with weights.
-    replay = _block(_prefix(np.where(measured.weighted, costs.forward, 0.0)))
     profile = memory_lib.Profile(graph, rows)
     grid, weights, trainable = budget_lib.block_grid(profile, n)
     actions = memory_lib.stage_actions(lambda mm, kk: ticks, m, k)
@@ -298,51 +347,74 @@ def _candidate(name, stage_devices, m, batch_size, graph, measured,
         start += size
     out_bytes = [profile.output_bytes if e == n else profile.gap[e - 1]
                  for _, e in spans]
-    sim_costs = simulator.Costs(
-        forward=[float(f[a, e]) for a, e in spans],
-        backward=[float(bi[a, e] + w[a, e]) for a, e in spans],
-        backward_input=[float(bi[a, e]) for a, e in spans],
-        weight=[float(w[a, e] + replay[a, e]) for a, e in spans],
-        call=measured.overhead.call, output_bytes=out_bytes,
-        latency=measured.link.latency,
-        bytes_per_second=measured.link.bytes_per_second,
-        update=[float(measured.update[e] - measured.update[a])
-                for a, e in spans],
-        step=measured.overhead.step, loss=measured.loss_seconds(rows),
-        full_loss=measured.loss_seconds(batch_size))
-    result = simulator.simulate(ticks, stage_devices, sim_costs, remat, m)
+    return _Step(ticks, list(stage_devices), m, rows, spans, remat,
+                 out_bytes, measured.weighted, stage_peaks)
+
+
+def _candidate(name, stage_devices, m, batch_size, graph, measured,
+               budgets, optimizer_slots, allowed):
+    """The best cut and remat of one (schedule, layout, M), simulated; or,
+    when nothing fits, the least device budget that would (bytes); None if
+    the schedule cannot run this layout."""
+    step = _configure(name, stage_devices, m, batch_size, graph, measured,
+                      budgets, optimizer_slots, allowed)
+    if not isinstance(step, _Step):
+        return step
+    result = simulator.simulate(step.ticks, step.stage_devices,
+                                _step_costs(step, measured, batch_size),
+                                step.remat, m)
+    num_devices = 1 + max(stage_devices)
     device_peaks = [0.0] * num_devices
     for j, d in enumerate(stage_devices):
-        device_peaks[d] += stage_peaks[j]
-    return Candidate(name, k, list(stage_devices), m, sizes, remat,
+        device_peaks[d] += step.stage_peaks[j]
+    return Candidate(name, len(stage_devices), list(stage_devices), m,
+                     [e - a for a, e in step.spans], step.remat,
                      result.step_time, result.idle,
                      [int(p) for p in device_peaks],
-                     [int(p) for p in stage_peaks])
+                     [int(p) for p in step.stage_peaks])
 
 
 def calibration_points(num_devices, ms):
     """What `search(calibrate=True)` trains: `(schedule, stage_devices,
-    M)`, GPipe with one stage per device at the least and the largest `M`.
+    M)`, GPipe with one stage per device at the least and the largest `M`
+    (the layers' work at those micro-batch sizes), and interleaved 1F1B with
+    two stages per device at the largest `M` (the cost of receiving an
+    input, which it pays twice as often), when that schedule is registered.
     """
-    return [("gpipe", list(range(num_devices)), m)
-            for m in dict.fromkeys((ms[0], ms[-1]))]
+    points = [("gpipe", list(range(num_devices)), m)
+              for m in dict.fromkeys((ms[0], ms[-1]))]
+    if num_devices > 1 and "interleaved_1f1b" in (
+            schedule_lib.schedule_names()):
+        entry = schedule_lib.get_schedule("interleaved_1f1b")
+        points.append(("interleaved_1f1b", schedule_lib.stage_placement(
+            2 * num_devices, num_devices, entry.placement or "loop"),
+            ms[-1]))
+    return points
+
+
+_MAX_RECEIVE = 0.05  # seconds per received input the fit may reach
+_ROUNDS = 100  # at most, alternations of the scales' and receive's fits
 
 
 def _calibrate(model, measured, devices, ms, batch_size, budgets,
                optimizer_slots, allowed, input_shape, sample_inputs):
     """Trains the `calibration_points` and sets `measured.scales` so that
-    their simulated steps are the measured ones."""
+    the GPipe steps' simulations are the measured ones, and
+    `measured.receive` so that the two-stages-per-device step's is: each
+    step pays both, so the fits alternate until neither moves (1e-6)."""
+    trained = []
     for name, stage_devices, m in calibration_points(len(devices), ms):
-        c = _candidate(name, stage_devices, m, batch_size, measured.graph,
-                       measured, budgets, optimizer_slots, allowed)
-        if not isinstance(c, Candidate):
-            continue  # does not fit the budget: not trained
+        step = _configure(name, stage_devices, m, batch_size, measured.graph,
+                          measured, budgets, optimizer_slots, allowed)
+        if not isinstance(step, _Step):
+            continue  # cannot run, or does not fit the budget: not trained
         try:
             seconds = profiling.model_step_seconds(
                 model, measured.graph, measured.shapes,
-                expand_devices(devices, stage_devices), c.sizes, m, c.remat,
-                batch_size, input_shape, sample_inputs, measured.loss,
-                optimizer_slots, name)
+                expand_devices(devices, stage_devices),
+                [e - a for a, e in step.spans], m, step.remat, batch_size,
+                input_shape, sample_inputs, measured.loss, optimizer_slots,
+                name)
         except Exception as exc:  # noqa: BLE001 - the search goes on
             warnings.warn(
                 f"keras_pipe could not train {name} with M={m} to calibrate "
@@ -351,14 +423,31 @@ def _calibrate(model, measured, devices, ms, batch_size, budgets,
                 "costs alone, which a step may run 20-50% longer. Pass "
                 "calibrate=False to skip the calibration.", stacklevel=3)
             continue
-        rows = -(-batch_size // m)
+        trained.append((step, seconds))
+    scaling = [(s, t) for s, t in trained if len(s.spans) <= len(devices)]
+    receiving = [(s, t) for s, t in trained if len(s.spans) > len(devices)]
+    for _ in range(_ROUNDS if receiving else 1):
+        before = (dict(measured.scales), measured.receive)
+        for step, seconds in scaling:
 
-        def simulated(s, rows=rows, args=(name, stage_devices, m)):
-            measured.scales[rows] = s
-            return _candidate(*args, batch_size, measured.graph, measured,
-                              budgets, optimizer_slots, allowed).step_time
+            def scaled(value, step=step):
+                measured.scales[step.rows] = value
+                return _step_time(step, measured, batch_size)
 
-        measured.scales[rows] = fit_scale(simulated, seconds)
+            measured.scales[step.rows] = fit_scale(scaled, seconds)
+        for step, seconds in receiving:
+
+            def received(value, step=step):
+                measured.receive = value
+                return _step_time(step, measured, batch_size)
+
+            measured.receive = 0.0 if received(0.0) >= seconds else (
+                fit_scale(received, seconds, low=1e-9, high=_MAX_RECEIVE))
+        if np.allclose([*before[0].values(), before[1]],
+                       [*measured.scales.values(), measured.receive],
+                       rtol=1e-6, atol=1e-12) and before[0].keys() == (
+                           measured.scales.keys()):
+            break
 
 
 def search(model, devices=None, num_devices=None, batch_size=None,
@@ -403,8 +492,11 @@ def search(model, devices=None, num_devices=None, batch_size=None,
         calibrate: with `measure` and at least two devices, train GPipe
             (one stage per device, on a clone of `model`) at the least and
             the largest `M` and scale the layers' measured work to the
-            steps it measured, linearly in log(rows) between them
-            (`keras_pipe.calibration.step_seconds`; cached like the
+            steps it measured, linearly in log(rows) between them; and
+            interleaved 1F1B with two stages per device at the largest
+            `M`, to fit the cost of receiving an input from another
+            device (`calibration_points`,
+            `keras_pipe.calibration.step_seconds`; cached like the
             costs). A step runs its calls 20-50% longer than the
             profile's loop on some models. `False` skips it (the clone
             and its pipeline hold a second copy of the weights). Defaults

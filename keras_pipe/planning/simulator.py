@@ -24,7 +24,12 @@ What the executor adds to the schedule's actions is replayed too:
 * each stage applies its optimizer update after its last call.
 
 A transfer between two devices delays the receiver by `transfer(bytes)`; it
-does not occupy either device (TF sends asynchronously).
+does not occupy either device (TF sends asynchronously). What the receiving
+device spends on an input from another device (a worker's gRPC receive
+copies the tensor in on its own core) is `receive` per received input,
+added to the call that reads it: a stage's forward call reading the
+previous stage's outputs, its backward call reading the next stage's input
+gradients, when that stage is on another device.
 
 GPipe with 2 micro-batches on 2 stages, forward 1, backward 2, no transfer
 cost (``simulate(gpipe(2, 2), [0, 1], costs)``)::
@@ -40,7 +45,7 @@ import dataclasses
 
 from keras_pipe.engine import schedule as schedule_lib
 
-__all__ = ["Call", "Costs", "Simulation", "calls", "simulate"]
+__all__ = ["Call", "Costs", "Simulation", "calls", "receives", "simulate"]
 
 
 @dataclasses.dataclass
@@ -76,6 +81,8 @@ class Costs:
             Defaults to zeros.
         step: a fixed cost of the step (splitting the batch, reading the
             weights), before any call. Defaults to `0`.
+        receive: seconds a call spends on its own device per input it
+            reads from a stage on another device. Defaults to `0`.
     """
 
     forward: list
@@ -91,6 +98,7 @@ class Costs:
     update: list = None
     step: float = 0.0
     full_loss: float = None
+    receive: float = 0.0
 
     def __post_init__(self):
         k = len(self.forward)
@@ -213,7 +221,22 @@ def calls(ticks, stage_devices, remat, num_micro_batches=None):
     return per_device, by_parts
 
 
-def _duration(call, costs, remat, m):
+def receives(call, stage_devices):
+    """How many of `call`'s inputs come from a stage on another device: a
+    forward call reads the previous stage's outputs, a backward call the
+    next stage's input gradients, a weight-gradient call nothing sent."""
+    j, k = call.j, len(stage_devices)
+    if call.kind == "F":
+        other = j - 1
+    elif call.kind == "B":
+        other = j + 1
+    else:
+        return 0
+    return int(0 <= other < k
+               and stage_devices[other] != stage_devices[j])
+
+
+def _duration(call, costs, remat, m, stage_devices):
     j = call.j
     if call.kind == "F":
         work = costs.forward[j]
@@ -223,7 +246,8 @@ def _duration(call, costs, remat, m):
         work = (costs.backward_input[j] if call.split else costs.backward[j])
         if _remat(remat[j], call.i[0], m):
             work += costs.recompute[j]
-    return costs.call + work
+    return costs.call + work + costs.receive * receives(call,
+                                                        stage_devices)
 
 
 def simulate(ticks, stage_devices, costs, remat="never",
@@ -311,7 +335,8 @@ def simulate(ticks, stage_devices, costs, remat="never",
                 if start is None:
                     break
                 start = max(start, clock[d])
-                end = start + _duration(call, costs, remat, m)
+                end = start + _duration(call, costs, remat, m,
+                                        stage_devices)
                 for ii in call.i:
                     done[(call.kind, ii, call.j)] = end
                 spans[d].append((call, start, end))
