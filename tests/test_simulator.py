@@ -89,6 +89,26 @@ def test_a_received_input_occupies_the_receiving_device():
     assert result.busy == [7, 7]
 
 
+def test_each_weight_gradient_call_pays_its_own_cost():
+    # GPipe's backward runs defer one W for both micro-batches; 1F1B splits
+    # the last stage's backward calls (B, then its own W: 2 W calls) and
+    # fuses the first stage's (nothing waits for their input gradients). A
+    # W call costs weight 0.5 per micro-batch + weight_call (0.25 on stage
+    # 0, 1 on stage 1) once.
+    costs = simulator.Costs(forward=[1, 1], backward=[2, 2],
+                            backward_input=[1.5, 1.5], weight=[0.5, 0.5],
+                            weight_call=[0.25, 1])
+    gpipe = simulator.simulate(schedule.gpipe(2, 2), [0, 1], costs)
+    w = [[(str(c), e - s) for c, s, e in spans if c.kind == "W"]
+         for spans in gpipe.spans]
+    assert w == [[("0W1,0", 1.25)], [("1W1,0", 2)]]
+    one_f_one_b = simulator.simulate(schedule.one_f_one_b(2, 2), [0, 1],
+                                     costs)
+    w = [[(str(c), e - s) for c, s, e in spans if c.kind == "W"]
+         for spans in one_f_one_b.spans]
+    assert w == [[], [("1W0", 1.5), ("1W1", 1.5)]]
+
+
 @pytest.mark.parametrize("name", schedule.schedule_names())
 def test_only_inputs_from_another_device_are_received(name):
     # Each crossing stage boundary is received twice per micro-batch (its

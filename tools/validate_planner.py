@@ -315,7 +315,7 @@ def calibration_point(row, rows):
     from keras_pipe.planning import autoplan
     ms = sorted({r["M"] for r in rows})
     return any((row["schedule"], row["num_stages"], row["M"]) == (
-        name, len(devices), m) for name, devices, m in
+        name, len(devices), m) for name, devices, m, _ in
         autoplan.calibration_points(2, ms))
 
 

@@ -134,6 +134,7 @@ class _Measured:
                                   for c in graph.calls])
         self.scales = {}  # rows -> the step's scale of the layers' work
         self.receive = 0.0  # seconds per input received from another device
+        self.weight_call = 0.0  # seconds per layer with weights of a W call
 
     def prepare(self, all_rows):
         """Measures every row count at once and `smooth`s them together."""
@@ -271,7 +272,9 @@ def _step_costs(step, measured, batch_size):
                 for a, e in step.spans],
         step=measured.overhead.step, loss=measured.loss_seconds(step.rows),
         full_loss=measured.loss_seconds(batch_size),
-        receive=measured.receive)
+        receive=measured.receive,
+        weight_call=[measured.weight_call * float(
+            np.sum(step.weighted[a:e])) for a, e in step.spans])
 
 
 def _step_time(step, measured, batch_size):
@@ -375,35 +378,42 @@ def _candidate(name, stage_devices, m, batch_size, graph, measured,
 
 
 def calibration_points(num_devices, ms):
-    """What `search(calibrate=True)` trains: `(schedule, stage_devices,
-    M)`, GPipe with one stage per device at the least and the largest `M`
-    (the layers' work at those micro-batch sizes), and interleaved 1F1B with
-    two stages per device at the largest `M` (the cost of receiving an
-    input, which it pays twice as often), when that schedule is registered.
+    """What `search(calibrate=True)` trains, `(schedule, stage_devices, M,
+    fitted)`: GPipe with one stage per device at the least and the largest
+    `M` fits the scale of the layers' work at those micro-batch sizes
+    (`"scale"`); when registered, interleaved 1F1B with two stages per
+    device at the largest `M` fits the cost of receiving an input
+    (`"receive"`: it receives twice as often) and 1F1B at the largest `M`
+    the cost of a weight-gradient call (`"weight_call"`: one per
+    micro-batch where GPipe has one in all).
     """
-    points = [("gpipe", list(range(num_devices)), m)
+    points = [("gpipe", list(range(num_devices)), m, "scale")
               for m in dict.fromkeys((ms[0], ms[-1]))]
-    if num_devices > 1 and "interleaved_1f1b" in (
-            schedule_lib.schedule_names()):
+    names = schedule_lib.schedule_names()
+    if num_devices > 1 and "interleaved_1f1b" in names:
         entry = schedule_lib.get_schedule("interleaved_1f1b")
         points.append(("interleaved_1f1b", schedule_lib.stage_placement(
             2 * num_devices, num_devices, entry.placement or "loop"),
-            ms[-1]))
+            ms[-1], "receive"))
+    if ms[-1] > 1 and "1f1b" in names:
+        points.append(("1f1b", list(range(num_devices)), ms[-1],
+                       "weight_call"))
     return points
 
 
-_MAX_RECEIVE = 0.05  # seconds per received input the fit may reach
-_ROUNDS = 100  # at most, alternations of the scales' and receive's fits
+_MAX_FIXED = 0.05  # seconds per received input or call the fits may reach
+_ROUNDS = 100  # at most, alternations of the fits
 
 
 def _calibrate(model, measured, devices, ms, batch_size, budgets,
                optimizer_slots, allowed, input_shape, sample_inputs):
-    """Trains the `calibration_points` and sets `measured.scales` so that
-    the GPipe steps' simulations are the measured ones, and
-    `measured.receive` so that the two-stages-per-device step's is: each
-    step pays both, so the fits alternate until neither moves (1e-6)."""
+    """Trains the `calibration_points` and fits what each one fits so that
+    its simulated step is its measured step: `measured.scales` at its rows,
+    `measured.receive` or `measured.weight_call`. Each step depends on all
+    of them, so the fits alternate until none moves (1e-6)."""
     trained = []
-    for name, stage_devices, m in calibration_points(len(devices), ms):
+    for name, stage_devices, m, fitted in calibration_points(len(devices),
+                                                             ms):
         step = _configure(name, stage_devices, m, batch_size, measured.graph,
                           measured, budgets, optimizer_slots, allowed)
         if not isinstance(step, _Step):
@@ -423,30 +433,36 @@ def _calibrate(model, measured, devices, ms, batch_size, budgets,
                 "costs alone, which a step may run 20-50% longer. Pass "
                 "calibrate=False to skip the calibration.", stacklevel=3)
             continue
-        trained.append((step, seconds))
-    scaling = [(s, t) for s, t in trained if len(s.spans) <= len(devices)]
-    receiving = [(s, t) for s, t in trained if len(s.spans) > len(devices)]
-    for _ in range(_ROUNDS if receiving else 1):
-        before = (dict(measured.scales), measured.receive)
-        for step, seconds in scaling:
+        trained.append((step, seconds, fitted))
 
-            def scaled(value, step=step):
-                measured.scales[step.rows] = value
+    def state():
+        return [*sorted(measured.scales.items()), measured.receive,
+                measured.weight_call]
+
+    rounds = _ROUNDS if any(f != "scale" for _, _, f in trained) else 1
+    for _ in range(rounds):
+        before = state()
+        for step, seconds, fitted in trained:
+
+            def simulated(value, step=step, fitted=fitted):
+                if fitted == "scale":
+                    measured.scales[step.rows] = value
+                else:
+                    setattr(measured, fitted, value)
                 return _step_time(step, measured, batch_size)
 
-            measured.scales[step.rows] = fit_scale(scaled, seconds)
-        for step, seconds in receiving:
-
-            def received(value, step=step):
-                measured.receive = value
-                return _step_time(step, measured, batch_size)
-
-            measured.receive = 0.0 if received(0.0) >= seconds else (
-                fit_scale(received, seconds, low=1e-9, high=_MAX_RECEIVE))
-        if np.allclose([*before[0].values(), before[1]],
-                       [*measured.scales.values(), measured.receive],
-                       rtol=1e-6, atol=1e-12) and before[0].keys() == (
-                           measured.scales.keys()):
+            if fitted == "scale":
+                value = fit_scale(simulated, seconds)
+            elif simulated(0.0) >= seconds:
+                value = 0.0
+            else:
+                value = fit_scale(simulated, seconds, low=1e-9,
+                                  high=_MAX_FIXED)
+            simulated(value)
+        after = state()
+        if len(before) == len(after) and all(
+                np.allclose(x, y, rtol=1e-6, atol=1e-12)
+                for x, y in zip(before, after)):
             break
 
 
@@ -492,12 +508,12 @@ def search(model, devices=None, num_devices=None, batch_size=None,
         calibrate: with `measure` and at least two devices, train GPipe
             (one stage per device, on a clone of `model`) at the least and
             the largest `M` and scale the layers' measured work to the
-            steps it measured, linearly in log(rows) between them; and
-            interleaved 1F1B with two stages per device at the largest
-            `M`, to fit the cost of receiving an input from another
-            device (`calibration_points`,
-            `keras_pipe.calibration.step_seconds`; cached like the
-            costs). A step runs its calls 20-50% longer than the
+            steps it measured, linearly in log(rows) between them;
+            interleaved 1F1B with two stages per device and 1F1B at the
+            largest `M`, to fit the cost of receiving an input from
+            another device and of a weight-gradient call
+            (`calibration_points`, `keras_pipe.calibration.step_seconds`;
+            cached like the costs). A step runs its calls 20-50% longer than the
             profile's loop on some models. `False` skips it (the clone
             and its pipeline hold a second copy of the weights). Defaults
             to `True`.

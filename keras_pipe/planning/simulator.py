@@ -83,6 +83,11 @@ class Costs:
             weights), before any call. Defaults to `0`.
         receive: seconds a call spends on its own device per input it
             reads from a stage on another device. Defaults to `0`.
+        weight_call: per stage, seconds of each of its weight-gradient
+            calls (`"W"`) beyond its layers' work: a separate call replays
+            the stage's parameter ops and adds its gradients into the
+            step's running sums, once however many micro-batches it
+            groups. Defaults to zeros.
     """
 
     forward: list
@@ -99,6 +104,7 @@ class Costs:
     step: float = 0.0
     full_loss: float = None
     receive: float = 0.0
+    weight_call: list = None
 
     def __post_init__(self):
         k = len(self.forward)
@@ -113,8 +119,9 @@ class Costs:
         if self.full_loss is None:
             self.full_loss = self.loss
         self.update = list(self.update or [0.0] * k)
+        self.weight_call = list(self.weight_call or [0.0] * k)
         for name in ("backward_input", "weight", "recompute",
-                     "output_bytes", "update"):
+                     "output_bytes", "update", "weight_call"):
             if len(getattr(self, name)) != k:
                 raise ValueError(
                     f"Costs.{name} needs one value per stage ({k}). "
@@ -241,7 +248,7 @@ def _duration(call, costs, remat, m, stage_devices):
     if call.kind == "F":
         work = costs.forward[j]
     elif call.kind == "W":
-        work = costs.weight[j] * len(call.i)
+        work = costs.weight[j] * len(call.i) + costs.weight_call[j]
     else:
         work = (costs.backward_input[j] if call.split else costs.backward[j])
         if _remat(remat[j], call.i[0], m):
