@@ -395,6 +395,23 @@ def test_a_worker_keeps_the_peak_of_small_activations_resident():
         assert r.activations >= a.activations
 
 
+def test_a_worker_gives_back_activations_of_heap_return_size():
+    # A micro-batch's hidden tensors of 256 KiB (64 rows x 1024): at or
+    # above heap "return"'s mmap threshold (128 KiB) they are mapped and
+    # unmapped when freed, so the resident peak is the allocator's. (With
+    # the threshold at 1 MiB, they came from arenas whose freed chunks
+    # stayed resident: the Transformer's worker 0 held 100 MiB of them.)
+    from keras_pipe.distributed import heap
+    assert memory.MMAP_THRESHOLD == heap.RETURN_THRESHOLD
+    model = _mlp(width=1024, depth=6)
+    part = partition.cut(model, 2, balance=[3, 4])
+    allocator = memory.predict(part, 256, 4, "never", optimizer_slots=2)
+    resident = memory.predict_resident(part, 256, 4, "never",
+                                       optimizer_slots=2)
+    for a, r in zip(allocator, resident):
+        assert memory.StageMemory.total.fget(r) == a.total
+
+
 def test_a_cut_by_parameters_keeps_the_given_input_shape():
     # issue 30: `balance="params"` needs no shapes, so the cut inferred
     # none and the prediction set an unknown sequence length to 1 (GPT-2's

@@ -51,6 +51,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_pipe import _validation
+from keras_pipe.distributed import heap as heap_lib
 from keras_pipe.engine import microbatch as microbatch_lib
 from keras_pipe.engine import products as products_lib
 from keras_pipe.engine import schedule as schedule_lib
@@ -856,7 +857,7 @@ def features(block):
 
 # glibc's mmap threshold in a worker with heap "return"
 # (`keras_pipe.distributed.heap.configure`): smaller blocks come from arenas.
-MMAP_THRESHOLD = 1 << 20
+MMAP_THRESHOLD = heap_lib.RETURN_THRESHOLD
 
 
 def stage_memory(block, actions, mode, num_micro_batches, optimizer_slots=2,
@@ -984,14 +985,17 @@ def predict_resident(partition, batch_size, num_micro_batches,
     Net of an idle worker (after a client connected and ran one op), the
     base a memory budget for a worker is net of: TF's own share (~650 MiB
     here: kernels, thread pools, gRPC) is in it. The step's peak is the
-    allocator peak of `predict`: with freed blocks of 1 MiB or more given
-    back to the OS (`keras_pipe.distributed.heap`, on in every worker),
-    resident memory follows the allocator's bytes in use, and the small
-    blocks TF keeps (graphs, executors) are below the measurement's noise
-    (~10 MiB). The build can peak on its own: the weights and the initial
-    values the client sends, up to two variables in transit (`build`); a
-    tied variable counts at build on every stage that uses it, since each
-    stage's build places it on its device before the last one keeps it.
+    allocator peak of `predict`: with freed blocks of 128 KiB or more
+    given back to the OS (`keras_pipe.distributed.heap`, `"return"`),
+    resident memory follows the allocator's bytes in use. Not counted: the
+    small blocks TF keeps for the step's functions (graphs, executors:
+    25 MiB in use in the arenas after two steps on the Transformer worker
+    of `tools/memory_model.py --workers`, Adam, M = 4) and the kernels'
+    code paged in (8 MiB there). The build can peak on its own: the
+    weights and the initial values the client sends, up to two variables
+    in transit (`build`); a tied variable counts at build on every stage
+    that uses it, since each stage's build places it on its device before
+    the last one keeps it.
     Measured by `tools/memory_model.py --workers`. Arguments as in
     `predict`.
 
