@@ -39,7 +39,9 @@ step to step (214 MiB after 2 steps, 249-282 after 30). With 128 KiB: 161
 MiB, 4 MiB free in the arenas, steady (166 after 30 steps with 64 KiB). The
 price is more page faults: that configuration's step took 1.31-1.33 s
 against 1.00-1.05 s with 1 MiB (the least of 12 steps, two runs each,
-interleaved, load 3-4 on 2 cores).
+interleaved, load 3-4 on 2 cores). Measured with `python
+tools/heap_probe.py transformer adam 4 gpipe never` (1 MiB: add `--heap
+glibc --env MALLOC_ARENA_MAX=2 --env MALLOC_MMAP_THRESHOLD_=1048576`).
 """
 
 import ctypes
