@@ -19,20 +19,40 @@ starts its threads (the environment variables `MALLOC_ARENA_MAX` and
 * `"reuse"`: at most 2 arenas; a freed block stays resident and serves the
   next allocation. Resident peaks 348 and 312 MiB on that MLP's two
   workers.
-* `"return"`: 2 arenas, and blocks of 1 MiB or more are mapped on their
-  own and unmapped when freed: 310 and 252 MiB. Each such allocation then
-  faults its pages in afresh: on the 8 x Dense(1024) benchmark job (batch
-  512, 2 workers) that is 60-100 ms of system CPU per worker per step and
-  1.15-1.25x the step time of `"reuse"` (`docs/capacity.md`).
+* `"return"`: 2 arenas, and blocks of `RETURN_THRESHOLD` (128 KiB) or
+  more are mapped on their own and unmapped when freed: 310 and 252 MiB
+  (with 1 MiB then). Each such allocation then faults its pages in afresh:
+  on the 8 x Dense(1024) benchmark job (batch 512, 2 workers) that is
+  60-100 ms of system CPU per worker per step and 1.15-1.25x the step
+  time of `"reuse"` (`docs/capacity.md`, measured with 1 MiB).
 * `"glibc"`: glibc's own settings.
+
+Why 128 KiB (glibc's own starting threshold, which glibc raises as mapped
+blocks are freed and `"return"` pins): with 1 MiB, the blocks between
+(a micro-batch's activations when micro-batches are small: 256-512 KiB
+on the Transformer of `tools/memory_model.py --workers` at M = 4) came from
+the arenas, whose freed chunks, fragmented among long-lived small blocks
+of TF's, stayed resident: after two steps of Adam, M = 4, its worker 0
+held 184 MiB above idle of which `malloc_trim(0)` gave back 100 (glibc's
+`mallinfo2`: 102 MiB free in the arenas), and the resident peak grew from
+step to step (214 MiB after 2 steps, 249-282 after 30). With 128 KiB: 161
+MiB, 4 MiB free in the arenas, steady (166 after 30 steps with 64 KiB). The
+price is more page faults: that configuration's step took 1.31-1.33 s
+against 1.00-1.05 s with 1 MiB (the least of 12 steps, two runs each,
+interleaved, load 3-4 on 2 cores). Measured with `python
+tools/heap_probe.py transformer adam 4 gpipe never` (1 MiB: add `--heap
+glibc --env MALLOC_ARENA_MAX=2 --env MALLOC_MMAP_THRESHOLD_=1048576`).
 """
 
 import ctypes
 import ctypes.util
 
-__all__ = ["HEAP_MODES", "check_mode", "configure"]
+__all__ = ["HEAP_MODES", "RETURN_THRESHOLD", "check_mode", "configure"]
 
 HEAP_MODES = ("reuse", "return", "glibc")
+# `"return"`'s mmap threshold: blocks of this many bytes or more are mapped
+# on their own and unmapped when freed (the module says why this size).
+RETURN_THRESHOLD = 128 << 10
 
 _M_MMAP_THRESHOLD = -3
 _M_ARENA_MAX = -8
@@ -60,7 +80,7 @@ def check_mode(mode):
     return mode
 
 
-def configure(mode, arena_max=2, mmap_threshold=1 << 20):
+def configure(mode, arena_max=2, mmap_threshold=RETURN_THRESHOLD):
     """Sets this process's heap to `mode` (one of `HEAP_MODES`).
 
     Call before TensorFlow starts its threads. A no-op (returns `False`)
@@ -72,7 +92,7 @@ def configure(mode, arena_max=2, mmap_threshold=1 << 20):
             Defaults to `2`.
         mmap_threshold: with `"return"`, blocks of at least this many
             bytes are mapped on their own and unmapped when freed.
-            Defaults to `1 << 20`.
+            Defaults to `RETURN_THRESHOLD` (128 KiB).
 
     Returns:
         Whether the settings were applied.

@@ -167,7 +167,7 @@ def local_workers(num_workers=2, cores=None, gpus=None,
             for the worker's other work. Defaults to `2`.
         heap: how each worker keeps freed tensor buffers
             (`keras_pipe.distributed.heap`): `"reuse"` (fast; freed
-            blocks stay resident for reuse), `"return"` (blocks of 1 MiB
+            blocks stay resident for reuse), `"return"` (blocks of 128 KiB
             or more go back to the OS when freed: lower resident peaks, for
             a model sized to a memory budget, at 1.15-1.25x the step time
             on the MLP benchmark) or `"glibc"`. Defaults to `"reuse"`.

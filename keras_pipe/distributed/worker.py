@@ -357,7 +357,7 @@ def _parser():
                         default="reuse",
                         help="how freed tensor buffers are kept: reuse (2 "
                         "malloc arenas, freed blocks reused: fast; the "
-                        "default), return (blocks of 1 MiB or more unmapped "
+                        "default), return (blocks of 128 KiB or more unmapped "
                         "when freed: lower resident peaks, slower steps), "
                         "glibc (glibc's settings)")
     return parser

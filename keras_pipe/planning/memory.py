@@ -51,6 +51,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_pipe import _validation
+from keras_pipe.distributed import heap as heap_lib
 from keras_pipe.engine import microbatch as microbatch_lib
 from keras_pipe.engine import products as products_lib
 from keras_pipe.engine import schedule as schedule_lib
@@ -805,10 +806,15 @@ def moments(actions, mode, num_micro_batches, first=False, last=False,
         for moment in result[starts[in_place[0]]:starts[in_place[-1]] + 1]:
             moment[3] = moment[3] + _unit("transposed")
     if released:
-        # Updates in turn, each freeing its gradient: one gradient and one
-        # update's temporaries at a time.
-        result.append(np.stack([zero, zero, _unit("largest_variable"),
-                                fixed + _unit("largest_variable", 2)]))
+        # Updates in turn, each freeing its gradient: one gradient applied
+        # while the next is made, and the update's temporaries. Plain SGD
+        # has none: its `lr * g` runs in the gradient's own buffer (TF
+        # forwards a buffer to the op that reads it last; BFC peak of a
+        # traced SGD step over one 16 MiB variable: 16.0 MiB above the
+        # weights, over two: 32.5). Adam's are one more variable's size.
+        result.append(np.stack([
+            zero, zero, _unit("largest_variable"),
+            fixed + _unit("largest_variable", 2 if optimizer_slots else 1)]))
         return np.unique(np.stack(result), axis=0)
     # The optimizer step: summed gradients and the update's temporaries.
     result.append(np.stack([zero, zero, _unit("trainable"),
@@ -856,7 +862,7 @@ def features(block):
 
 # glibc's mmap threshold in a worker with heap "return"
 # (`keras_pipe.distributed.heap.configure`): smaller blocks come from arenas.
-MMAP_THRESHOLD = 1 << 20
+MMAP_THRESHOLD = heap_lib.RETURN_THRESHOLD
 
 
 def stage_memory(block, actions, mode, num_micro_batches, optimizer_slots=2,
@@ -984,14 +990,17 @@ def predict_resident(partition, batch_size, num_micro_batches,
     Net of an idle worker (after a client connected and ran one op), the
     base a memory budget for a worker is net of: TF's own share (~650 MiB
     here: kernels, thread pools, gRPC) is in it. The step's peak is the
-    allocator peak of `predict`: with freed blocks of 1 MiB or more given
-    back to the OS (`keras_pipe.distributed.heap`, on in every worker),
-    resident memory follows the allocator's bytes in use, and the small
-    blocks TF keeps (graphs, executors) are below the measurement's noise
-    (~10 MiB). The build can peak on its own: the weights and the initial
-    values the client sends, up to two variables in transit (`build`); a
-    tied variable counts at build on every stage that uses it, since each
-    stage's build places it on its device before the last one keeps it.
+    allocator peak of `predict`: with freed blocks of 128 KiB or more
+    given back to the OS (`keras_pipe.distributed.heap`, `"return"`),
+    resident memory follows the allocator's bytes in use. Not counted: the
+    small blocks TF keeps for the step's functions (graphs, executors:
+    25 MiB in use in the arenas after two steps on the Transformer worker
+    of `tools/memory_model.py --workers`, Adam, M = 4) and the kernels'
+    code paged in (8 MiB there). The build can peak on its own: the
+    weights and the initial values the client sends, up to two variables
+    in transit (`build`); a tied variable counts at build on every stage
+    that uses it, since each stage's build places it on its device before
+    the last one keeps it.
     Measured by `tools/memory_model.py --workers`. Arguments as in
     `predict`.
 
