@@ -51,7 +51,6 @@ import numpy as np
 import tensorflow as tf
 
 from keras_pipe import _validation
-from keras_pipe.distributed import heap as heap_lib
 from keras_pipe.engine import microbatch as microbatch_lib
 from keras_pipe.engine import products as products_lib
 from keras_pipe.engine import schedule as schedule_lib
@@ -861,8 +860,10 @@ def features(block):
 
 
 # glibc's mmap threshold in a worker with heap "return"
-# (`keras_pipe.distributed.heap.configure`): smaller blocks come from arenas.
-MMAP_THRESHOLD = heap_lib.RETURN_THRESHOLD
+# (`keras_pipe.distributed.heap.RETURN_THRESHOLD`, which planning may not
+# import: tests/test_memory.py checks the two agree): smaller blocks come
+# from arenas.
+MMAP_THRESHOLD = 128 << 10
 
 
 def stage_memory(block, actions, mode, num_micro_batches, optimizer_slots=2,
