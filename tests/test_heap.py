@@ -17,7 +17,7 @@ from keras_pipe.distributed import heap
 # The child loads heap.py by its path: `keras_pipe.distributed.heap` would
 # run keras_pipe/__init__ and import Keras and TensorFlow (15-30 s of CPU)
 # for a module that needs only ctypes.
-_CHILD = r"""
+_PRELUDE = r"""
 import ctypes, importlib.util, json, resource, sys
 spec = importlib.util.spec_from_file_location("heap", sys.argv[2])
 heap = importlib.util.module_from_spec(spec)
@@ -25,7 +25,8 @@ spec.loader.exec_module(heap)
 applied = heap.configure(sys.argv[1])
 libc = ctypes.CDLL("libc.so.6")
 libc.malloc.restype = ctypes.c_void_p
-libc.free.argtypes = [ctypes.c_void_p]
+"""
+_CHILD = _PRELUDE + r"""libc.free.argtypes = [ctypes.c_void_p]
 size, rounds = 4 << 20, 20
 
 def round_():
@@ -72,15 +73,7 @@ def test_a_bad_mode_is_named_with_the_choices():
 # own): with a 1 MiB threshold they came from an arena, whose freed chunks
 # between live ones stayed resident (a worker held 100 MiB of them after a
 # step, `keras_pipe.distributed.heap`).
-_FRAGMENTS = r"""
-import ctypes, importlib.util, json, sys
-spec = importlib.util.spec_from_file_location("heap", sys.argv[2])
-heap = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(heap)
-applied = heap.configure(sys.argv[1])
-libc = ctypes.CDLL("libc.so.6")
-libc.malloc.restype = ctypes.c_void_p
-libc.malloc.argtypes = [ctypes.c_size_t]
+_FRAGMENTS = _PRELUDE + r"""libc.malloc.argtypes = [ctypes.c_size_t]
 libc.free.argtypes = [ctypes.c_void_p]
 size, count = 256 << 10, 200
 

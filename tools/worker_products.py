@@ -111,14 +111,8 @@ def _run(configs, steps, workdir):
     with keras_pipe.local_workers(num_workers=2) as devices:
         pids = _worker_pids()
         for config in configs:
-            schedule, m = config.split(":")
-            order = peer_jobs.FOUR_STAGE_LAYOUTS.get(schedule, (0, 1))
-            keras.utils.set_random_seed(0)
-            model = keras_pipe.PipelineModel(
-                peer_jobs.keras_stages(keras, job, len(order)),
-                devices=[devices[w] for w in order],
-                num_micro_batches=int(m), schedule=schedule, remat="never")
-            model.build((None, *peer_jobs.input_shape(job)))
+            model = peer_jobs.keras_pipeline(keras, keras_pipe, job, config,
+                                               devices)
             model.compile(keras.optimizers.SGD(job["lr"]),
                           peer_jobs.keras_loss(keras, job))
             model.fit(x[:2 * job["batch"]], y[:2 * job["batch"]],

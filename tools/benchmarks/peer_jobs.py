@@ -172,6 +172,21 @@ def keras_stages(keras, job, num_stages):
             for j, (a, b) in enumerate(stage_units(job, num_stages))]
 
 
+def keras_pipeline(keras, keras_pipe, job, config, devices):
+    """The job as a built `PipelineModel` for `config` (`"schedule:M"`) on
+    two workers' `devices`: 2 stages, or 4 in the schedule's layout
+    (`FOUR_STAGE_LAYOUTS`), remat never, seeded."""
+    schedule, m = config.split(":")
+    order = FOUR_STAGE_LAYOUTS.get(schedule, (0, 1))
+    keras.utils.set_random_seed(0)
+    model = keras_pipe.PipelineModel(
+        keras_stages(keras, job, len(order)),
+        devices=[devices[w] for w in order],
+        num_micro_batches=int(m), schedule=schedule, remat="never")
+    model.build((None, *input_shape(job)))
+    return model
+
+
 def keras_loss(keras, job):
     if job["kind"] == "conv":
         return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
