@@ -429,8 +429,9 @@ def _calibrate(model, measured, devices, ms, batch_size, budgets,
             warnings.warn(
                 f"keras_pipe could not train {name} with M={m} to calibrate "
                 f"the planner's costs ({type(exc).__name__}: "
-                f"{str(exc)[:200]}); its step times come from the layer "
-                "costs alone, which a step may run 20-50% longer. Pass "
+                f"{str(exc)[:200]}); the planner goes on without what it "
+                f"fits ({fitted!r}), so its step times may miss what a step "
+                "adds to the layer costs (20-50% on some models). Pass "
                 "calibrate=False to skip the calibration.", stacklevel=3)
             continue
         trained.append((step, seconds, fitted))
