@@ -103,19 +103,12 @@ def _client(args, folder):
     try:
         os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
         import keras
-        import tensorflow as tf
 
         import keras_pipe
         from keras_pipe.planning import memory, partition
         devices = [f"/job:worker/replica:0/task:{t}/device:CPU:0"
                    for t in range(2)]
-        keras_pipe.connect({"worker": cluster}, timeout=120.0)
-        for device in devices:
-            with tf.device(device):
-                tf.function(lambda: tf.reduce_sum(tf.ones([64, 64])))(
-                    ).numpy()
-        for p in pids:
-            mm.reset_peak(p)
+        mm.connect_idle(cluster, devices, pids)
         rows = {"idle": [_ask(folder, p) for p in pids]}
         keras.utils.set_random_seed(0)
         case = mm.build_model(keras, args.model, "worker")

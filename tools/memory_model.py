@@ -329,6 +329,21 @@ def reset_peak(pid):
         f.write("5")
 
 
+def connect_idle(cluster, devices, pids):
+    """Connects this client to the workers `pids` of `cluster`, runs one op
+    on each of `devices` (TF's own share after a client connected) and
+    resets the workers' resident peaks to that (`reset_peak`)."""
+    import tensorflow as tf
+
+    import keras_pipe
+    keras_pipe.connect({"worker": cluster}, timeout=120.0)
+    for device in devices:
+        with tf.device(device):
+            tf.function(lambda: tf.reduce_sum(tf.ones([64, 64])))().numpy()
+    for p in pids:
+        reset_peak(p)
+
+
 def _free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -411,7 +426,6 @@ def worker_client(name, grid, cluster, pids, known=None):
     """
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     import keras
-    import tensorflow as tf
 
     import keras_pipe
     from keras_pipe.planning import memory, partition
@@ -419,13 +433,7 @@ def worker_client(name, grid, cluster, pids, known=None):
     devices = [f"/job:worker/replica:0/task:{t}/device:CPU:0"
                for t in range(num_stages)]
     if known is None:
-        keras_pipe.connect({"worker": cluster}, timeout=120.0)
-        for device in devices:
-            with tf.device(device):
-                tf.function(lambda: tf.reduce_sum(tf.ones([64, 64])))(
-                    ).numpy()
-        for p in pids:
-            reset_peak(p)
+        connect_idle(cluster, devices, pids)
         idle = [status(p)["VmRSS"] for p in pids]
     keras.utils.set_random_seed(0)
     case = build_model(keras, name, "worker")
