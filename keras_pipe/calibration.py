@@ -191,7 +191,8 @@ def step_seconds(model, devices, sizes, num_micro_batches, remat,
     the cores with the workers (on 2 pinned workers a KerasHub GPT-2's
     calls each ran 20-50% longer in the step than in the profile's loop).
     So the planner (`keras_pipe.planning.autoplan`) trains the real
-    pipeline once or twice and scales its costs to the step it measured.
+    pipeline in a few configurations (`autoplan.calibration_points`) and
+    fits its costs to the steps it measured.
 
     Builds `PipelineModel.from_model` of a clone of `model` (its own
     weights: `model` is not touched) with `schedule` on `devices`

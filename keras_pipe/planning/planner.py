@@ -234,9 +234,10 @@ def plan(model, num_stages=None, num_micro_batches=1, balance="params",
             micro-batch or once for the batch) is timed and simulated.
             Defaults to `None`: `model`'s compiled loss if any, else not
             costed (a softmax over a large vocabulary is then missed).
-        calibrate: with `schedule="auto"` and `measure`, train GPipe on
-            a clone of `model` at the least and largest `M` and scale the
-            measured layer costs to those steps
+        calibrate: with `schedule="auto"` and `measure`, train a clone
+            of `model` in the configurations of
+            `keras_pipe.planning.autoplan.calibration_points` and fit the
+            measured layer costs and the step's fixed costs to those steps
             (`keras_pipe.planning.autoplan.search`). Defaults to `True`.
 
     Returns:
