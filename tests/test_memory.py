@@ -361,7 +361,7 @@ def test_a_weight_call_of_one_micro_batch_concatenates_nothing():
 
 def test_a_workers_step_functions_cost_per_graph_node():
     # issue 30: a worker holds TF's graphs and executors of the step's
-    # functions, 4.8 KiB per node (`tools/function_memory.py`): a
+    # functions, 4.25 KiB per node (`tools/function_memory.py`): a
     # micro-batch run in place puts the stage's forward and backward ops
     # in the step's graph once each; remat calls two functions traced once
     # (the backward holds the forward twice and the gradient).

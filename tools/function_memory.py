@@ -1,7 +1,9 @@
 """Resident cost of a worker's traced step functions, per graph node.
 
     python tools/function_memory.py --model transformer --optimizer adam \
-        --micro-batches 4 --remat never [--rows 1]
+        --micro-batches 4 --remat never [--rows 1]      # one JSON line
+    python tools/function_memory.py --fit docs/benchmarks/function_memory.json
+        # least squares of bytes against nodes (a JSON list of those lines)
 
 Two fresh workers (heap "return", as `tools/memory_model.py --workers`);
 the client builds the worker-size model of `tools/memory_model.py`, cut in
@@ -13,6 +15,12 @@ graphs and executors, the kernels' code paged in), the number of graph
 nodes placed on that worker (the step function's nodes on its device, and
 every function its nodes call, once), and the model's count
 (`memory.function_nodes`). One JSON line.
+
+`docs/benchmarks/function_memory.json`: the 4 models of the table x (SGD
+M = 1 never, Adam M = 1 always, SGD M = 2 always, Adam M = 4 never, SGD
+M = 4 never), 5 December 2026 04:58-05:03 UTC; `--fit` over the ResNet's
+and the Transformer's stages and GPT-2's last (87-6445 nodes; `fit`
+says why the others are left out): `memory.FUNCTION_NODE_BYTES`.
 """
 
 import argparse
@@ -58,8 +66,25 @@ def worker_nodes(num_stages):
     return counts
 
 
+def fit(rows, leave_out=(("mlp", 0), ("mlp", 1), ("gpt2", 0))):
+    """`(bytes at 0 nodes, bytes per node, residual sd, stages)`: least
+    squares of the stages' `functions` against their `nodes`, over the
+    stages of `rows` (JSON lines of this tool) but `leave_out` (model,
+    stage): the MLP's and GPT-2's first stage hold 7-28 MiB after the
+    step at 69-469 nodes, tensors of their 16 MiB variables, not nodes."""
+    import numpy as np
+    points = [(s["nodes"], s["functions"]) for r in rows
+              for s in r["stages"] if (r["model"], s["stage"]) not in
+              leave_out]
+    x, y = np.array(points, float).T
+    a = np.stack([np.ones_like(x), x], axis=1)
+    coef = np.linalg.lstsq(a, y, rcond=None)[0]
+    return coef[0], coef[1], float(np.std(y - a @ coef)), len(points)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--fit", default=None)
     parser.add_argument("--model", default="transformer")
     parser.add_argument("--optimizer", default="adam")
     parser.add_argument("--micro-batches", type=int, default=4)
@@ -67,6 +92,12 @@ def main():
     parser.add_argument("--schedule", default="gpipe")
     parser.add_argument("--rows", type=int, default=1)
     args = parser.parse_args()
+    if args.fit:
+        with open(args.fit) as f:
+            base, per_node, sd, n = fit(json.load(f))
+        print(f"{n} stages: {base / 2**20:.1f} MiB + {per_node / 1024:.2f} "
+              f"KiB per node (residual sd {sd / 2**20:.1f} MiB)")
+        return
     cluster = [f"127.0.0.1:{memory_model._free_port()}" for _ in range(2)]
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
     workers = [subprocess.Popen(

@@ -1028,11 +1028,10 @@ def predict(partition, batch_size, num_micro_batches, remat="except_last",
 # glibc's arenas). Measured by `tools/function_memory.py` (two workers,
 # one-row micro-batches, resident size after two steps minus the idle
 # worker, the weights and the slots, against the nodes placed on the
-# worker): ResNet, Transformer and GPT-2 stages, 669-4216 nodes, 26
-# stages: 4.8 KiB per node (least squares, 14.9 MiB at 0 nodes, residual
-# 5.1 MiB); the MLP's and GPT-2's first stages (71-469 nodes) hold 7-28
-# MiB whatever their nodes.
-FUNCTION_NODE_BYTES = 4864
+# worker; `--fit docs/benchmarks/function_memory.json`): 25 stages of the
+# ResNet, the Transformer and GPT-2, 87-6445 nodes: 4.25 KiB per node
+# (least squares; 15.9 MiB at 0 nodes, not counted: residual 5.2 MiB).
+FUNCTION_NODE_BYTES = 4352
 
 
 def function_nodes(block, mode, num_micro_batches):
