@@ -145,7 +145,8 @@ def main():
                 "stage": j, "after": after[j] - idle[j],
                 "peak": peak[j] - idle[j], "held": held,
                 "functions": after[j] - idle[j] - held, "nodes": nodes[j],
-                "predicted_nodes": getattr(predicted[j], "nodes", None)})
+                "predicted_nodes": predicted[j].functions //
+                memory.FUNCTION_NODE_BYTES})
         print(json.dumps({"model": args.model, "optimizer": args.optimizer,
                           "num_micro_batches": m, "remat": args.remat,
                           "rows": args.rows, "stages": out}))
