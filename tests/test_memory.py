@@ -241,7 +241,8 @@ def test_a_worker_peak_is_the_larger_of_its_step_and_its_build():
     # The step's resident peak: at least the allocator's (small blocks'
     # high-water mark stays resident, `predict_resident`).
     steps = [memory.StageMemory.total.fget(r) for r in resident]
-    assert resident[0].total == max(steps[0], resident[0].build)
+    assert resident[0].total == max(steps[0] + resident[0].functions,
+                                    resident[0].build)
     assert all(r >= s.total for r, s in zip(steps, step))
 
 
@@ -323,6 +324,66 @@ def test_a_tied_variable_counts_at_build_on_every_stage_that_uses_it():
     size = (8 * 8 + 8) * 4
     assert resident[0].build == 2 * size + 2 * 8 * 8 * 4
     assert resident[1].build == size + 2 * 8 * 8 * 4
+
+
+def test_a_stage_alone_holds_the_tied_variables_it_uses():
+    # issue 28: `tools/memory_model.py` builds and runs a stage alone, so
+    # stage 0 holds the shared layer's variables (weights, sums, slots)
+    # that a pipeline keeps on the last stage (GPT-2's tied token
+    # embedding: its stage 0 was under-predicted by 4-5 MiB, -20% to -33%).
+    part = _tied_cut()
+    profile = memory.Profile(part.graph, 4)
+    size = (8 * 8 + 8) * 4
+    alone = profile.block(0, 2, alone=True)
+    assert alone.weights == alone.trainable == 2 * size
+    assert profile.block(0, 2).trainable == size
+    # The last stage holds it either way.
+    assert profile.block(2, 3, alone=True).weights == size
+
+
+def test_a_weight_call_of_one_micro_batch_concatenates_nothing():
+    # issue 28: `weight_grad` concatenates a mixing op's stashed inputs and
+    # output gradients only for a run of two or more micro-batches; a W of
+    # one reads its stash as it is (the logical MLP's stage 1, SGD, M = 1:
+    # +43% with two copies of the largest output counted, +20% without).
+    largest = memory.FEATURES.index("largest")
+
+    def most_largest(m):
+        actions = memory.stage_actions("gpipe", m, 2)[1]
+        forms = memory.moments(actions, "never", m, last=True)
+        return max(form[3][largest] for form in forms)
+
+    assert memory.stage_actions("gpipe", 1, 2)[1].executor_order(
+        "never", 1) == [("F", 0), ("Bi", 0), ("Wg", 0)]
+    assert most_largest(1) == 1      # the forward's output being made
+    assert most_largest(2) == 4      # a run of 2: inputs and gradients
+
+
+def test_a_workers_step_functions_cost_per_graph_node():
+    # issue 30: a worker holds TF's graphs and executors of the step's
+    # functions, 4.25 KiB per node (`tools/function_memory.py`): a
+    # micro-batch run in place puts the stage's forward and backward ops
+    # in the step's graph once each; remat calls two functions traced once
+    # (the backward holds the forward twice and the gradient).
+    part = partition.cut(_mlp(width=16, depth=4), 2, balance=[2, 3])
+    block = memory.Profile(part.graph, 1).block(0, 2)
+    dense = memory.call_nodes(part.graph.calls[0])
+    assert 0 < dense[0] < dense[1]          # forward, forward and backward
+    assert block.nodes >= 2 * dense[1]
+    assert memory.function_nodes(block, "never", 4) == 4 * block.nodes
+    assert memory.function_nodes(block, "always", 4) == \
+        memory.function_nodes(block, "always", 1) == \
+        block.forward_nodes + 2 * block.nodes
+    assert memory.function_nodes(block, "except_last", 4) == \
+        block.nodes + block.forward_nodes + 2 * block.nodes
+    for m, mode in ((1, "never"), (4, "never"), (4, "always")):
+        step = memory.predict(part, 8, m, mode, optimizer_slots=0,
+                              _resident=True)[0]
+        worker = memory.predict_resident(part, 8, m, mode,
+                                         optimizer_slots=0)[0]
+        assert worker.functions == memory.FUNCTION_NODE_BYTES * \
+            memory.function_nodes(block, mode, m) > 0
+        assert worker.total == step.total + worker.functions
 
 
 def test_one_taped_micro_batch_applies_each_gradient_as_it_is_made():

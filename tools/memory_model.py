@@ -213,8 +213,10 @@ def measure_model(name, num_stages, grid, known=None):
         last = j == num_stages - 1
         for optimizer, m, schedule, remat in grid:
             rows = -(-batch // m)
+            # Stage j alone (as measured): with the tied variables its
+            # calls use, which a pipeline keeps on a later stage.
             block = memory.Profile(part.graph, rows, part.shapes).block(
-                start, start + size)
+                start, start + size, alone=True)
             actions = memory.stage_actions(schedule, m, num_stages)[j]
             predicted = memory.stage_memory(
                 block, actions, remat, m, optimizer_of(keras, optimizer)[1],

@@ -57,7 +57,8 @@ from keras_pipe.engine import schedule as schedule_lib
 from keras_pipe.planning.balance import cost as cost_lib
 from keras_pipe.planning.balance import shapes as shapes_lib
 
-__all__ = ["Block", "FEATURES", "Profile", "StageMemory", "features",
+__all__ = ["Block", "FEATURES", "FUNCTION_NODE_BYTES", "Profile", "StageMemory",
+           "call_nodes", "features", "function_nodes",
            "in_flight", "moments", "predict", "predict_resident",
            "stage_actions", "stage_memory", "update_temporaries"]
 
@@ -221,6 +222,9 @@ def _gradient_needs(op):
 
 
 _TRACED = weakref.WeakKeyDictionary()
+# Per operation and input signature: graph nodes of the traced call
+# (`_traced_inner`): `(forward, forward and backward)`.
+_NODES = weakref.WeakKeyDictionary()
 # Ops whose outputs a gradient reads without them holding memory of their
 # own: the function's arguments, constants, views of variables, shapes.
 _NOT_HELD = ("Placeholder", "Const", "ReadVariableOp", "VarHandleOp",
@@ -246,6 +250,26 @@ def _buffer_of(t, inside):
     return t
 
 
+def _signature(call, shapes=None):
+    """The specs a call is traced with (batch dimension unknown) and their
+    cache key."""
+    specs = []
+    for x in call.inputs:
+        shape = cost_lib.dims(cost_lib.shape_of(x, shapes), 1)
+        specs.append(tf.TensorSpec([None] + shape[1:], x.dtype))
+    return specs, tuple((tuple(s.shape), s.dtype) for s in specs)
+
+
+def call_nodes(call, shapes=None):
+    """`(forward, forward and backward)`: graph nodes of one call of
+    `call` in a training step, from its traced gradient graph
+    (`_traced_inner`); `(0, 0)` for a call without an operation."""
+    if not isinstance(call.operation, keras.Operation):
+        return 0, 0
+    _traced_inner(call, shapes)
+    return _NODES[call.operation][_signature(call, shapes)[1]]
+
+
 def _traced_inner(call, shapes=None):
     """`(bytes per row, bytes)` of the tensors inside an opaque call (a
     layer with its own `call()` around other layers) that its gradient
@@ -257,14 +281,11 @@ def _traced_inner(call, shapes=None):
     respect to its inputs and weights, and the forward tensors those ops
     read are summed, a batch-sized tensor per row, others whole; the call's
     arguments and outputs are counted elsewhere (the boundary, `out`)."""
-    specs = []
-    for x in call.inputs:
-        shape = cost_lib.dims(cost_lib.shape_of(x, shapes), 1)
-        specs.append(tf.TensorSpec([None] + shape[1:], x.dtype))
-    key = tuple((tuple(s.shape), s.dtype) for s in specs)
+    specs, key = _signature(call, shapes)
     cache = _TRACED.setdefault(call.operation, {})
     if key in cache:
         return cache[key]
+    nodes = _NODES.setdefault(call.operation, {})
     variables = list(getattr(call.operation, "trainable_weights", []))
     floating = [n for n, s in enumerate(specs) if s.dtype.is_floating]
 
@@ -288,6 +309,11 @@ def _traced_inner(call, shapes=None):
         graph = tf.function(gradients, autograph=False).get_concrete_function(
             *specs).graph
     inside = set(forward)
+    # Nodes of the call's own ops: not its arguments (placeholders of the
+    # inputs and captured variables) nor the seeds (`ones_like`).
+    own = [op for op in graph.get_operations()
+           if op.type != "Placeholder" and not op.name.startswith("ones_like")]
+    nodes[key] = (sum(op.type != "Placeholder" for op in forward), len(own))
     outputs = {id(t) for t in kept}
     per_row = whole = 0
     seen = set()
@@ -515,6 +541,8 @@ class Block:
     #                     is the stage's incoming one)
     transposed: int = 0  # kernels whose forward products read a transposed
     #                      copy (`products.eligible`), if the step makes them
+    forward_nodes: int = 0  # graph nodes of the calls' forward pass
+    nodes: int = 0      # graph nodes of their forward and backward passes
 
 
 class Profile:
@@ -535,7 +563,11 @@ class Profile:
                 needs_input[id(x)] = needs_input.get(id(x), False) or wants
         self.saved, self.recomputed, self.mixed = [0], [0], [0]
         self.stashed, self.transposed = [0], [0]
+        self.forward_nodes, self.nodes = [0], [0]
         for call in graph.calls:
+            forward_nodes, nodes = call_nodes(call, shapes)
+            self.forward_nodes.append(self.forward_nodes[-1] + forward_nodes)
+            self.nodes.append(self.nodes[-1] + nodes)
             self.transposed.append(self.transposed[-1] + _transposed_bytes(
                 call, rows, shapes))
             self.stashed.append(self.stashed[-1] + _stash_bytes(
@@ -565,14 +597,17 @@ class Profile:
         # layers on its device, so the last stage to use one keeps it
         # (`engine.placement.place_variables`).
         own, largest_var = [(0, 0)] * n, [0] * n
-        seen = set()
+        seen = {}   # variable -> the call it is counted with (its last)
+        self._used = []   # per call: (variable, counted with, bytes, trainable)
         for c in reversed(range(n)):
             w = t = 0
             for v in getattr(graph.calls[c].operation, "weights", None) or []:
                 largest_var[c] = max(largest_var[c], _variable_bytes(v))
+                self._used.append((c, id(v), seen.get(id(v), c),
+                                   _variable_bytes(v), v.trainable))
                 if id(v) in seen:
                     continue
-                seen.add(id(v))
+                seen[id(v)] = c
                 w += _variable_bytes(v)
                 t += _variable_bytes(v) if v.trainable else 0
             own[c] = (w, t)
@@ -605,12 +640,25 @@ class Profile:
         self.output_bytes = sum(cost_lib.tensor_bytes(x, rows, shapes)
                                 for x in graph.outputs)
 
-    def block(self, a, b):
-        """Sizes of calls `a..b-1` as one stage."""
+    def block(self, a, b, alone=False):
+        """Sizes of calls `a..b-1` as one stage.
+
+        A variable several calls use (tied weights) counts with its last
+        call, on the stage that keeps it in a pipeline; `alone=True`: as
+        the stage built and run alone (`tools/memory_model.py`), which
+        holds every variable its calls use, with its sums and slots.
+        """
         n = len(self.graph.calls)
+        weights = self.weights[b] - self.weights[a]
+        trainable = self.trainable[b] - self.trainable[a]
+        if alone:
+            later = {v: (size, t) for c, v, owner, size, t in self._used
+                     if a <= c < b and owner >= b}
+            weights += sum(size for size, _ in later.values())
+            trainable += sum(size for size, t in later.values() if t)
         return Block(
-            weights=self.weights[b] - self.weights[a],
-            trainable=self.trainable[b] - self.trainable[a],
+            weights=weights,
+            trainable=trainable,
             inputs=self.input_bytes if a == 0 else self.gap[a - 1],
             outputs=self.output_bytes if b == n else self.gap[b - 1],
             activations=self.saved[b] - self.saved[a],
@@ -621,6 +669,8 @@ class Profile:
             workspace=max(self.workspace[a:b]),
             stash=self.stashed[b] - self.stashed[a],
             transposed=self.transposed[b] - self.transposed[a],
+            forward_nodes=self.forward_nodes[b] - self.forward_nodes[a],
+            nodes=self.nodes[b] - self.nodes[a],
             seeded=self.seeded[b - 1])
 
 
@@ -745,10 +795,14 @@ def moments(actions, mode, num_micro_batches, first=False, last=False,
                 grads = (sums if sums.any() else zero) + _unit(
                     "largest_variable", 2)
                 released = True
-            # `kept`: every micro-batch of the run with its stash.
+            # `kept`: every micro-batch of the run with its stash. A run of
+            # two or more concatenates each mixing op's inputs and output
+            # gradients (`weight_grad`: one product for the run); a W of
+            # one micro-batch reads its stash as it is.
+            concatenated = 2 * len(run) if len(run) > 1 else 0
             result.append(np.stack([
                 boundary, kept, grads,
-                fixed + _unit("largest", 2 * len(run))
+                fixed + _unit("largest", concatenated)
                 + _unit("workspace", CONCURRENT_KERNELS)]))
             for r in run:
                 held.pop(r, None)
@@ -969,18 +1023,50 @@ def predict(partition, batch_size, num_micro_batches, remat="except_last",
     return result
 
 
+# Resident bytes per graph node of the step's functions on a worker: TF's
+# graphs and executors (node definitions, kernels, their small blocks in
+# glibc's arenas). Measured by `tools/function_memory.py` (two workers,
+# one-row micro-batches, resident size after two steps minus the idle
+# worker, the weights and the slots, against the nodes placed on the
+# worker; `--fit docs/benchmarks/function_memory.json`): 25 stages of the
+# ResNet, the Transformer and GPT-2, 87-6445 nodes: 4.25 KiB per node
+# (least squares; 15.9 MiB at 0 nodes, not counted: residual 5.2 MiB).
+FUNCTION_NODE_BYTES = 4352
+
+
+def function_nodes(block, mode, num_micro_batches):
+    """Graph nodes of a stage's step functions on its worker.
+
+    A micro-batch run in place (no remat) puts the stage's forward and
+    backward ops in the step's graph once per micro-batch
+    (`Stage.forward`); rematerialized micro-batches call two functions
+    traced once: the forward (`forward_nodes`) and the backward, which
+    holds the forward twice (TF's forward with its side outputs, and the
+    recompute's) and the gradient ops. Measured node counts (ResNet stage
+    0: 669 at M = 1 without remat, 3097 at M = 4, 1736 with remat "always";
+    predicted 750, 3000, 1746)."""
+    m = num_micro_batches
+    in_place = sum(not _remat(mode, i, m) for i in range(m))
+    nodes = in_place * block.nodes
+    if in_place < m:
+        nodes += block.forward_nodes + 2 * block.nodes
+    return nodes
+
+
 @dataclasses.dataclass
 class ResidentMemory(StageMemory):
     """Predicted resident peak of a stage's worker process (bytes), net of
     the idle worker: the larger of the training step's peak (the fields of
-    `StageMemory`) and the build's (`build`).
+    `StageMemory`) with the step's functions (`functions`) and the build's
+    (`build`), which comes before the functions are made.
     """
 
     build: int = 0   # weights + initial values in transit at build
+    functions: int = 0   # TF's graphs and executors of the step's functions
 
     @property
     def total(self):
-        return max(super().total, self.build)
+        return max(super().total + self.functions, self.build)
 
 
 def predict_resident(partition, batch_size, num_micro_batches,
@@ -993,13 +1079,14 @@ def predict_resident(partition, batch_size, num_micro_batches,
     here: kernels, thread pools, gRPC) is in it. The step's peak is the
     allocator peak of `predict`: with freed blocks of 128 KiB or more
     given back to the OS (`keras_pipe.distributed.heap`, `"return"`),
-    resident memory follows the allocator's bytes in use. Not counted: the
-    small blocks TF keeps for the step's functions (graphs, executors:
-    25 MiB in use in the arenas after two steps on the Transformer worker
-    of `tools/memory_model.py --workers`, Adam, M = 4) and the kernels'
-    code paged in (8 MiB there). The build can peak on its own: the
-    weights and the initial values the client sends, up to two variables
-    in transit (`build`); a tied variable counts at build on every stage
+    resident memory follows the allocator's bytes in use; to it come the
+    step's functions, TF's graphs and executors on the worker
+    (`functions`: `FUNCTION_NODE_BYTES` per node of `function_nodes`).
+    Not counted: the kernels' code paged in (8 MiB on the Transformer
+    worker of `tools/memory_model.py --workers`, Adam, M = 4). The build
+    can peak on its own (before the functions are made): the weights and
+    the initial values the client sends, up to two variables in transit
+    (`build`); a tied variable counts at build on every stage
     that uses it, since each stage's build places it on its device before
     the last one keeps it.
     Measured by `tools/memory_model.py --workers`. Arguments as in
@@ -1010,9 +1097,17 @@ def predict_resident(partition, batch_size, num_micro_batches,
     """
     result, start = [], 0
     calls = partition.graph.calls
-    for size, peak in zip(partition.sizes, predict(
+    m = min(num_micro_batches, batch_size)
+    modes = _validation.check_remat(remat, partition.num_stages)
+    shapes = partition.shapes
+    if input_shape is not None:
+        shapes = shapes_lib.infer_shapes(partition.graph, input_shape,
+                                         what="the memory prediction")
+    profile = Profile(partition.graph, -(-batch_size // m), shapes)
+    for j, (size, peak) in enumerate(zip(partition.sizes, predict(
             partition, batch_size, num_micro_batches, remat, schedule,
-            optimizer_slots, input_shape, _resident=True)):
+            optimizer_slots, input_shape, _resident=True))):
+        block = profile.block(start, start + size)
         # At build each stage places every variable its layers use on its
         # device, tied ones too (a later stage moves them on).
         used = {id(v): _variable_bytes(v) for call in calls[start:start + size]
@@ -1020,5 +1115,7 @@ def predict_resident(partition, batch_size, num_micro_batches,
         start += size
         result.append(ResidentMemory(
             **vars(peak),
-            build=sum(used.values()) + 2 * max(used.values(), default=0)))
+            build=sum(used.values()) + 2 * max(used.values(), default=0),
+            functions=FUNCTION_NODE_BYTES * function_nodes(
+                block, modes[j], m)))
     return result
