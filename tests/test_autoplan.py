@@ -379,13 +379,14 @@ def test_fit_scale_finds_the_scale_of_a_measured_step():
 def test_calibration_makes_the_trained_configurations_predict_their_steps(
         devices, monkeypatch, receive, weight_call):
     """With costs from FLOPs and no fixed costs, the "measured" steps are
-    the simulator's with the layers' work 3x at M=1 and 1.5x at M=8,
-    `receive` seconds per input received from the other device and
-    `weight_call` seconds per layer with weights of each weight-gradient
-    call: the search trains GPipe at M=1 and 8, interleaved 1F1B (two
-    stages per device) and 1F1B at M=8, and from those four steps predicts
-    every configuration as that truth does (M=2 and 4 scaled linearly in
-    log rows: 2.5x, 2x)."""
+    the simulator's with the layers' work 3x at M=1, 1.2x at M=4 and 1.5x
+    at M=8 (not linear in log rows: a middle point is needed), `receive`
+    seconds per input received from the other device and `weight_call`
+    seconds per layer with weights of each weight-gradient call: the
+    search trains GPipe at M=1, 4 and 8, interleaved 1F1B (two stages per
+    device) and 1F1B at M=8, and from those five steps predicts every
+    configuration as that truth does (M=2 scaled linearly in log rows
+    between M=1 and 4: 2.1x)."""
     _measured_without_timing(monkeypatch, 0.0)
     model = _mlp(depth=4, width=32)
 
@@ -399,7 +400,7 @@ def test_calibration_makes_the_trained_configurations_predict_their_steps(
 
     def true_costs(self, *args, **kwargs):
         measured_init(self, *args, **kwargs)
-        self.scales, self.receive = {64: 3.0, 8: 1.5}, receive
+        self.scales, self.receive = {64: 3.0, 16: 1.2, 8: 1.5}, receive
         self.weight_call = weight_call
 
     with monkeypatch.context() as patch:
@@ -415,7 +416,7 @@ def test_calibration_makes_the_trained_configurations_predict_their_steps(
     monkeypatch.setattr(profiling, "_STEP_PROBE", [probe])
     monkeypatch.setattr(profiling, "model_step_seconds", probe)
     after = ranked()
-    assert trained == [("gpipe", 2, 1), ("gpipe", 2, 8),
+    assert trained == [("gpipe", 2, 1), ("gpipe", 2, 4), ("gpipe", 2, 8),
                        ("interleaved_1f1b", 4, 8), ("1f1b", 2, 8)]
     for key, c in truth.items():
         # (rel 1e-3: a scaled cost matrix may break a tie of cuts another
@@ -424,11 +425,11 @@ def test_calibration_makes_the_trained_configurations_predict_their_steps(
                                                      rel=2e-3), key
     if receive:  # the fixed costs move the steps the test checks
         assert truth[("interleaved_1f1b", 4, 4)].step_time > 1.1 * (
-            2 * before[("interleaved_1f1b", 4, 4)].step_time)
+            1.2 * before[("interleaved_1f1b", 4, 4)].step_time)
         assert truth[("1f1b", 2, 4)].step_time > 1.1 * (
-            2 * before[("1f1b", 2, 4)].step_time)
+            1.2 * before[("1f1b", 2, 4)].step_time)
     else:
-        for m, f in [(1, 3.0), (2, 2.5), (4, 2.0), (8, 1.5)]:
+        for m, f in [(1, 3.0), (2, 2.1), (4, 1.2), (8, 1.5)]:
             assert after[("zbv", 4, m)].step_time == pytest.approx(
                 f * before[("zbv", 4, m)].step_time, rel=1e-3)
     # With calibrate=False nothing is trained.
@@ -478,10 +479,10 @@ def test_the_validation_tables_leave_out_the_trained_configurations():
             row("zbv", 4, 1, 0.2), row("interleaved_1f1b", 4, 8, 0.0),
             row("interleaved_1f1b", 2, 8, 0.4), row("1f1b", 2, 8, 0.0)]
     assert [tool.calibration_point(r, rows) for r in rows] == [
-        True, True, False, False, False, True, False, True]
+        True, True, True, False, False, True, False, True]
     (summary,) = tool.per_model(rows)
     assert summary["median_abs_error"] == pytest.approx(0.05)
-    assert summary["median_abs_error_others"] == pytest.approx(0.25)
+    assert summary["median_abs_error_others"] == pytest.approx(0.2)
     assert summary["max_abs_error_others"] == pytest.approx(0.4)
     assert summary["pick"] == "zbv K=4 M=1"
 

@@ -382,16 +382,25 @@ def _candidate(name, stage_devices, m, batch_size, graph, measured,
 
 def calibration_points(num_devices, ms):
     """What `search(calibrate=True)` trains, `(schedule, stage_devices, M,
-    fitted)`: GPipe with one stage per device at the least and the largest
-    `M` fits the scale of the layers' work at those micro-batch sizes
-    (`"scale"`); when registered, interleaved 1F1B with two stages per
-    device at the largest `M` fits the cost of receiving an input
-    (`"receive"`: it receives twice as often) and 1F1B at the largest `M`
-    the cost of a weight-gradient call (`"weight_call"`: one per
-    micro-batch where GPipe has one in all).
+    fitted)`: GPipe with one stage per device at the least, the middle and
+    the largest `M` fits the scale of the layers' work at those micro-batch
+    sizes (`"scale"`; the middle: the `M` nearest the geometric mean of the
+    two others, the larger of two as near); when registered, interleaved
+    1F1B with two stages per device at the largest `M` fits the cost of
+    receiving an input (`"receive"`: it receives twice as often) and 1F1B
+    at the largest `M` the cost of a weight-gradient call
+    (`"weight_call"`: one per micro-batch where GPipe has one in all).
+
+    ```python
+    [(name, m) for name, _, m, _ in calibration_points(2, [1, 2, 4, 8])]
+    # [('gpipe', 1), ('gpipe', 4), ('gpipe', 8), ('interleaved_1f1b', 8),
+    #  ('1f1b', 8)]
+    ```
     """
+    middle = np.log2(ms[0] * ms[-1]) / 2
+    mid = min(reversed(ms), key=lambda m: round(abs(np.log2(m) - middle), 9))
     points = [("gpipe", list(range(num_devices)), m, "scale")
-              for m in dict.fromkeys((ms[0], ms[-1]))]
+              for m in dict.fromkeys((ms[0], mid, ms[-1]))]
     names = schedule_lib.schedule_names()
     if num_devices > 1 and "interleaved_1f1b" in names:
         entry = schedule_lib.get_schedule("interleaved_1f1b")
@@ -510,9 +519,10 @@ def search(model, devices=None, num_devices=None, batch_size=None,
             model's compiled loss if it has one, else the loss head is not
             costed.
         calibrate: with `measure` and at least two devices, train GPipe
-            (one stage per device, on a clone of `model`) at the least and
-            the largest `M` and scale the layers' measured work to the
-            steps it measured, linearly in log(rows) between them;
+            (one stage per device, on a clone of `model`) at the least,
+            a middle and the largest `M` and scale the layers' measured
+            work to the steps it measured, linearly in log(rows) between
+            them;
             interleaved 1F1B with two stages per device and 1F1B at the
             largest `M`, to fit the cost of receiving an input from
             another device and of a weight-gradient call
