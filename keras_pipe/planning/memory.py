@@ -1000,6 +1000,14 @@ def predict(partition, batch_size, num_micro_batches, remat="except_last",
     Raises:
         TypeError, ValueError: for a bad count, remat mode or schedule.
     """
+    return _predict(partition, batch_size, num_micro_batches, remat,
+                    schedule, optimizer_slots, input_shape, _resident)[0]
+
+
+def _predict(partition, batch_size, num_micro_batches, remat, schedule,
+             optimizer_slots, input_shape, resident):
+    """`predict`'s stages, with what `predict_resident` adds to them: per
+    stage its `Block` and remat mode, and the `M` the step runs."""
     _validation.check_positive_int("batch_size", batch_size)
     _validation.check_positive_int("num_micro_batches", num_micro_batches)
     k = partition.num_stages
@@ -1012,15 +1020,15 @@ def predict(partition, batch_size, num_micro_batches, remat="except_last",
                                          what="the memory prediction")
     profile = Profile(partition.graph, rows, shapes)
     actions = stage_actions(schedule, m, k)
-    result, start = [], 0
+    result, blocks, start = [], [], 0
     for j, size in enumerate(partition.sizes):
-        block = profile.block(start, start + size)
+        blocks.append(profile.block(start, start + size))
         start += size
         result.append(stage_memory(
-            block, actions[j], modes[j], m, optimizer_slots, first=j == 0,
-            last=j == k - 1, resident=_resident,
+            blocks[-1], actions[j], modes[j], m, optimizer_slots,
+            first=j == 0, last=j == k - 1, resident=resident,
             transposed=transposes(modes[j], batch_size, m)))
-    return result
+    return result, blocks, modes, m
 
 
 # Resident bytes per graph node of the step's functions on a worker: TF's
@@ -1097,17 +1105,11 @@ def predict_resident(partition, batch_size, num_micro_batches,
     """
     result, start = [], 0
     calls = partition.graph.calls
-    m = min(num_micro_batches, batch_size)
-    modes = _validation.check_remat(remat, partition.num_stages)
-    shapes = partition.shapes
-    if input_shape is not None:
-        shapes = shapes_lib.infer_shapes(partition.graph, input_shape,
-                                         what="the memory prediction")
-    profile = Profile(partition.graph, -(-batch_size // m), shapes)
-    for j, (size, peak) in enumerate(zip(partition.sizes, predict(
-            partition, batch_size, num_micro_batches, remat, schedule,
-            optimizer_slots, input_shape, _resident=True))):
-        block = profile.block(start, start + size)
+    peaks, blocks, modes, m = _predict(
+        partition, batch_size, num_micro_batches, remat, schedule,
+        optimizer_slots, input_shape, True)
+    for size, peak, block, mode in zip(partition.sizes, peaks, blocks,
+                                       modes):
         # At build each stage places every variable its layers use on its
         # device, tied ones too (a later stage moves them on).
         used = {id(v): _variable_bytes(v) for call in calls[start:start + size]
@@ -1116,6 +1118,5 @@ def predict_resident(partition, batch_size, num_micro_batches,
         result.append(ResidentMemory(
             **vars(peak),
             build=sum(used.values()) + 2 * max(used.values(), default=0),
-            functions=FUNCTION_NODE_BYTES * function_nodes(
-                block, modes[j], m)))
+            functions=FUNCTION_NODE_BYTES * function_nodes(block, mode, m)))
     return result
