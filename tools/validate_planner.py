@@ -14,9 +14,9 @@ M 1 and 4) that takes a few minutes. The costs are measured once and
 cached (`$KERAS_PIPE_CACHE`, default `~/.cache/keras_pipe/costs.json`):
 point `KERAS_PIPE_CACHE` at a new file to measure them afresh.
 
-Starts 2 `python -m keras_pipe.distributed.worker` processes on loopback, each pinned
-to its own core (`tools/benchmarks/harness.py`'s `Workers`), and a client process
-that, per model, runs `keras_pipe.planning.autoplan.search` (costs measured on
+Per model, starts 2 fresh `python -m keras_pipe.distributed.worker` processes on
+loopback, each pinned to its own core (`tools/benchmarks/harness.py`'s
+`Workers`), and a client process of its own that runs `keras_pipe.planning.autoplan.search` (costs measured on
 worker 0, transfers between the workers, cached) over every registered
 schedule, its stages per device and each `M`, then builds and trains each
 configuration it ranked (its cut and remat) with `from_model` and times it:
@@ -413,6 +413,39 @@ def summary(rows, confirmed=None):
     return "\n".join(lines)
 
 
+def _collect(lines, rows, costs, searches, confirmed):
+    """Reads a client's JSON lines into the run's rows, costs, search
+    times and re-timings, printing each as it comes."""
+    for line in lines:
+        if not line.startswith("{"):
+            continue
+        entry = json.loads(line)
+        if "costs" in entry:
+            costs[entry["model"]] = entry["costs"]
+            print(f"{entry['model']}: costs " + ", ".join(
+                f"{k} {v:.3g}" for k, v in entry["costs"].items()),
+                flush=True)
+            continue
+        if "confirm" in entry:
+            confirmed[entry["model"]] = entry["confirm"]
+            print(f"{entry['model']}: re-timed in turn " + ", ".join(
+                f"{n} {[round(v * 1e3, 1) for v in t]} ms"
+                for n, t in entry["confirm"].items()), flush=True)
+            continue
+        if entry.get("done"):
+            searches[entry["model"]] = entry["search_seconds"]
+            print(f"{entry['model']}: search took "
+                  f"{entry['search_seconds']:.0f} s", flush=True)
+            continue
+        rows.append(entry)
+        print(f"{entry['model']:12s} {entry['schedule']:17s} "
+              f"K={entry['num_stages']} M={entry['M']} predicted "
+              f"{entry['predicted'] * 1e3:8.2f} ms measured " + (
+                  f"{entry['measured'] * 1e3:8.2f} ms error "
+                  f"{entry['error']:+.0%}" if "measured" in entry
+                  else entry.get("failed", "")), flush=True)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="mlp,resnet,transformer,gpt2,"
@@ -469,42 +502,25 @@ def main():
                                       for r in stored["rows"]})
     rows, costs, searches, confirmed = [], {}, {}, {}
     started, load_before = time.perf_counter(), os.getloadavg()
-    with tempfile.TemporaryDirectory() as logdir, \
-            bench.Workers(2, logdir) as workers:
-        params["cluster"] = workers.addresses
-        proc = subprocess.Popen(
-            [sys.executable, __file__, "--child", json.dumps(params)],
-            env=bench._env(bind_shim_path()), stdout=subprocess.PIPE,
-            text=True, cwd=ROOT)
-        for line in proc.stdout:
-            if not line.startswith("{"):
-                continue
-            entry = json.loads(line)
-            if "costs" in entry:
-                costs[entry["model"]] = entry["costs"]
-                print(f"{entry['model']}: costs " + ", ".join(
-                    f"{k} {v:.3g}" for k, v in entry["costs"].items()),
-                    flush=True)
-                continue
-            if "confirm" in entry:
-                confirmed[entry["model"]] = entry["confirm"]
-                print(f"{entry['model']}: re-timed in turn " + ", ".join(
-                    f"{n} {[round(v * 1e3, 1) for v in t]} ms"
-                    for n, t in entry["confirm"].items()), flush=True)
-                continue
-            if entry.get("done"):
-                searches[entry["model"]] = entry["search_seconds"]
-                print(f"{entry['model']}: search took "
-                      f"{entry['search_seconds']:.0f} s", flush=True)
-                continue
-            rows.append(entry)
-            print(f"{entry['model']:12s} {entry['schedule']:17s} "
-                  f"K={entry['num_stages']} M={entry['M']} predicted "
-                  f"{entry['predicted'] * 1e3:8.2f} ms measured " + (
-                      f"{entry['measured'] * 1e3:8.2f} ms error "
-                      f"{entry['error']:+.0%}" if "measured" in entry
-                      else entry.get("failed", "")), flush=True)
-        proc.wait()
+    # A client process and 2 fresh workers per model: a client holds every
+    # pipeline it built (~50 MB each with its traced functions); one client
+    # for the 5 models grew to 9-15 GB and, in the grid of 4 December, ran
+    # the 24 GB host out of memory.
+    for name in params["models"]:
+        with tempfile.TemporaryDirectory() as logdir, \
+                bench.Workers(2, logdir) as workers:
+            mine = dict(params, models=[name], cluster=workers.addresses)
+            if args.predict:
+                mine["predict"] = [r for r in params["predict"]
+                                   if r["model"] == name]
+            proc = subprocess.Popen(
+                [sys.executable, __file__, "--child", json.dumps(mine)],
+                env=bench._env(bind_shim_path()), stdout=subprocess.PIPE,
+                text=True, cwd=ROOT)
+            _collect(proc.stdout, rows, costs, searches, confirmed)
+            if proc.wait():
+                print(f"{name}: the client ended with {proc.returncode}",
+                      flush=True)
     seconds = time.perf_counter() - started
     print()
     print(_table(rows))
