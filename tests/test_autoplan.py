@@ -169,6 +169,12 @@ def test_plan_reports_the_choice_and_from_model_builds_exactly_it(devices):
 def test_from_model_auto_builds_the_plan(devices, monkeypatch, tmp_path):
     monkeypatch.setenv("KERAS_PIPE_CACHE", str(tmp_path / "costs.json"))
     model = _mlp(depth=2, width=16)
+    # The step's fixed costs as measured on these devices: measuring them
+    # (two pipelines trained, 40% of this test) is
+    # test_calibration.py::test_step_overhead_is_measured_once_per_devices.
+    # The calibration's pipelines are trained here.
+    monkeypatch.setattr(profiling, "step_overhead",
+                        lambda devices: profiling.Overhead(2e-4, 1e-3))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         monkeypatch.setattr(
@@ -523,3 +529,44 @@ def test_a_calibration_that_fails_warns_and_the_search_goes_on(
     plain = autoplan.search(model, devices=devices[:2], batch_size=32,
                             micro_batch_choices=[1], calibrate=False)
     assert [c.step_time for c in calibrated] == [c.step_time for c in plain]
+
+
+def test_a_calibration_fit_issues_each_steps_calls_once(devices, monkeypatch):
+    # The fits re-simulate each trained step ~50 times per round with other
+    # costs: its calls (`simulator.calls`, as much work as the replay) are
+    # the same each time, made once with the step's cut and remat.
+    _measured_without_timing(monkeypatch, 0.0)
+    model = _mlp(depth=3, width=16)
+    made, simulated, configured = [], [], []
+    calls, simulate = simulator.calls, simulator.simulate
+    configure = autoplan._configure
+
+    def counted_calls(*args, **kwargs):
+        made.append(args[0])
+        return calls(*args, **kwargs)
+
+    def counted_simulate(*args, **kwargs):
+        simulated.append(args[0])
+        return simulate(*args, **kwargs)
+
+    def counted_configure(*args, **kwargs):
+        step = configure(*args, **kwargs)
+        configured.extend([step] if isinstance(step, autoplan._Step) else [])
+        return step
+
+    def probe(*args, **kwargs):
+        return 0.01
+
+    monkeypatch.setattr(simulator, "calls", counted_calls)
+    monkeypatch.setattr(simulator, "simulate", counted_simulate)
+    monkeypatch.setattr(autoplan, "_configure", counted_configure)
+    monkeypatch.setattr(profiling, "_STEP_PROBE", [probe])
+    monkeypatch.setattr(profiling, "model_step_seconds", probe)
+    plain = autoplan.search(model, devices=devices[:2], batch_size=32,
+                            micro_batch_choices=[1, 2], calibrate=False)
+    assert len(made) == len(configured) == len(simulated)
+    made.clear(), simulated.clear(), configured.clear()
+    calibrated = autoplan.search(model, devices=devices[:2], batch_size=32,
+                                 micro_batch_choices=[1, 2])
+    assert len(made) == len(configured) < len(simulated) / 10
+    assert len(calibrated) == len(plain)

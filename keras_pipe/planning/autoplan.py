@@ -243,6 +243,8 @@ class _Step:
     output_bytes: list   # per stage, bytes of its outputs per micro-batch
     weighted: object     # per layer call, whether it has weights
     stage_peaks: list
+    issued: tuple        # `simulator.calls` of the step: made once, as a
+    #                      fit re-simulates the step with other costs
 
 
 def _step_costs(step, measured, batch_size):
@@ -284,7 +286,8 @@ def _step_time(step, measured, batch_size):
     """`step`'s simulated step time (seconds) with `measured`'s costs."""
     return simulator.simulate(step.ticks, step.stage_devices,
                               _step_costs(step, measured, batch_size),
-                              step.remat, step.num_micro_batches).step_time
+                              step.remat, step.num_micro_batches,
+                              step.issued).step_time
 
 
 def _configure(name, stage_devices, m, batch_size, graph, measured,
@@ -354,7 +357,8 @@ def _configure(name, stage_devices, m, batch_size, graph, measured,
     out_bytes = [profile.output_bytes if e == n else profile.gap[e - 1]
                  for _, e in spans]
     return _Step(ticks, list(stage_devices), m, rows, spans, remat,
-                 out_bytes, measured.weighted, stage_peaks)
+                 out_bytes, measured.weighted, stage_peaks,
+                 simulator.calls(ticks, stage_devices, remat, m))
 
 
 def _candidate(name, stage_devices, m, batch_size, graph, measured,
@@ -368,7 +372,7 @@ def _candidate(name, stage_devices, m, batch_size, graph, measured,
         return step
     result = simulator.simulate(step.ticks, step.stage_devices,
                                 _step_costs(step, measured, batch_size),
-                                step.remat, m)
+                                step.remat, m, step.issued)
     num_devices = 1 + max(stage_devices)
     device_peaks = [0.0] * num_devices
     for j, d in enumerate(stage_devices):

@@ -258,7 +258,7 @@ def _duration(call, costs, remat, m, stage_devices):
 
 
 def simulate(ticks, stage_devices, costs, remat="never",
-             num_micro_batches=None):
+             num_micro_batches=None, issued=None):
     """Predicts the step time of a schedule by replaying its device chains.
 
     ```python
@@ -273,6 +273,10 @@ def simulate(ticks, stage_devices, costs, remat="never",
         costs: a `Costs`.
         remat: a remat mode or one per stage. Defaults to `"never"`.
         num_micro_batches: `M`. Defaults to `None` (read from `ticks`).
+        issued: `calls(ticks, stage_devices, remat, num_micro_batches)`,
+            when the caller made them already (a fit re-simulates one
+            configuration with other costs many times). Defaults to `None`
+            (made here).
 
     Returns:
         A `Simulation`.
@@ -293,7 +297,7 @@ def simulate(ticks, stage_devices, costs, remat="never",
                          f"{k} stages of the costs.")
     remat = [remat] * k if isinstance(remat, str) else list(remat)
     m = num_micro_batches or 1 + max(a.i for t in ticks for a in t)
-    per_device, by_parts = calls(ticks, stage_devices, remat, m)
+    per_device, by_parts = issued or calls(ticks, stage_devices, remat, m)
     done = {}  # (kind, i, j) -> end time on its device
     position = [0] * len(per_device)
     clock = [costs.step] * len(per_device)
