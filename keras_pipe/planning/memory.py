@@ -60,7 +60,8 @@ from keras_pipe.planning.balance import shapes as shapes_lib
 __all__ = ["Block", "FEATURES", "FUNCTION_NODE_BYTES", "Profile", "StageMemory",
            "call_nodes", "features", "function_nodes",
            "in_flight", "moments", "predict", "predict_resident",
-           "stage_actions", "stage_memory", "update_temporaries"]
+           "stage_actions", "stage_memory", "update_temporaries",
+           "weight_call_transient"]
 
 # Activations whose gradient needs only the output (the tape keeps nothing
 # more than the layer's output): other activations also keep their input.
@@ -250,6 +251,23 @@ def _buffer_of(t, inside):
     return t
 
 
+def _folded_transpose(t):
+    """Whether `t` is a 2-D transpose that only matrix products read:
+    grappler's arithmetic optimizer folds it into them (`MatMul`'s
+    `transpose_a/b`, "FoldTransposeIntoMatMul"), so the step's graph
+    holds no transposed copy. The tied output layer of GPT-2
+    (`ReversibleEmbedding(reverse=True)`: `matmul(x, transpose(table))`):
+    TF's profiler found no transposed table alive at the worker GPT-2's
+    stage-1 peak (Adam, M = 4, GPipe, never), where the model counted one
+    per micro-batch held (15.6 MiB each; the stage +19% on its logical
+    device, 282.0 / 236.7 MiB, its worker +19-20%)."""
+    if t.op.type != "Transpose" or t.shape.rank != 2:
+        return False
+    perm = tf.get_static_value(t.op.inputs[1])
+    return perm is not None and list(perm) == [1, 0] and all(
+        c.type == "MatMul" for c in t.consumers())
+
+
 def _signature(call, shapes=None):
     """The specs a call is traced with (batch dimension unknown) and their
     cache key."""
@@ -323,7 +341,8 @@ def _traced_inner(call, shapes=None):
         for t in op.inputs:
             t = _buffer_of(t, inside)
             if t.op not in inside or id(t) in seen or \
-                    t.op.type in _NOT_HELD or id(t) in outputs:
+                    t.op.type in _NOT_HELD or id(t) in outputs or \
+                    _folded_transpose(t):
                 continue
             seen.add(id(t))
             dims = t.shape.as_list() if t.shape.rank is not None else []
@@ -795,15 +814,9 @@ def moments(actions, mode, num_micro_batches, first=False, last=False,
                 grads = (sums if sums.any() else zero) + _unit(
                     "largest_variable", 2)
                 released = True
-            # `kept`: every micro-batch of the run with its stash. A run of
-            # two or more concatenates each mixing op's inputs and output
-            # gradients (`weight_grad`: one product for the run); a W of
-            # one micro-batch reads its stash as it is.
-            concatenated = 2 * len(run) if len(run) > 1 else 0
             result.append(np.stack([
                 boundary, kept, grads,
-                fixed + _unit("largest", concatenated)
-                + _unit("workspace", CONCURRENT_KERNELS)]))
+                fixed + weight_call_transient(len(run))]))
             for r in run:
                 held.pop(r, None)
             run, sums = [], _unit("trainable")
@@ -873,6 +886,33 @@ def moments(actions, mode, num_micro_batches, first=False, last=False,
     result.append(np.stack([zero, zero, _unit("trainable"),
                             fixed + update_temporaries(optimizer_slots)]))
     return np.unique(np.stack(result), axis=0)
+
+
+def weight_call_transient(run_length):
+    """What a W call (`engine.weight_grad`) over a run of `run_length`
+    micro-batches holds besides their stashes (`kept`) and the gradient
+    sums, as a linear form of a `Block`'s sizes.
+
+    A W of one micro-batch reads its stash as it is: its products run two
+    at a time (`CONCURRENT_KERNELS` scratch buffers). A run of two or more
+    concatenates each mixing op's stashed inputs and output gradients
+    (one product for the run). A concatenation frees its pieces once made
+    (the step's graph holds nothing else of them), so the stash changes
+    form, not size: beyond it, one slot is being concatenated (its pieces
+    and the result, `run_length` largest outputs) while one product runs
+    (one scratch buffer); the executor's second inter-op thread runs the
+    concatenations the next products wait for. Measured (TF profiler's
+    allocator events, the worker ResNet's stage 0 alone on a logical
+    device, Adam, M = 4, GPipe, remat "never", /tmp script of branch
+    i30v): at the peak, in W, one `Conv2DBackpropFilter` scratch buffer
+    (27.0 MiB), eight concatenated slots and the other slots' pieces
+    (112 MiB for a 104 MiB stash) and one weight gradient; the two
+    buffers and two copies of a slot counted before gave 187.3 MiB for
+    the stage's measured 152.7.
+    """
+    if run_length > 1:
+        return _unit("largest", run_length) + _unit("workspace")
+    return _unit("workspace", CONCURRENT_KERNELS)
 
 
 def update_temporaries(optimizer_slots):
