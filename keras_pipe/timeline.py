@@ -49,8 +49,9 @@ def stamp(after, device=None):
     """
     after = [t for t in after if t is not None]
     first = None
-    if after:
-        first = tf.reshape(after[0], [-1])[:1]
+    tensors = [t for t in after if isinstance(t, tf.Tensor)]
+    if tensors:  # not an op (the end of a device's last call)
+        first = tf.reshape(tensors[0], [-1])[:1]
     with tf.device(device):
         anchor = tf.zeros((), tf.float64)
         if first is not None:

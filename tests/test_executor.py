@@ -263,3 +263,94 @@ def test_no_weight_call_waits_for_a_later_micro_batch(devices, name,
                   if op.name.startswith(f"stage{j + 1}/mb")
                   and op.name.split("/")[2] == "send_back"}
         assert waited and max(waited) == i, (j, i, sorted(waited))
+
+
+_COMPUTE = ("MatMul", "PartitionedCall", "StatefulPartitionedCall")
+
+
+def _record_calls(monkeypatch):
+    """Records each stage call (and loss head) as it is issued:
+    `(device, ops it created, its outputs)`, in issue order."""
+    import tensorflow as tf
+
+    from keras_pipe.engine import executor as executor_lib
+    from keras_pipe.engine import stage as stage_lib
+
+    calls = []
+
+    def ops():
+        return tf.compat.v1.get_default_graph().get_operations()
+
+    def spy(owner, method, device_of, outputs_of):
+        original = getattr(owner, method)
+
+        def wrapped(self, *args, **kwargs):
+            first = len(ops())
+            result = original(self, *args, **kwargs)
+            made = ops()[first:]
+            outputs = [t for t in outputs_of(self, args, result)
+                       if isinstance(t, tf.Tensor) and t.op in set(made)]
+            if made:
+                calls.append((device_of(self, args), made, outputs))
+            return result
+
+        monkeypatch.setattr(owner, method, wrapped)
+
+    def on_stage(self, args):
+        return self.device
+
+    spy(stage_lib.Stage, "forward", on_stage, lambda s, a, r: (
+        __import__("keras").tree.flatten(r[0].outputs) + list(r[0].losses)
+        + list(r[1])))
+    spy(stage_lib.Stage, "backward", on_stage,
+        lambda s, a, r: list(r[0]) + list(r[1]))
+    spy(stage_lib.Stage, "backward_input", on_stage,
+        lambda s, a, r: list(r[0]) + list(r[1]))
+    spy(stage_lib.Stage, "backward_weight", on_stage,
+        lambda s, a, r: list(r))
+    # The loss head of micro-batch i (args: step, head, i): its outputs
+    # are the seeds of the last stage's backward call.
+    spy(executor_lib.Executor, "_maybe_seed_part",
+        lambda self, a: self.runner(a[0], a[2], self.num_stages - 1).device,
+        lambda self, a, r: list(a[0].cells[a[2]][-1].output_grads or []))
+    return calls
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("remat", ["never", "except_last"])
+@pytest.mark.parametrize("name", schedule.schedule_names())
+def test_a_device_waits_for_every_output_of_its_last_call(devices,
+                                                          monkeypatch, name,
+                                                          remat):
+    # The calls of a device run one after another (what the memory model
+    # assumes): the work of each call (its products, or its one function
+    # op) waits for EVERY output of the previous call on the device (a
+    # backward call's weight gradients and sums, a W call's total per
+    # variable, a forward call's outputs, the loss head's seeds), not only
+    # for one of them: TF inlines the calls that run in place, and the
+    # rest of the previous call would still run, holding its activations.
+    import tensorflow as tf
+
+    from tests.test_every_schedule import device_layout
+    layout = device_layout(name)
+    pipe, _ = helpers.pair(lambda: helpers.dense_stages(len(layout)),
+                           [devices[d] for d in layout], 4, remat,
+                           schedule=name)
+    pipe.compile("sgd", "sparse_categorical_crossentropy")
+    x, y, _ = helpers.data(16)
+    calls = _record_calls(monkeypatch)
+    tf.function(pipe.compute_loss_and_gradients).get_concrete_function(
+        tf.constant(x), tf.constant(y))
+    by_device = collections.defaultdict(list)
+    for device, made, outputs in calls:
+        by_device[device].append((made, outputs))
+    assert len(by_device) == len(set(layout))
+    checked = 0
+    for device, chain in by_device.items():
+        for (_, outputs), (made, _) in zip(chain, chain[1:]):
+            for op in (op for op in made if op.type in _COMPUTE):
+                waited = _ancestors([op])
+                missing = [t.name for t in outputs if t.op not in waited]
+                assert not missing, (device, op.name, missing)
+                checked += 1
+    assert checked

@@ -177,8 +177,23 @@ def _handed_over(tensors, device, receiver, name):
             tensors)
 
 
-def _first(tensors):
-    return [t for t in tensors if t is not None][:1]
+def _done(tensors, device, name):
+    """What the next call on `device` waits for: every one of `tensors`.
+
+    `tensors` are all the outputs of the last call there. TF inlines the
+    calls that run in place, so waiting for one output waits only for the
+    ops that produce it: the rest of the call (a backward call's weight
+    gradients and their running sums) would still run, holding its
+    activations, while the next call starts, and the calls of a device
+    would not run one after another as the memory model assumes. Several
+    tensors are joined by one `NoOp` on the device: the next call's first
+    ops then each get one control input, not one per tensor.
+    """
+    tensors = [t for t in tensors if t is not None]
+    if len(tensors) <= 1:
+        return tensors
+    with tf.device(device):
+        return [tf.group(*tensors, name=f"{name}_done")]
 
 
 class Executor:
@@ -436,7 +451,9 @@ class Executor:
             differentiable=step.differentiable,
             name=f"stage{j}/mb{i}/forward", observer=observer,
             split=step.cells[i][j].split, kernels=self._kernels(step, i, j))
-        step.last[runner.device] = keras.tree.flatten(run.outputs)[:1]
+        step.last[runner.device] = _done(
+            keras.tree.flatten(run.outputs) + list(run.losses) + new_state,
+            runner.device, f"stage{j}/mb{i}/forward")
         self._thread_state(step, i, j, runner, new_state)
         step.cells[i][j].run = run
         step.cells[i][j].sent = run.outputs if j + 1 == self.num_stages \
@@ -559,8 +576,8 @@ class Executor:
             loss_i = head.part(step, i)
         self._seed(step, head.scale(loss_i), [i])
         self._seed_layer_losses(step, head.scale, [i])
-        step.last[last.device] = _first(
-            step.cells[i][-1].output_grads)
+        step.last[last.device] = _done(
+            step.cells[i][-1].output_grads, last.device, f"mb{i}/loss")
 
     def _full_loss(self, step, head, y_pred):
         """The full-batch loss of the merged outputs, with the layer losses,
@@ -621,7 +638,9 @@ class Executor:
                 name=f"stage{j}/mb{i}/backward",
                 control_inputs=step.last.get(runner.device, []),
                 observer=observer)
-            step.last[runner.device] = _first(input_grads + list(cell.stash))
+            step.last[runner.device] = _done(
+                input_grads + list(cell.stash), runner.device,
+                f"stage{j}/mb{i}/backward")
             self._send_back(step, i, j, input_grads)
             cell.output_grads = None
             if cell.deferred and not runner.splits(step.training):
@@ -635,7 +654,8 @@ class Executor:
             totals=list(sums), name=f"stage{j}/mb{i}/backward",
             control_inputs=step.last.get(runner.device, []),
             observer=observer)
-        step.last[runner.device] = _first(input_grads + totals)
+        step.last[runner.device] = _done(
+            input_grads + totals, runner.device, f"stage{j}/mb{i}/backward")
         self._send_back(step, i, j, input_grads)
         sums[:] = totals
         cell.output_grads = None  # released: nothing reads it again
@@ -666,10 +686,11 @@ class Executor:
             name=f"stage{j}/mb{i}/weight",
             control_inputs=step.last.get(runner.device, []),
             observer=observer)
-        step.last[runner.device] = _first(totals)
-        sums[:] = totals
         step.weight_calls[(step.replica[i], j)] = (
             graph.get_operations()[first:], list(totals))
+        step.last[runner.device] = _done(
+            totals, runner.device, f"stage{j}/mb{i}/weight")
+        sums[:] = totals
         for ii, _ in group:
             step.cells[ii][j].stash = None
     def gradient_parts(self, step):

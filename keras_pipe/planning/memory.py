@@ -183,16 +183,6 @@ def _variable_bytes(v):
     return math.prod(v.shape) * _dtype_size(v.dtype)
 
 
-# What the tape keeps per layer, in multiples of the layer's output, as
-# measured for Keras 3.15 on TF 2.21 (per layer on an eager tape; the
-# BatchNormalization factor from whole stages, `tools/memory_model.py`):
-# Keras' LayerNormalization is built from several ops, the exact GELU from
-# erf and its factors.
-_NORMALIZATION_FACTORS = ((keras.layers.LayerNormalization, 6.5),
-                          (keras.layers.GroupNormalization, 6.5),
-                          (keras.layers.BatchNormalization, 2.5))
-_ACTIVATION_FACTORS = {"gelu": 7.0}
-_OTHER_ACTIVATION = 3.0
 # Inside the traced recompute-and-backward function a tensor stays alive
 # only if a gradient op needs it: a call's output when its own gradient
 # needs it (relu, tanh, ...) or a consumer's gradient needs its input
@@ -361,25 +351,10 @@ def _traced_inner(call, shapes=None):
 
 
 def _inner_recompute_bytes(call, rows, shapes=None):
-    """Tensors inside a layer that its gradient keeps (not its output)."""
-    out = sum(cost_lib.tensor_bytes(x, rows, shapes) for x in call.outputs)
-    op = call.operation
-    if isinstance(op, keras.Operation):
-        per_row, whole = _traced_inner(call, shapes)
-        return per_row * rows + whole
-    if isinstance(op, keras.layers.MultiHeadAttention):
-        return _saved_bytes(call, rows, True, shapes) - out
-    if isinstance(op, (keras.layers.LayerNormalization,
-                       keras.layers.GroupNormalization)):
-        return out
-    if isinstance(op, keras.layers.Dropout) and op.rate:
-        return out  # the mask
-    activation = getattr(op, "activation", None)
-    name = getattr(activation, "__name__", "linear")
-    if activation is not None and name not in _OUTPUT_ONLY and getattr(
-            op, "weights", None):
-        return out  # the pre-activation
-    return 0
+    """Tensors inside a call that its gradient keeps (not its output),
+    from the call's traced gradient graph (`_traced_inner`)."""
+    per_row, whole = _traced_inner(call, shapes)
+    return per_row * rows + whole
 
 
 def _attention_lengths(call, rows, shapes):
@@ -392,33 +367,11 @@ def _attention_lengths(call, rows, shapes):
     return t_q, t_v
 
 
-def _saved_bytes(call, rows, recompute=False, shapes=None):
-    """Bytes the tape keeps for one call of `rows` rows: its outputs, and
-    the inner tensors of attention, normalization and activations whose
-    gradient needs more than the output. (`recompute`: attention's inner
-    tensors as a recompute keeps them.)"""
+def _saved_bytes(call, rows, shapes=None):
+    """Bytes the tape keeps for one call of `rows` rows: its outputs and
+    the inner tensors its gradient reads (`_inner_recompute_bytes`)."""
     out = sum(cost_lib.tensor_bytes(x, rows, shapes) for x in call.outputs)
-    op = call.operation
-    if isinstance(op, keras.Operation):
-        return out + _inner_recompute_bytes(call, rows, shapes)
-    if isinstance(op, keras.layers.MultiHeadAttention):
-        t_q, t_v = _attention_lengths(call, rows, shapes)
-        value_dim = op.value_dim or op.key_dim
-        heads = op.num_heads
-        # Query (and its scaled copy), key, value and attention output.
-        projections = rows * heads * (2 * t_q * op.key_dim
-                                      + t_v * op.key_dim
-                                      + t_v * value_dim + t_q * value_dim)
-        scores = rows * heads * t_q * t_v  # logits, softmax, dropout
-        return out + 4 * (projections + (2 if recompute else 3) * scores)
-    for layer_type, factor in _NORMALIZATION_FACTORS:
-        if isinstance(op, layer_type):
-            return int(factor * out)
-    activation = getattr(op, "activation", None)
-    name = getattr(activation, "__name__", "linear")
-    if activation is not None and name not in _OUTPUT_ONLY:
-        return int(_ACTIVATION_FACTORS.get(name, _OTHER_ACTIVATION) * out)
-    return out
+    return out + _inner_recompute_bytes(call, rows, shapes)
 
 
 # TF's CPU kernels for a 2-D convolution's gradients (Conv2DCustomBackprop-
