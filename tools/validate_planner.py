@@ -16,8 +16,9 @@ point `KERAS_PIPE_CACHE` at a new file to measure them afresh.
 
 Per model, starts 2 fresh `python -m keras_pipe.distributed.worker` processes on
 loopback, each pinned to its own core (`tools/benchmarks/harness.py`'s
-`Workers`), and a client process of its own that runs `keras_pipe.planning.autoplan.search` (costs measured on
-worker 0, transfers between the workers, cached) over every registered
+`Workers`), and a client process of its own that runs
+`keras_pipe.planning.autoplan.search` (costs measured on worker 0,
+transfers between the workers, cached) over every registered
 schedule, its stages per device and each `M`, then builds and trains each
 configuration it ranked (its cut and remat) with `from_model` and times it:
 the median step of one warm `fit` epoch, each step timed at its end inside
