@@ -76,11 +76,7 @@ def peak_tensors(events):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("model", choices=mm.MODELS)
-    parser.add_argument("optimizer", choices=mm.OPTIMIZERS)
-    parser.add_argument("m", type=int)
-    parser.add_argument("schedule")
-    parser.add_argument("remat", choices=mm.REMATS)
+    mm.add_configuration_arguments(parser)
     parser.add_argument("stage", type=int)
     parser.add_argument("--top", type=int, default=40)
     args = parser.parse_args(argv)

@@ -171,11 +171,7 @@ def main(argv=None):
         worker.main(argv[2:])
         return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("model", choices=mm.MODELS)
-    parser.add_argument("optimizer", choices=mm.OPTIMIZERS)
-    parser.add_argument("m", type=int)
-    parser.add_argument("schedule")
-    parser.add_argument("remat", choices=mm.REMATS)
+    mm.add_configuration_arguments(parser)
     parser.add_argument("--heap", default="return")
     parser.add_argument("--env", action="append", default=[],
                         help="NAME=VALUE for the workers (repeatable)")

@@ -558,6 +558,16 @@ def run_child(argv):
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def add_configuration_arguments(parser):
+    """The positional arguments naming one configuration of the tables:
+    model, optimizer, M, schedule and remat mode (the probing tools')."""
+    parser.add_argument("model", choices=MODELS)
+    parser.add_argument("optimizer", choices=OPTIMIZERS)
+    parser.add_argument("m", type=int)
+    parser.add_argument("schedule")
+    parser.add_argument("remat", choices=REMATS)
+
+
 def _key(result):
     return tuple(result[k] for k in ("model", "stage", "optimizer",
                                      "num_micro_batches", "schedule",
