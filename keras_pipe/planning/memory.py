@@ -367,13 +367,6 @@ def _attention_lengths(call, rows, shapes):
     return t_q, t_v
 
 
-def _saved_bytes(call, rows, shapes=None):
-    """Bytes the tape keeps for one call of `rows` rows: its outputs and
-    the inner tensors its gradient reads (`_inner_recompute_bytes`)."""
-    out = sum(cost_lib.tensor_bytes(x, rows, shapes) for x in call.outputs)
-    return out + _inner_recompute_bytes(call, rows, shapes)
-
-
 # TF's CPU kernels for a 2-D convolution's gradients (Conv2DCustomBackprop-
 # Input/Filter, `tensorflow/core/kernels/conv_grad_*_ops.cc`) im2col a shard
 # of images into one scratch buffer sized for "the L3 cache" they assume:
@@ -544,14 +537,17 @@ class Profile:
                 call, rows, shapes))
             self.stashed.append(self.stashed[-1] + _stash_bytes(
                 call, rows, shapes))
-            self.saved.append(self.saved[-1] + _saved_bytes(
-                call, rows, shapes=shapes))
+            # What the tape keeps: the call's outputs and the inner
+            # tensors its gradient reads.
+            inner = _inner_recompute_bytes(call, rows, shapes)
+            self.saved.append(self.saved[-1] + inner + sum(
+                cost_lib.tensor_bytes(x, rows, shapes) for x in call.outputs))
             # The output gradients a split backward pass (`"Bi"`) makes
             # and stashes for W: not batch normalization's (a vector).
             self.mixed.append(self.mixed[-1] + (sum(
                 cost_lib.tensor_bytes(x, rows, shapes) for x in call.outputs)
                 if _stashes_output_gradient(call.operation) else 0))
-            kept = _inner_recompute_bytes(call, rows, shapes)
+            kept = inner
             op = call.operation
             own = isinstance(op, keras.layers.Layer) and _gradient_needs(
                 op)[1]
