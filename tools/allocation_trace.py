@@ -2,11 +2,14 @@
 
     python tools/allocation_trace.py resnet adam 4 gpipe never 0
     python tools/allocation_trace.py gpt2 adam 4 gpipe never 1
+    python tools/allocation_trace.py --logical resnet sgd 1 gpipe never 1
 
 Builds the worker-size model of `tools/memory_model.py --workers`, cuts it
 in two as that tool does, runs stage `j` alone on a logical device (BFC
 allocator) with a weightless head, as `memory_model.measure_stage` does,
-and profiles its third training step. From the profile's allocator events
+and profiles its third training step. `--logical`: the logical table's
+model and cut instead (`memory_model.measure_model`: the small model, cut
+by FLOPs). From the profile's allocator events
 (`MemoryAllocation` / `MemoryDeallocation`, with the op that made each
 tensor) it replays the step, finds the moment the allocator's bytes in use
 peak, and prints the tensors the step allocated that are alive then
@@ -79,6 +82,8 @@ def main(argv=None):
     mm.add_configuration_arguments(parser)
     parser.add_argument("stage", type=int)
     parser.add_argument("--top", type=int, default=40)
+    parser.add_argument("--logical", action="store_true", help="the "
+                        "logical table's model and cut (small, by FLOPs)")
     args = parser.parse_args(argv)
     import keras
     import numpy as np
@@ -88,9 +93,11 @@ def main(argv=None):
     from keras_pipe.planning import partition
     devices = keras_pipe.logical_cpu_devices(2)
     keras.utils.set_random_seed(0)
-    case = mm.build_model(keras, args.model, "worker")
+    case = mm.build_model(keras, args.model,
+                          "small" if args.logical else "worker")
     batch, j = case["batch"], args.stage
-    part = partition.cut(case["model"], 2, balance="params",
+    part = partition.cut(case["model"], 2,
+                         balance="flops" if args.logical else "params",
                          input_shape=case["input_shape"], batch_size=batch)
     stage = partition.build_stages(part)[j]
     x = case["x"] if j == 0 else mm._like(part, j, batch,

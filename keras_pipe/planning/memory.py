@@ -381,8 +381,8 @@ _CONV_WORKING_SET = 30 << 20
 # of `tools/memory_model.py`, M = 4, remat "always": 58.2 MiB with one
 # inter-op thread (`tf.config.threading.set_inter_op_parallelism_threads`),
 # 86.9 with the default: one more 27 MiB buffer (M = 1 without remat: 84.7
-# and 113.7). A backward call of input gradients only (`"Bi"`) runs its
-# convs' input gradients one after another: one buffer.
+# and 113.7). A backward call of input gradients only (`"Bi"`) holds none:
+# only the filter gradient (Conv2DBackpropFilter) allocates the buffer.
 CONCURRENT_KERNELS = 2
 
 
@@ -773,11 +773,17 @@ def moments(actions, mode, num_micro_batches, first=False, last=False,
         waiting = arriving * (len(held) - 1)
         if kind == "Bi":
             # Input gradients only; the stash (the mixing ops' inputs, kept
-            # anyway, and output gradients) stays for the W call.
+            # anyway, and output gradients) stays for the W call. No
+            # scratch buffer: a conv's input gradient (Conv2DBackpropInput)
+            # allocates none, only the filter gradient's im2col buffer is
+            # one (TF's profiler, the logical ResNet's stage 1, SGD, M = 1,
+            # GPipe, never: at the Bi call's peak its 16 MiB input, the
+            # tape's and stashed 8 MiB tensors and three of batch norm's
+            # gradient, 104.2 MiB for a measured 104.2; the buffer counted
+            # here made 131.1).
             result.append(np.stack([
                 boundary, kept + _unit("mixing") - seeded, sums,
-                fixed + arriving + _unit("largest") + waiting
-                + _unit("workspace")]))
+                fixed + arriving + _unit("largest") + waiting]))
             # Seeded whole, the stashed output gradient is the loss
             # gradient's slice (in `fixed`); else the arrived gradient.
             held[i] = (held[i][0], _unit("stash") - (
