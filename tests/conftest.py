@@ -34,32 +34,36 @@ def _seed():
 
 
 # The longest files, longest first: seconds of one full suite run
-# (`-n 2 --dist loadfile --junitxml`, summed per file, at load ~7 on 2
-# cores, so 3-4x a quiet machine's). With `--dist loadfile` xdist hands
-# out whole files in the order the workers collect them; by default it
-# sorts them by their number of tests, which leaves long files of few
-# tests (the examples, the snippets) for last. Longest first, the two
-# workers end together.
+# (`-n 2 --dist loadfile --junitxml`, summed per file, at load ~5.7 on 2
+# cores with other jobs running: 1714 s wall, 2.4x CI's 703 s; at b948f77,
+# an empty cost cache). With `--dist loadfile` xdist hands out whole files
+# in the order the workers collect them; by default it sorts them by their
+# number of tests, which leaves long files of few tests (the examples, the
+# snippets) for last. Longest first, the two workers end together.
 LONGEST_FILES = (
-    "test_zoo.py",                # 1174 s
-    "test_readme_snippets.py",    # 909
-    "test_cluster.py",            # 528
-    "test_examples.py",           # 450
-    "test_transparency.py",       # 380
-    "test_sparse_gradients.py",   # 374
-    "test_every_schedule.py",     # 373
-    "test_saving.py",             # 360
-    "test_partition.py",          # 245
-    "test_attached.py",           # 242
-    "test_invariance.py",         # 213
-    "test_bad_inputs.py",         # 181
-    "test_placement.py",          # 135
-    "test_benchmark.py",          # 125
-    "test_executor.py",           # 123
-    "test_local.py",              # 118
-    "test_memory_tables.py",      # 118
-    "test_timeline.py",           # 106
-    "test_keras_hub.py",          # 104
+    "test_zoo.py",                # 529 s
+    "test_readme_snippets.py",    # 520
+    "test_cluster.py",            # 275 (~230 since its shared client)
+    "test_examples.py",           # 204
+    "test_transparency.py",       # 136
+    "test_saving.py",             # 128
+    "test_memory_tables.py",      # 122
+    "test_sparse_gradients.py",   # 106
+    "test_every_schedule.py",     # 104
+    "test_invariance.py",         # 95
+    "test_executor.py",           # 93
+    "test_partition.py",          # 84
+    "test_attached.py",           # 69
+    "test_timeline.py",           # 67
+    "test_keras_hub.py",          # 61
+    "test_bad_inputs.py",         # 60
+    "test_remat.py",              # 56
+    "test_local.py",              # 53
+    "test_worker_memory.py",      # 53
+    "test_benchmark.py",          # 51
+    "test_weight_grad.py",        # 45
+    "test_placement.py",          # 43
+    "test_autoplan.py",           # 42
 )
 
 

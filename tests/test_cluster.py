@@ -129,6 +129,20 @@ def _scenario(*args, timeout=240):
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
+# The scenarios that need no connect() setting or worker fault of their own
+# run one after the other in one client process (each process starts TF and
+# connects, 6-15 s): "listen" first (it lists the client's sockets before
+# connect), "stage_error" last (it ends in a failed step).
+SHARED = ("listen", "remote", "placed", "timeline", "stage_error")
+
+
+@pytest.fixture(scope="module")
+def shared(workers):
+    """`{scenario: result}` of the `SHARED` scenarios, run once."""
+    return _scenario(",".join(SHARED), "--cluster", workers.spec,
+                     timeout=600)
+
+
 # ----------------------------------------------------------- in this process
 
 
@@ -302,9 +316,9 @@ def test_workers_listen_on_loopback_only(workers):
         assert worker_lib.listening_hosts(port) == ["127.0.0.1"]
 
 
-def test_client_listens_on_loopback_only(workers):
+def test_client_listens_on_loopback_only(shared):
     """After connect(), no socket of the client listens on 0.0.0.0 or ::."""
-    result = _scenario("listen", "--cluster", workers.spec)
+    result = shared["listen"]
     assert result["value"] == 3.0
     assert result["before"] == []
     # One listener: the client's own TF server, on loopback.
@@ -338,8 +352,8 @@ def test_workers_run_client_functions_with_the_clients_thread_pool(
     assert [b - a for a, b in zip(grown[2], grown[7])] == [5, 5], grown
 
 
-def test_remote_stages_match_single_process(workers):
-    result = _scenario("remote", "--cluster", workers.spec)
+def test_remote_stages_match_single_process(shared):
+    result = shared["remote"]
     assert result["devices_per_task"] == {
         f"/job:worker/replica:0/task:{t}":
             [f"/job:worker/replica:0/task:{t}/device:CPU:0"]
@@ -361,13 +375,13 @@ def test_remote_stages_match_single_process(workers):
     assert result["thread_spinning_disabled"] is True
 
 
-def test_array_data_are_batched_on_the_first_stages_worker(workers):
+def test_array_data_are_batched_on_the_first_stages_worker(shared):
     """With data_device="auto", fit and evaluate build Keras' pipeline of
     array data on the first stage's worker (the client sends every batch
     otherwise: 2 x 2 MiB per step of the MLP benchmark), with the same
     shuffles, validation split and class weights: bit-identical to a model
     on this process. The default is None (this process)."""
-    result = _scenario("placed", "--cluster", workers.spec)
+    result = shared["placed"]
     first = "/job:worker/replica:0/task:0/device:CPU:0"
     assert result["default"] is None  # opt-in: "auto" places them
     assert result["data_device"] == [first, None]
@@ -382,12 +396,12 @@ def test_array_data_are_batched_on_the_first_stages_worker(workers):
     assert result["weights_max_diff"] == 0.0
 
 
-def test_stage_error_on_a_worker_names_stage_and_device(workers):
+def test_stage_error_on_a_worker_names_stage_and_device(shared):
     # Broke: "CancelledError: RecvAsync is cancelled" (see test_errors.py).
     # With workers TF sometimes keeps the root error (then its node names
     # the stage) and sometimes only the cancellation (then the replay
     # finds Keras' own shape error): either way the stage's error shows.
-    result = _scenario("stage_error", "--cluster", workers.spec)["fit"]
+    result = shared["stage_error"]["fit"]
     stage = "Stage 0 ('sequential') on /job:worker/replica:0/task:0/device:CPU:0"
     if result["error"] == "ValueError":
         assert result["message"].startswith(f"{stage} failed during fit:"), \
@@ -515,10 +529,10 @@ def test_worker_killed_during_fit_then_resume(workers, tmp_path):
     assert result["weights_max_diff"] == 0.0, result
 
 
-def test_timeline_records_stages_on_workers(workers):
+def test_timeline_records_stages_on_workers(shared):
     # Stamps are numpy_functions: they run Python, so they are placed on the
     # client; before, a recorded step on workers failed.
-    result = _scenario("timeline", "--cluster", workers.spec)
+    result = shared["timeline"]
     assert result["stages"] == [0, 1]
     assert set(result["kinds"]) >= {"forward", "backward"}
     # 2 micro-batches x 2 stages, forward and backward (plus recomputes).

@@ -7,6 +7,7 @@ the order of sums changes).
 """
 
 import collections
+import functools
 import os
 import subprocess
 import sys
@@ -124,40 +125,50 @@ _COUNT_PRODUCTS = """
 import sys
 import keras, numpy as np, keras_pipe
 devices = keras_pipe.logical_cpu_devices(2)
-stages = [keras.Sequential([keras.layers.Dense(64, activation="relu")
-                            for _ in range(2)]) for _ in range(2)]
-pipe = keras_pipe.PipelineModel(stages, devices=devices, num_micro_batches=4,
-                                remat="never", schedule=sys.argv[1])
-pipe.build((None, 64))
-pipe.compile("sgd", "mse")
-x = np.random.rand(64, 64).astype("float32")
-pipe.fit(x[:32], x[:32], batch_size=32, verbose=0)  # traced, warm
-print("=====STEPS=====", flush=True)
-pipe.fit(x, x, batch_size=32, verbose=0, shuffle=False)  # two steps
-print("=====END=====", flush=True)
+for name in sys.argv[1:]:
+    stages = [keras.Sequential([keras.layers.Dense(64, activation="relu")
+                                for _ in range(2)]) for _ in range(2)]
+    pipe = keras_pipe.PipelineModel(stages, devices=devices,
+                                    num_micro_batches=4, remat="never",
+                                    schedule=name)
+    pipe.build((None, 64))
+    pipe.compile("sgd", "mse")
+    x = np.random.rand(64, 64).astype("float32")
+    pipe.fit(x[:32], x[:32], batch_size=32, verbose=0)  # traced, warm
+    print(f"=====STEPS {name}=====", flush=True)
+    pipe.fit(x, x, batch_size=32, verbose=0, shuffle=False)  # two steps
+    print("=====END=====", flush=True)
 """
+# The schedules `test_each_product_runs_once_per_step` counts, in one child.
+COUNTED = ("gpipe", "zb_h2")
 
 
-def _products_per_step(schedule_name):
-    """oneDNN's executed matmuls in one training step, by kind and shape.
+@functools.cache
+def _products_per_step():
+    """`{schedule: oneDNN's executed matmuls in one training step, by kind
+    and shape}` for the `COUNTED` schedules.
 
     From `ONEDNN_VERBOSE=1` in a child process: every product TF ran, after
     the function runtime pruned what feeds nothing (the graph alone cannot
     say which products run).
     """
     env = dict(os.environ, ONEDNN_VERBOSE="1", TF_CPP_MIN_LOG_LEVEL="3")
-    proc = subprocess.run([sys.executable, "-c", _COUNT_PRODUCTS,
-                           schedule_name], capture_output=True, text=True,
-                          env=env, timeout=300)
+    proc = subprocess.run([sys.executable, "-c", _COUNT_PRODUCTS, *COUNTED],
+                          capture_output=True, text=True, env=env,
+                          timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    steps = proc.stdout.split("=====STEPS=====")[1].split("=====END=====")[0]
-    counts = collections.Counter()
-    for line in steps.splitlines():
-        fields = line.split(",")
-        if line.startswith("onednn_verbose") and "exec" in fields[2:4]:
-            counts[fields[5], fields[-2]] += 1
-    assert counts, "no oneDNN product ran: is oneDNN off in this TF build?"
-    return {key: n / 2 for key, n in counts.items()}
+    result = {}
+    for name in COUNTED:
+        steps = proc.stdout.split(f"=====STEPS {name}=====")[1].split(
+            "=====END=====")[0]
+        counts = collections.Counter()
+        for line in steps.splitlines():
+            fields = line.split(",")
+            if line.startswith("onednn_verbose") and "exec" in fields[2:4]:
+                counts[fields[5], fields[-2]] += 1
+        assert counts, "no oneDNN product ran: is oneDNN off in this TF build?"
+        result[name] = {key: n / 2 for key, n in counts.items()}
+    return result
 
 
 @pytest.mark.slow
@@ -173,7 +184,7 @@ def test_each_product_runs_once_per_step(name, weight_products):
     # 2 stages of 2 Dense(64) layers, batch 32, M=4 (8 rows each). Forward:
     # 4 layers x 4 micro-batches; input gradients: 3 layers (the model's
     # input needs none) x 4; nothing replayed or computed twice.
-    counts = _products_per_step(name)
+    counts = _products_per_step()[name]
     micro = {"inner_product": 0, "gemm_api": 0}
     weight = {}
     for (kind, shape), n in counts.items():

@@ -27,6 +27,7 @@ from keras import ops
 
 import keras_pipe
 from keras_pipe.engine import gradients
+from tests.support import helpers
 
 SEQ, WIDTH, VOCAB, CLASSES, BATCH, BUCKETS = 5, 4, 11, 3, 8, 5
 
@@ -135,6 +136,7 @@ OPTIMIZERS_ALL = {**OPTIMIZERS, **MORE_OPTIMIZERS}
 def _steps(model, optimizer, x, y, steps=3):
     model.compile(optimizer, loss=keras.losses.SparseCategoricalCrossentropy(
         from_logits=True), jit_compile=False)
+    helpers.build_optimizer(model)
     return [model.train_on_batch(x, y) for _ in range(steps)]
 
 

@@ -28,6 +28,7 @@ def compile_both(pipe, reference, loss=None, optimizer="sgd", metrics=()):
             loss=loss or keras.losses.SparseCategoricalCrossentropy(
                 from_logits=True),
             metrics=list(metrics))
+        helpers.build_optimizer(model)
 
 
 def check_one_step(pipe, reference, x, y, sample_weight=None):

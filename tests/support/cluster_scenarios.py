@@ -1,16 +1,21 @@
 """Cluster scenarios run as a client process by tests/test_cluster.py.
 
 A client must connect before TensorFlow is initialized otherwise (the test
-process already has 4 logical CPUs), so each scenario runs here, in its own
-process, against worker processes that the test started. The last stdout
-line is a JSON object with the measurements.
+process already has 4 logical CPUs), so each scenario runs here, in a client
+process of its own or one after the other with others (each client process
+starts TensorFlow and connects: 6-15 s), against worker processes that the
+test started. The last stdout line is a JSON object with the measurements.
 
     python tests/support/cluster_scenarios.py remote --cluster A0,A1
+    python tests/support/cluster_scenarios.py listen,remote --cluster A0,A1
+        # several in one process, in order: one JSON object of their results
     python tests/support/cluster_scenarios.py resume --cluster A0,A1 --kill-pid PID \
         --backup DIR    # waits for "go" on stdin after the worker is lost
 """
 
 import argparse
+import contextlib
+import io
 import json
 import os
 import pathlib
@@ -42,10 +47,12 @@ def remote_devices(num_tasks):
 def make_model(devices, seed=7):
     """An MLP with BatchNorm and Dropout, one stage per device."""
     keras.utils.set_random_seed(seed)
+    # Named as in a fresh process, whatever scenario ran before here.
     stages = [keras.Sequential([keras.layers.Dense(16, activation="relu"),
-                                keras.layers.BatchNormalization()]),
+                                keras.layers.BatchNormalization()],
+                               name="sequential"),
               keras.Sequential([keras.layers.Dropout(0.25),
-                                keras.layers.Dense(3)])]
+                                keras.layers.Dense(3)], name="sequential_1")]
     model = keras_pipe.PipelineModel(stages, devices=devices,
                                       num_micro_batches=2)
     model.build((None, 8))
@@ -480,11 +487,8 @@ def run_interrupt(args):
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("scenario", choices=["remote", "resume", "hang",
-                                             "listen", "restart",
-                                             "stage_error", "timeline",
-                                             "threads", "interrupt",
-                                             "placed"])
+    parser.add_argument("scenario", help="a scenario's name, or names "
+                        "joined by ',' to run one after the other here")
     parser.add_argument("--cluster", required=True,
                         type=lambda s: {"worker": s.split(",")})
     parser.add_argument("--kill-pid", type=int)
@@ -496,11 +500,27 @@ def main():
     # shell's background job starts with SIGINT ignored, and Python then
     # raises no KeyboardInterrupt for it.
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    {"remote": run_remote, "resume": run_resume, "hang": run_hang,
-     "listen": run_listen, "restart": run_restart,
-     "stage_error": run_stage_error,
-     "timeline": run_timeline, "threads": run_threads,
-     "interrupt": run_interrupt, "placed": run_placed}[args.scenario](args)
+    names = args.scenario.split(",")
+    unknown = sorted(set(names) - set(SCENARIOS))
+    if unknown:
+        parser.error(f"unknown scenarios {unknown}; known: {sorted(SCENARIOS)}")
+    if len(names) == 1:
+        SCENARIOS[names[0]](args)
+        return
+    results = {}
+    for name in names:
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            SCENARIOS[name](args)
+        results[name] = json.loads(out.getvalue().strip().splitlines()[-1])
+    print(json.dumps(results))
+
+
+SCENARIOS = {"remote": run_remote, "resume": run_resume, "hang": run_hang,
+             "listen": run_listen, "restart": run_restart,
+             "stage_error": run_stage_error, "timeline": run_timeline,
+             "threads": run_threads, "interrupt": run_interrupt,
+             "placed": run_placed}
 
 
 if __name__ == "__main__":

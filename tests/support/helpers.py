@@ -64,6 +64,14 @@ def compiled_pipeline(devices, num_stages, num_micro_batches, remat,
     return pipe
 
 
+def build_optimizer(model):
+    """Makes `model`'s optimizer slots before its first step, as
+    `PipelineModel.compile` does: made inside it (Keras' own), they make TF
+    trace the train function twice."""
+    if not model.optimizer.built:
+        model.optimizer.build(model.trainable_variables)
+
+
 def data(batch_size, seed=0):
     """`(x, y, sample_weight)` for `dense_stages`."""
     return random_data(batch_size, (IN_DIM,), classes=NUM_CLASSES,

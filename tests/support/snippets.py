@@ -59,15 +59,19 @@ PRELUDE = textwrap.dedent('''
         plain = model.to_model() if hasattr(model, "to_model") else model
         inputs = plain.input
 
+        def shape(t):
+            return (rows,) + tuple(d or 4 for d in t.shape[1:])
+
         def sample(t):
-            shape = (rows,) + tuple(d or 4 for d in t.shape[1:])
             if "int" in str(t.dtype):
-                return _rng.integers(0, 2, shape).astype(str(t.dtype))
-            return _rng.random(shape).astype("float32")
+                return _rng.integers(0, 2, shape(t)).astype(str(t.dtype))
+            return _rng.random(shape(t)).astype("float32")
 
         xs = keras.tree.map_structure(sample, inputs)
-        logits = keras.tree.flatten(model.predict(xs, verbose=0))[0]
-        ys = _rng.integers(0, logits.shape[-1], logits.shape[:-1])
+        # The logits' shape from the model's graph (a predict would trace
+        # the pipeline's predict step only to read it).
+        logits = shape(keras.tree.flatten(plain.output)[0])
+        ys = _rng.integers(0, logits[-1], logits[:-1])
         return xs, ys
 
     def _compile_args():
