@@ -756,6 +756,40 @@ def test_a_broadcast_kernels_gradient_is_held_per_row():
     actions = memory.stage_actions("gpipe", 1, 2)[0]
     peak = memory.stage_memory(attention, actions, "never", 1, 0, first=True)
     assert peak.transient >= attention.broadcast
-    # The tape's tensors of the calls after it are freed by then.
+    # The tape's tensors of the calls after it are freed by then, and its
+    # own after its first projection (scores, softmax).
     both = profile.block(0, 2)
-    assert both.after_broadcast == dense.recompute > 0
+    assert both.after_broadcast == dense.recompute + \
+        attention.after_broadcast
+    assert dense.recompute > 0 and attention.after_broadcast > 0
+
+
+class _Decoder(keras.layers.Layer):
+    """An opaque layer: attention, then a feed-forward part."""
+
+    def __init__(self, dim, **kwargs):
+        super().__init__(**kwargs)
+        self.attention = keras.layers.MultiHeadAttention(2, dim // 2)
+        self.up = keras.layers.Dense(4 * dim, activation="gelu")
+        self.down = keras.layers.Dense(dim)
+
+    def call(self, x):
+        return self.down(self.up(x + self.attention(x, x)))
+
+
+def test_an_opaque_layer_frees_what_follows_its_attention_first():
+    # Inside an opaque layer (KerasHub's `TransformerDecoder`), the tensors
+    # its feed-forward part keeps are freed by the backward pass before it
+    # reaches the attention's kernel gradients (logical GPT-2's stage 1 at
+    # SGD M = 4 always: +26% -> +24% with them freed).
+    dim, rows = 32, 8
+    x = keras.Input((8, dim))
+    h = _Decoder(dim, name="decoder")(x)
+    h = keras.layers.GlobalAveragePooling1D()(h)
+    model = keras.Model(x, keras.layers.Dense(3)(h))
+    part = partition.cut(model, 2, balance=[1, 2])
+    block = memory.Profile(part.graph, rows).block(0, 1)
+    assert block.broadcast > 0
+    # At least the GELU's input, kept for its gradient (4 * dim per token).
+    assert block.after_broadcast >= rows * 8 * 4 * dim * 4
+    assert block.after_broadcast <= block.recompute

@@ -221,7 +221,8 @@ _TRACED = weakref.WeakKeyDictionary()
 # (`_traced_inner`): `(forward, forward and backward)`.
 _NODES = weakref.WeakKeyDictionary()
 # Per operation and input signature: bytes per row of the broadcast kernel
-# gradients of the traced call (`_broadcast_gradients`), the largest first.
+# gradients of the traced call (`_broadcast_gradients`), the largest first,
+# and of its kept tensors freed before them (`_freed_before_broadcast`).
 _BROADCAST = weakref.WeakKeyDictionary()
 # Ops whose outputs a gradient reads without them holding memory of their
 # own: the function's arguments, constants, views of variables, shapes.
@@ -330,8 +331,21 @@ def broadcast_bytes(call, shapes=None):
     if not isinstance(call.operation, keras.Operation):
         return 0
     _traced_inner(call, shapes)
-    found = _BROADCAST[call.operation][_signature(call, shapes)[1]]
+    found, _ = _BROADCAST[call.operation][_signature(call, shapes)[1]]
     return sum(found[:CONCURRENT_KERNELS])
+
+
+def _freed_before_broadcast(call, shapes=None):
+    """Bytes per row of the tensors inside `call` that its gradient keeps
+    and that the forward pass made from its first kernel-broadcasting
+    product on: freed by the backward pass before that product's kernel
+    gradient (`broadcast_bytes`) is made (in an opaque layer, such as
+    KerasHub's `TransformerDecoder`, the feed-forward part after the
+    attention)."""
+    if not isinstance(call.operation, keras.Operation):
+        return 0
+    _traced_inner(call, shapes)
+    return _BROADCAST[call.operation][_signature(call, shapes)[1]][1]
 
 
 def _traced_inner(call, shapes=None):
@@ -379,9 +393,16 @@ def _traced_inner(call, shapes=None):
            if op.type != "Placeholder" and not op.name.startswith("ones_like")]
     nodes[key] = (sum(op.type != "Placeholder" for op in forward), len(own))
     outputs = {id(t) for t in kept}
-    _BROADCAST.setdefault(call.operation, {})[key] = _broadcast_gradients(
-        graph, inside)
-    per_row = whole = 0
+    found = _broadcast_gradients(graph, inside)
+    # Forward ops from the first product that broadcasts a kernel on: the
+    # tensors they make are freed by the backward pass before it reaches
+    # that product's kernel gradient.
+    order = {op: n for n, op in enumerate(forward)}
+    first = min((order[op] for op in forward
+                 if op.type in _BATCHED_PRODUCTS and any(
+                     x.shape.rank == 2 for x in op.inputs)),
+                default=len(forward)) if found else len(forward)
+    per_row = whole = later = 0
     seen = set()
     for op in graph.get_operations():
         if op in inside or op.type in _READS_SHAPE:
@@ -395,7 +416,10 @@ def _traced_inner(call, shapes=None):
             seen.add(id(t))
             dims = t.shape.as_list() if t.shape.rank is not None else []
             if dims and dims[0] is None:
-                per_row += t.dtype.size * math.prod(d or 1 for d in dims[1:])
+                size = t.dtype.size * math.prod(d or 1 for d in dims[1:])
+                per_row += size
+                if order.get(t.op, -1) >= first:
+                    later += size
             elif dims and t.dtype.is_floating and all(
                     d is not None for d in dims):
                 # Without the batch dimension: a copy made from a weight
@@ -405,6 +429,7 @@ def _traced_inner(call, shapes=None):
                 # (`ReadVariableOp`) are not held.
                 whole += t.dtype.size * math.prod(dims)
     cache[key] = per_row, whole
+    _BROADCAST.setdefault(call.operation, {})[key] = found, later
     return per_row, whole
 
 
@@ -622,6 +647,8 @@ class Profile:
         self.workspace = [backward_workspace(c, shapes) for c in graph.calls]
         self.broadcast = [rows * broadcast_bytes(c, shapes)
                           for c in graph.calls]
+        self.freed = [rows * _freed_before_broadcast(c, shapes)
+                      for c in graph.calls]
         self.seeded = [o if _stashes_output_gradient(c.operation) else 0
                        for o, c in zip(self.out, graph.calls)]
         # A variable used by several calls (tied weights) is counted with
@@ -674,11 +701,15 @@ class Profile:
 
     def after_broadcast(self, a, b):
         """What the tape keeps of calls `a..b-1` after the last one with
-        their largest broadcast kernel gradients (`broadcast_bytes`): freed
-        by the backward pass before that call's gradients are made."""
+        their largest broadcast kernel gradients (`broadcast_bytes`), and
+        of that call after its first such product: freed by the backward
+        pass before those gradients are made."""
         most = max(self.broadcast[a:b])
+        if not most:
+            return 0
         last = max(c for c in range(a, b) if self.broadcast[c] == most)
-        return self.recomputed[b] - self.recomputed[last + 1]
+        return self.recomputed[b] - self.recomputed[last + 1] + \
+            self.freed[last]
 
     def block(self, a, b, alone=False):
         """Sizes of calls `a..b-1` as one stage.
