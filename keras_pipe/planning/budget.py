@@ -106,14 +106,21 @@ def block_grid(profile, n):
     largest = np.zeros((n + 1, n + 1))
     largest_var = np.zeros((n + 1, n + 1))
     workspace = np.zeros((n + 1, n + 1))
+    broadcast = np.zeros((n + 1, n + 1))
+    after = np.zeros((n + 1, n + 1))
     out = np.array(profile.out, float)
     var = np.array(profile.largest_var, float)
     scratch = np.array(profile.workspace, float)
+    per_call = np.array(profile.broadcast, float)
     for start in range(n):
         largest[start, start + 1:] = np.maximum.accumulate(out[start:])
         largest_var[start, start + 1:] = np.maximum.accumulate(var[start:])
         workspace[start, start + 1:] = np.maximum.accumulate(
             scratch[start:])
+        broadcast[start, start + 1:] = np.maximum.accumulate(
+            per_call[start:])
+        for end in range(start + 1, n + 1):
+            after[start, end] = profile.after_broadcast(start, end)
     grid = {
         "inputs": np.broadcast_to(gap[:, None], (n + 1, n + 1)),
         "outputs": np.broadcast_to(outputs[None, :], (n + 1, n + 1)),
@@ -122,6 +129,7 @@ def block_grid(profile, n):
         "trainable": trainable[e] - trainable[a],
         "largest": largest, "largest_variable": largest_var,
         "mixing": mixed[e] - mixed[a], "workspace": workspace,
+        "broadcast": broadcast, "after_broadcast": after,
         "stash": stashed[e] - stashed[a],
         "transposed": np.array(profile.transposed, float)[e]
         - np.array(profile.transposed, float)[a],

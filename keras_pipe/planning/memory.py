@@ -17,6 +17,10 @@ anything is built. The model follows what the executor holds
   tensors some gradient op needs), the incoming and outgoing gradients,
   the largest activation gradients, and the output gradients of the other
   micro-batches in flight, which a next stage running ahead may have sent;
+  when the pass reaches a product that broadcasts its kernel over the rows
+  (`MultiHeadAttention`'s projections), that kernel's gradient per row
+  before its sum (`broadcast_bytes`); with SGD at M = 1 without remat,
+  two gradients, not all (each is applied as it is made);
 * stage 0 also holds the mini-batch, the last stage the merged outputs and
   their loss gradient (under GPipe only from the merge on: before, the
   outputs of the micro-batches run so far);
@@ -216,6 +220,10 @@ _TRACED = weakref.WeakKeyDictionary()
 # Per operation and input signature: graph nodes of the traced call
 # (`_traced_inner`): `(forward, forward and backward)`.
 _NODES = weakref.WeakKeyDictionary()
+# Per operation and input signature: bytes per row of the broadcast kernel
+# gradients of the traced call (`_broadcast_gradients`), the largest first,
+# and of its kept tensors freed before them (`_freed_before_broadcast`).
+_BROADCAST = weakref.WeakKeyDictionary()
 # Ops whose outputs a gradient reads without them holding memory of their
 # own: the function's arguments, constants, views of variables, shapes.
 _NOT_HELD = ("Placeholder", "Const", "ReadVariableOp", "VarHandleOp",
@@ -258,6 +266,34 @@ def _folded_transpose(t):
         c.type == "MatMul" for c in t.consumers())
 
 
+# Batched products whose operand without the batch dimension is broadcast
+# (`tf.matmul` of a 3-D input by a 2-D kernel: Keras' `einsum` for
+# `EinsumDense`, the projections of `MultiHeadAttention`).
+_BATCHED_PRODUCTS = ("BatchMatMulV2", "BatchMatMulV3")
+
+
+def _broadcast_gradients(graph, inside):
+    """Bytes per row of each broadcast kernel's gradient before its sum: TF's
+    gradient of a batched product (`_BatchMatMulV2Grad`) makes the kernel's
+    gradient per row, `[rows, ...kernel]`, then sums it over the rows."""
+    found = []
+    for op in graph.get_operations():
+        if op in inside or op.type not in _BATCHED_PRODUCTS:
+            continue
+        t = op.outputs[0]
+        dims = t.shape.as_list() if t.shape.rank is not None else []
+        # Summed over the rows and reshaped to the kernel's shape, known
+        # whole (the input gradient's `Sum`, over broadcast axes, keeps
+        # the batch dimension).
+        if len(dims) < 3 or dims[0] is not None or None in dims[1:] or \
+                not any(c.type == "Sum" and any(
+                    r.type == "Reshape" and r.outputs[0].shape.is_fully_defined()
+                    for r in c.outputs[0].consumers()) for c in t.consumers()):
+            continue
+        found.append(t.dtype.size * math.prod(dims[1:]))
+    return sorted(found, reverse=True)
+
+
 def _signature(call, shapes=None):
     """The specs a call is traced with (batch dimension unknown) and their
     cache key."""
@@ -276,6 +312,40 @@ def call_nodes(call, shapes=None):
         return 0, 0
     _traced_inner(call, shapes)
     return _NODES[call.operation][_signature(call, shapes)[1]]
+
+
+def broadcast_bytes(call, shapes=None):
+    """Bytes per row of the broadcast kernels' gradients one backward pass
+    of `call` holds at once, before their sums over the rows: the
+    `CONCURRENT_KERNELS` largest of its traced gradient graph
+    (`_broadcast_gradients`; 0 for most layers).
+
+    A 3-D input times a 2-D kernel is a batched product that broadcasts the
+    kernel (Keras' `einsum` for `EinsumDense`: `MultiHeadAttention`'s four
+    projections); TF's gradient makes the kernel's gradient per row,
+    `[rows, ...kernel]`, and sums it. TF's profiler
+    (`tools/allocation_trace.py transformer sgd 1 gpipe never 0`, the
+    worker Transformer's stage 0, 16 rows) found two `[16, 512, 512]`
+    gradients (query and value, 16 MiB each) alive at the stage's
+    allocator peak, made by the inter-op pool's two threads at once."""
+    if not isinstance(call.operation, keras.Operation):
+        return 0
+    _traced_inner(call, shapes)
+    found, _ = _BROADCAST[call.operation][_signature(call, shapes)[1]]
+    return sum(found[:CONCURRENT_KERNELS])
+
+
+def _freed_before_broadcast(call, shapes=None):
+    """Bytes per row of the tensors inside `call` that its gradient keeps
+    and that the forward pass made from its first kernel-broadcasting
+    product on: freed by the backward pass before that product's kernel
+    gradient (`broadcast_bytes`) is made (in an opaque layer, such as
+    KerasHub's `TransformerDecoder`, the feed-forward part after the
+    attention)."""
+    if not isinstance(call.operation, keras.Operation):
+        return 0
+    _traced_inner(call, shapes)
+    return _BROADCAST[call.operation][_signature(call, shapes)[1]][1]
 
 
 def _traced_inner(call, shapes=None):
@@ -323,7 +393,16 @@ def _traced_inner(call, shapes=None):
            if op.type != "Placeholder" and not op.name.startswith("ones_like")]
     nodes[key] = (sum(op.type != "Placeholder" for op in forward), len(own))
     outputs = {id(t) for t in kept}
-    per_row = whole = 0
+    found = _broadcast_gradients(graph, inside)
+    # Forward ops from the first product that broadcasts a kernel on: the
+    # tensors they make are freed by the backward pass before it reaches
+    # that product's kernel gradient.
+    order = {op: n for n, op in enumerate(forward)}
+    first = min((order[op] for op in forward
+                 if op.type in _BATCHED_PRODUCTS and any(
+                     x.shape.rank == 2 for x in op.inputs)),
+                default=len(forward)) if found else len(forward)
+    per_row = whole = later = 0
     seen = set()
     for op in graph.get_operations():
         if op in inside or op.type in _READS_SHAPE:
@@ -337,7 +416,10 @@ def _traced_inner(call, shapes=None):
             seen.add(id(t))
             dims = t.shape.as_list() if t.shape.rank is not None else []
             if dims and dims[0] is None:
-                per_row += t.dtype.size * math.prod(d or 1 for d in dims[1:])
+                size = t.dtype.size * math.prod(d or 1 for d in dims[1:])
+                per_row += size
+                if order.get(t.op, -1) >= first:
+                    later += size
             elif dims and t.dtype.is_floating and all(
                     d is not None for d in dims):
                 # Without the batch dimension: a copy made from a weight
@@ -347,6 +429,7 @@ def _traced_inner(call, shapes=None):
                 # (`ReadVariableOp`) are not held.
                 whole += t.dtype.size * math.prod(dims)
     cache[key] = per_row, whole
+    _BROADCAST.setdefault(call.operation, {})[key] = found, later
     return per_row, whole
 
 
@@ -506,6 +589,10 @@ class Block:
     #                     is the stage's incoming one)
     transposed: int = 0  # kernels whose forward products read a transposed
     #                      copy (`products.eligible`), if the step makes them
+    broadcast: int = 0  # broadcast kernels' gradients per row, one call's
+    #                     `CONCURRENT_KERNELS` largest (`_broadcast_gradients`)
+    after_broadcast: int = 0  # of `recompute`: the calls after the last
+    #                           one with `broadcast`'s gradients
     forward_nodes: int = 0  # graph nodes of the calls' forward pass
     nodes: int = 0      # graph nodes of their forward and backward passes
 
@@ -558,6 +645,10 @@ class Profile:
         self.out = [sum(cost_lib.tensor_bytes(x, rows, shapes) for x in c.outputs)
                      for c in graph.calls]
         self.workspace = [backward_workspace(c, shapes) for c in graph.calls]
+        self.broadcast = [rows * broadcast_bytes(c, shapes)
+                          for c in graph.calls]
+        self.freed = [rows * _freed_before_broadcast(c, shapes)
+                      for c in graph.calls]
         self.seeded = [o if _stashes_output_gradient(c.operation) else 0
                        for o, c in zip(self.out, graph.calls)]
         # A variable used by several calls (tied weights) is counted with
@@ -608,6 +699,18 @@ class Profile:
         self.output_bytes = sum(cost_lib.tensor_bytes(x, rows, shapes)
                                 for x in graph.outputs)
 
+    def after_broadcast(self, a, b):
+        """What the tape keeps of calls `a..b-1` after the last one with
+        their largest broadcast kernel gradients (`broadcast_bytes`), and
+        of that call after its first such product: freed by the backward
+        pass before those gradients are made."""
+        most = max(self.broadcast[a:b])
+        if not most:
+            return 0
+        last = max(c for c in range(a, b) if self.broadcast[c] == most)
+        return self.recomputed[b] - self.recomputed[last + 1] + \
+            self.freed[last]
+
     def block(self, a, b, alone=False):
         """Sizes of calls `a..b-1` as one stage.
 
@@ -635,6 +738,8 @@ class Profile:
             largest_variable=max(self.largest_var[a:b]),
             mixing=self.mixed[b] - self.mixed[a],
             workspace=max(self.workspace[a:b]),
+            broadcast=max(self.broadcast[a:b]),
+            after_broadcast=self.after_broadcast(a, b),
             stash=self.stashed[b] - self.stashed[a],
             transposed=self.transposed[b] - self.transposed[a],
             forward_nodes=self.forward_nodes[b] - self.forward_nodes[a],
@@ -665,7 +770,7 @@ class StageMemory:
 
 FEATURES = ("inputs", "outputs", "activations", "recompute", "trainable",
             "largest", "largest_variable", "mixing", "workspace", "stash",
-            "seeded", "transposed")
+            "seeded", "transposed", "broadcast", "after_broadcast")
 _CATEGORIES = ("boundary", "activations", "gradients", "transient")
 
 
@@ -806,12 +911,6 @@ def moments(actions, mode, num_micro_batches, first=False, last=False,
             passing = arriving + _unit("largest")
         # The next stage may run ahead: gradients for the outputs of the
         # other micro-batches in flight can have arrived and be waiting.
-        result.append(np.stack([
-            boundary, kept + recompute, grads,
-            fixed + passing + waiting
-            + _unit("workspace", CONCURRENT_KERNELS)]))
-        held.pop(i, None)
-        sums = _unit("trainable")
         # One micro-batch, taped, SGD: each update reads only its own
         # gradient, so the step's function applies a gradient as soon as it
         # is made (no sum waits for another micro-batch), as the chain does
@@ -819,6 +918,26 @@ def moments(actions, mode, num_micro_batches, first=False, last=False,
         # once would be 144 / 128). Not measured with Adam at M = 1 without
         # remat: its step keeps the full count.
         released = m == 1 and not remat and not optimizer_slots
+        if released:
+            # While the backward pass runs, about two gradients are alive:
+            # the one being applied and the next being made (TF's
+            # profiler, `tools/allocation_trace.py --logical mlp sgd 1
+            # gpipe never 0`: at the MLP stage 0's peak two of its three
+            # 1 MiB kernel gradients; all three counted made 18.0 MiB for
+            # a measured 14.0).
+            grads = _unit("largest_variable", 2)
+        result.append(np.stack([
+            boundary, kept + recompute, grads,
+            fixed + passing + waiting
+            + _unit("workspace", CONCURRENT_KERNELS)]))
+        # A broadcast kernel's gradient (`broadcast_bytes`): made when the
+        # backward pass reaches its call, once the tape's tensors of the
+        # calls after it are freed.
+        result.append(np.stack([
+            boundary, kept + recompute - _unit("after_broadcast"), grads,
+            fixed + passing + waiting + _unit("broadcast")]))
+        held.pop(i, None)
+        sums = _unit("trainable")
     in_place = [n for n, (kind, i) in enumerate(order)
                 if kind == "F" and not remat_of(i)]
     if transposed and in_place:
@@ -865,9 +984,12 @@ def weight_call_transient(run_length):
     buffers and two copies of a slot counted before gave 187.3 MiB for
     the stage's measured 152.7.
     """
+    # A broadcast kernel's gradient (`broadcast_bytes`) is per row of the
+    # run's concatenated inputs.
     if run_length > 1:
-        return _unit("largest", run_length) + _unit("workspace")
-    return _unit("workspace", CONCURRENT_KERNELS)
+        return _unit("largest", run_length) + _unit("workspace") + _unit(
+            "broadcast", run_length)
+    return _unit("workspace", CONCURRENT_KERNELS) + _unit("broadcast")
 
 
 def update_temporaries(optimizer_slots):
