@@ -324,6 +324,13 @@ def compute_loss(model, **kwargs):
     return model._compute_loss(**kwargs)
 
 
+def compiled_state(model):
+    """Keras' `CompileLoss` and `CompileMetrics` of a compiled model, each
+    None when it was compiled without (variables made on `build(y,
+    y_pred)`)."""
+    return [model._compile_loss, model._compile_metrics]
+
+
 def optimizer_hook(optimizer, name):
     """One of the per-step hooks of a Keras optimizer, by private name."""
     return getattr(optimizer, name)

@@ -400,6 +400,83 @@ class PipelineModel(model_io.SavingMethods, keras.Model):
             with _compat.eager_scope():
                 compile_loss.build(y, spec)
 
+    # ------------------------------------------- built before the first trace
+    # A `tf.function` whose first trace made variables is traced again, as a
+    # function that makes none; one trace of a pipeline's step costs seconds
+    # to minutes. Keras' TF trainer builds the model and the compiled loss
+    # and metrics before the first step only under a distribution strategy
+    # (from a batch drawn from the data); here they are built from the
+    # element spec of the iterator the step is given, which reads no batch.
+
+    def make_train_function(self, force=False):
+        """Keras' train function, which first builds what the step would
+        create from the spec of its iterator's elements."""
+        if self.train_function is not None and not force:
+            return self.train_function
+        super().make_train_function(force=True)
+        self.train_function = self._built_first(self.train_function)
+        return self.train_function
+
+    def make_test_function(self, force=False):
+        """Keras' test function, built first as the train function."""
+        if self.test_function is not None and not force:
+            return self.test_function
+        super().make_test_function(force=True)
+        self.test_function = self._built_first(self.test_function)
+        return self.test_function
+
+    def make_predict_function(self, force=False):
+        """Keras' predict function, which first builds the stages from the
+        spec of its first batch if they are unbuilt."""
+        if self.predict_function is not None and not force:
+            return self.predict_function
+        super().make_predict_function(force=True)
+        predict = self.predict_function
+
+        def built_first(data):
+            if not self.built:
+                self._build_from_data_spec(tf.nest.map_structure(
+                    tf.type_spec_from_value, data[0]))
+            return predict(data)
+
+        self.predict_function = built_first
+        return self.predict_function
+
+    def _built_first(self, function):
+        """`function(iterator)` that first builds from the element spec of
+        the iterator of its first call (`_build_from_data_spec`)."""
+        pending = [True]
+
+        def built_first(iterator):
+            element_spec = getattr(iterator, "element_spec", None)
+            if pending and element_spec is not None:
+                self._build_from_data_spec(element_spec)
+            pending.clear()
+            return function(iterator)
+
+        return built_first
+
+    def _unbuilt_compiled_state(self):
+        """The compiled loss and metrics, those not built yet."""
+        return [state for state in _compat.compiled_state(self)
+                if state is not None and not state.built]
+
+    def _build_from_data_spec(self, element_spec):
+        """Builds the stages, the compiled loss and the compiled metrics
+        from the spec of a step's data (`building.data_spec`)."""
+        data = building.data_spec(element_spec)
+        if data is None:
+            return  # Built by the step, from its first batch.
+        x, y, _ = keras.utils.unpack_x_y_sample_weight(data)
+        if not self.built:
+            self._build_from_spec(x)
+        states = self._unbuilt_compiled_state() if y is not None else []
+        if states:  # Without targets (`predict`), left to the step.
+            y_pred = self.compute_output_spec(x)
+            with _compat.eager_scope():
+                for state in states:
+                    state.build(y, y_pred)
+
     @_not_autograph
     def train_step(self, data):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)

@@ -271,6 +271,18 @@ def test_set_initial_epoch_is_what_fit_reads():
     assert seen == [2]
 
 
+def test_compiled_state_is_what_a_step_builds():
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(3)])
+    model.compile("sgd", "mse")
+    assert _compat.compiled_state(model)[1] is None
+    model.compile("sgd", "mse", metrics=["mae"])
+    state = _compat.compiled_state(model)
+    assert [s.built for s in state] == [False, False]
+    model.evaluate(np.zeros((4, 2)), np.zeros((4, 3)), verbose=0)
+    assert [s.built for s in state] == [True, True]
+    assert [v.name for v in state[1].variables] == ["total", "count"]
+
+
 def test_save_weights_to_writes_the_file_keras_writes(tmp_path):
     import io
 

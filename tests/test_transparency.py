@@ -129,6 +129,86 @@ def test_evaluate_and_predict_equal_the_unpipelined_model(devices):
         close(results[name], expected[name])
 
 
+def count_traces(model, step_name):
+    """Replaces `model.<step_name>` by a counting wrapper; returns the list
+    it appends to. Keras runs a step method only while tracing it."""
+    traces = []
+    step = getattr(model, step_name)
+
+    def counted(data):
+        traces.append(step_name)
+        return step(data)
+
+    setattr(model, step_name, counted)
+    return traces
+
+
+def cycled_batches(x, y, sample_weight, batch_size):
+    """A generator of `(x, y, sample_weight)` batches, round and round."""
+    while True:
+        for i in range(0, len(x), batch_size):
+            yield tuple(a[i:i + batch_size] for a in (x, y, sample_weight))
+
+
+@pytest.mark.parametrize("optimizer,data", [
+    ("sgd", "arrays"), pytest.param("adam", "generator",
+                                    marks=pytest.mark.slow)])
+def test_fit_with_metrics_traces_its_steps_once(devices, optimizer, data):
+    # Broke: the compiled metrics were made while the train (and test)
+    # function was traced, and variables made in a trace make TF trace the
+    # whole pipeline step a second time (seconds to minutes for a large
+    # pipeline). They are built from the data's element spec first, which
+    # takes no batch from a generator (weights equal to Keras' after it).
+    pipe, reference = helpers.pipeline_and_reference(
+        2, 3, "except_last", devices)
+    for model in (pipe, reference):  # metric objects of its own each
+        model.compile(optimizer, keras.losses.SparseCategoricalCrossentropy(
+            from_logits=True), metrics=[
+                "accuracy", keras.metrics.SparseTopKCategoricalAccuracy(k=2)],
+            weighted_metrics=["accuracy"])
+        helpers.build_optimizer(model)
+    traces = [count_traces(pipe, "train_step"),
+              count_traces(pipe, "test_step")]
+    x, y, sample_weight = helpers.data(26)
+    val_x, val_y, _ = helpers.data(9, seed=1)
+    arguments = dict(epochs=2, validation_data=(val_x, val_y), verbose=0)
+    if data == "arrays":
+        def fit(model):
+            return model.fit(x, y, sample_weight=sample_weight,
+                             batch_size=8, **arguments)
+    else:
+        def fit(model):
+            return model.fit(cycled_batches(x, y, sample_weight, 8),
+                             steps_per_epoch=4, **arguments)
+    history = fit(pipe)
+    assert [len(t) for t in traces] == [1, 1]
+    ref_history = fit(reference)
+    assert set(history.history) == set(ref_history.history)
+    for name, values in ref_history.history.items():
+        close(history.history[name], values)
+    for w, ref_w in zip(pipe.get_weights(), reference.get_weights()):
+        close(w, ref_w)
+
+
+@pytest.mark.parametrize("method", ["evaluate", "predict"])
+def test_evaluate_and_predict_of_an_unbuilt_pipeline_trace_once(devices,
+                                                                method):
+    # Broke as fit did: the stages (and evaluate's metrics) were made in
+    # the first trace of the step, so it was traced twice.
+    pipe = keras_pipe.PipelineModel(
+        helpers.dense_stages(2), devices=devices[:2], num_micro_batches=2)
+    pipe.compile("sgd", keras.losses.SparseCategoricalCrossentropy(
+        from_logits=True), metrics=["accuracy"])
+    traces = count_traces(pipe, {"evaluate": "test_step",
+                                 "predict": "predict_step"}[method])
+    x, y, _ = helpers.data(12)  # Whole batches: predict's tf.function
+    if method == "evaluate":  # retraces for a partial one (a new shape).
+        pipe.evaluate(x, y, batch_size=4, verbose=0)
+    else:
+        pipe.predict(x, batch_size=4, verbose=0)
+    assert len(traces) == 1 and pipe.built
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_fit_on_dataset_equals_unpipelined_fit(devices, schedule):

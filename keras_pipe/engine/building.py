@@ -12,7 +12,7 @@ from keras_pipe import _compat, _validation
 from keras_pipe.engine import placement
 from keras_pipe.engine import schedule as schedule_lib
 
-__all__ = ["build_stages", "check_stages", "device_indices",
+__all__ = ["build_stages", "check_stages", "data_spec", "device_indices",
            "known_input_spec", "spec_of", "to_spec"]
 
 
@@ -42,6 +42,23 @@ def spec_of(inputs):
         return keras.KerasTensor((None,) + shape[1:] if shape else shape,
                                  dtype=dtype)
     return keras.tree.map_structure(one, inputs)
+
+
+def data_spec(element_spec):
+    """KerasTensors shaped and typed as a dataset's elements, or None.
+
+    `None` stands for an empty `tf.experimental.Optional` (what Keras'
+    step reads as a missing target or weight). None when an element holds
+    a sparse, ragged or other composite value, or one of unknown rank:
+    Keras' step then builds from the first batch, as before.
+    """
+    leaves = tf.nest.flatten(element_spec)
+    if not all(type(s) is tf.TensorSpec and s.shape.rank is not None
+               or isinstance(s, tf.OptionalSpec) for s in leaves):
+        return None
+    return tf.nest.pack_sequence_as(element_spec, [
+        None if isinstance(s, tf.OptionalSpec) else spec_of(s)
+        for s in leaves])
 
 
 def _describe(spec):
