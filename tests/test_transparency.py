@@ -27,8 +27,17 @@ def compile_both(pipe, reference, loss=None, optimizer="sgd", metrics=()):
                 keras.optimizers.get(optimizer).get_config()),
             loss=loss or keras.losses.SparseCategoricalCrossentropy(
                 from_logits=True),
-            metrics=list(metrics))
+            metrics=[_fresh(m) for m in metrics])
         helpers.build_optimizer(model)
+
+
+def _fresh(metric):
+    """A metric object of its own per model: one shared by two compiled
+    models accumulates both models' batches (plain Keras' epoch top-k
+    accuracy moved from 0.692 to 0.714 with it)."""
+    if isinstance(metric, keras.metrics.Metric):
+        return metric.__class__.from_config(metric.get_config())
+    return metric
 
 
 def check_one_step(pipe, reference, x, y, sample_weight=None):
