@@ -411,19 +411,22 @@ class PipelineModel(model_io.SavingMethods, keras.Model):
     def make_train_function(self, force=False):
         """Keras' train function, which first builds what the step would
         create from the spec of its iterator's elements."""
-        if self.train_function is not None and not force:
-            return self.train_function
-        super().make_train_function(force=True)
-        self.train_function = self._built_first(self.train_function)
-        return self.train_function
+        return self._made_built_first(
+            "train_function", super().make_train_function, force)
 
     def make_test_function(self, force=False):
         """Keras' test function, built first as the train function."""
-        if self.test_function is not None and not force:
-            return self.test_function
-        super().make_test_function(force=True)
-        self.test_function = self._built_first(self.test_function)
-        return self.test_function
+        return self._made_built_first(
+            "test_function", super().make_test_function, force)
+
+    def _made_built_first(self, name, make, force):
+        """The function `self.<name>` that Keras' `make(force=True)` sets,
+        wrapped by `_built_first` (made once unless `force`)."""
+        if getattr(self, name) is not None and not force:
+            return getattr(self, name)
+        make(force=True)
+        setattr(self, name, self._built_first(getattr(self, name)))
+        return getattr(self, name)
 
     def make_predict_function(self, force=False):
         """Keras' predict function, which first builds the stages from the
