@@ -328,7 +328,8 @@ def compiled_state(model):
     """Keras' `CompileLoss` and `CompileMetrics` of a compiled model, each
     None when it was compiled without (variables made on `build(y,
     y_pred)`)."""
-    return [model._compile_loss, model._compile_metrics]
+    return [getattr(model, "_compile_loss", None),
+            getattr(model, "_compile_metrics", None)]
 
 
 def optimizer_hook(optimizer, name):

@@ -393,12 +393,22 @@ class PipelineModel(model_io.SavingMethods, keras.Model):
 
     def _build_compile_loss(self, x, y):
         """Builds the compiled loss (its metrics) outside stateless scopes."""
-        compile_loss = getattr(self, "_compile_loss", None)
+        compile_loss, _ = _compat.compiled_state(self)
         if compile_loss is not None and not compile_loss.built:
-            spec = self.compute_output_spec(keras.tree.map_structure(
-                lambda t: keras.KerasTensor(t.shape, t.dtype.name), x))
+            self._build_compiled([compile_loss], keras.tree.map_structure(
+                lambda t: keras.KerasTensor(t.shape, t.dtype.name), x), y)
+
+    def _build_compiled(self, states, x, y):
+        """Builds those of `states` (Keras' compiled loss and metrics) not
+        built yet, for inputs shaped as the KerasTensors `x` and targets
+        `y`, outside stateless scopes."""
+        states = [state for state in states
+                  if state is not None and not state.built]
+        if states:
+            y_pred = self.compute_output_spec(x)
             with _compat.eager_scope():
-                compile_loss.build(y, spec)
+                for state in states:
+                    state.build(y, y_pred)
 
     # ------------------------------------------- built before the first trace
     # A `tf.function` whose first trace made variables is traced again, as a
@@ -459,11 +469,6 @@ class PipelineModel(model_io.SavingMethods, keras.Model):
 
         return built_first
 
-    def _unbuilt_compiled_state(self):
-        """The compiled loss and metrics, those not built yet."""
-        return [state for state in _compat.compiled_state(self)
-                if state is not None and not state.built]
-
     def _build_from_data_spec(self, element_spec):
         """Builds the stages, the compiled loss and the compiled metrics
         from the spec of a step's data (`building.data_spec`)."""
@@ -473,12 +478,8 @@ class PipelineModel(model_io.SavingMethods, keras.Model):
         x, y, _ = keras.utils.unpack_x_y_sample_weight(data)
         if not self.built:
             self._build_from_spec(x)
-        states = self._unbuilt_compiled_state() if y is not None else []
-        if states:  # Without targets (`predict`), left to the step.
-            y_pred = self.compute_output_spec(x)
-            with _compat.eager_scope():
-                for state in states:
-                    state.build(y, y_pred)
+        if y is not None:  # Without targets (`predict`), left to the step.
+            self._build_compiled(_compat.compiled_state(self), x, y)
 
     @_not_autograph
     def train_step(self, data):

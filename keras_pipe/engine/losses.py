@@ -208,7 +208,7 @@ def loss_head(model, x, y, sample_weight, training):
         if attached.masks(outputs):
             raise ValueError(_MASKED_PARTS.format(
                 schedule=model.schedule, replicas=model.num_replicas))
-        compile_loss = getattr(model, "_compile_loss", None)
+        compile_loss, _ = _compat.compiled_state(model)
         if not rows:
             # Every micro-batch's rows: outside the caller's control
             # dependencies, or every part would wait for this one's stage.
