@@ -119,8 +119,7 @@ def block_grid(profile, n):
             scratch[start:])
         broadcast[start, start + 1:] = np.maximum.accumulate(
             per_call[start:])
-        for end in range(start + 1, n + 1):
-            after[start, end] = profile.after_broadcast(start, end)
+        after[start, start + 1:] = profile.after_broadcast_from(start, n)
     grid = {
         "inputs": np.broadcast_to(gap[:, None], (n + 1, n + 1)),
         "outputs": np.broadcast_to(outputs[None, :], (n + 1, n + 1)),

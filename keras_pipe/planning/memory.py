@@ -704,12 +704,18 @@ class Profile:
         their largest broadcast kernel gradients (`broadcast_bytes`), and
         of that call after its first such product: freed by the backward
         pass before those gradients are made."""
-        most = max(self.broadcast[a:b])
-        if not most:
-            return 0
-        last = max(c for c in range(a, b) if self.broadcast[c] == most)
-        return self.recomputed[b] - self.recomputed[last + 1] + \
-            self.freed[last]
+        return self.after_broadcast_from(a, b)[-1]
+
+    def after_broadcast_from(self, a, n):
+        """`after_broadcast(a, b)` for every `b` in `a + 1 .. n`, in one
+        pass over the calls (the planner's grid of blocks needs them all)."""
+        result, most, last = [], 0, None
+        for c in range(a, n):
+            if self.broadcast[c] and self.broadcast[c] >= most:
+                most, last = self.broadcast[c], c
+            result.append(0 if last is None else self.recomputed[c + 1]
+                          - self.recomputed[last + 1] + self.freed[last])
+        return result
 
     def block(self, a, b, alone=False):
         """Sizes of calls `a..b-1` as one stage.
