@@ -162,6 +162,7 @@ def _train(keras, np, model, optimizer):
 def child_unsplit(args):
     from keras_pipe.distributed import heap
     heap.configure("return")  # as its workers (--heap return): like for like
+    heap.trim_when_idle()  # and trimmed when idle, as they are
     import keras
     import numpy as np
     keras.utils.set_random_seed(0)

@@ -24,7 +24,10 @@ starts its threads (the environment variables `MALLOC_ARENA_MAX` and
   (with 1 MiB then). Each such allocation then faults its pages in afresh:
   on the 8 x Dense(1024) benchmark job (batch 512, 2 workers) that is
   60-100 ms of system CPU per worker per step and 1.15-1.25x the step
-  time of `"reuse"` (`docs/capacity.md`, measured with 1 MiB).
+  time of `"reuse"` (`docs/capacity.md`, measured with 1 MiB). And once
+  the process has been idle for `TRIM_AFTER_IDLE` seconds after work, a
+  thread gives the free pages inside the arenas back (`malloc_trim`,
+  `trim_when_idle`).
 * `"glibc"`: glibc's own settings.
 
 Why 128 KiB (glibc's own starting threshold, which glibc raises as mapped
@@ -42,17 +45,43 @@ against 1.00-1.05 s with 1 MiB (the least of 12 steps, two runs each,
 interleaved, load 3-4 on 2 cores). Measured with `python
 tools/heap_probe.py transformer adam 4 gpipe never` (1 MiB: add `--heap
 glibc --env MALLOC_ARENA_MAX=2 --env MALLOC_MMAP_THRESHOLD_=1048576`).
+
+Why trim as well: the blocks under the threshold stay in the arenas, and
+glibc gives back only the free space at an arena's top, never the free
+pages between blocks in use. A worker that received a ResNet stage's
+initial values (in gRPC's small blocks) held 15.7 MiB free in its arenas
+from the build on, which the steps' own 16 MiB tensors (mapped, above the
+threshold) did not reuse; `malloc_trim(0)` gave back 15 MiB (`python
+tools/heap_probe.py resnet adam 4 gpipe never`, worker 1). Why when idle,
+not on a clock: a trim gives back what transfers left behind, so a trim
+every second lowered a build's peak or not, by when it fell (tried: the
+build peaks of a GPT-2 and a ResNet stage came out 16-22% under the
+memory model's, which counts what a transfer holds).
+Idle, a worker has nothing in transit: it is idle between the build and
+the first step while the client traces the step (seconds), so the steps
+start without the build's leftovers, and a build or a run of steps is
+not cut into (they leave a worker idle for milliseconds). A trim costs
+0.15 ms median (13.6 ms at most over 90 trims during a Keras `fit`).
 """
 
 import ctypes
 import ctypes.util
+import threading
+import time
 
-__all__ = ["HEAP_MODES", "RETURN_THRESHOLD", "check_mode", "configure"]
+__all__ = ["HEAP_MODES", "RETURN_THRESHOLD", "TRIM_AFTER_IDLE", "IdleSpell",
+           "check_mode", "configure", "trim_when_idle"]
 
 HEAP_MODES = ("reuse", "return", "glibc")
 # `"return"`'s mmap threshold: blocks of this many bytes or more are mapped
 # on their own and unmapped when freed (the module says why this size).
 RETURN_THRESHOLD = 128 << 10
+# `"return"`: a worker trims its heap once it has been idle this many
+# seconds after doing work (`trim_when_idle`).
+TRIM_AFTER_IDLE = 0.5
+# A poll in which the process used less CPU than this share of the time
+# between two polls is idle (an idle worker uses about none).
+IDLE_CPU_SHARE = 0.05
 
 _M_MMAP_THRESHOLD = -3
 _M_ARENA_MAX = -8
@@ -110,3 +139,89 @@ def configure(mode, arena_max=2, mmap_threshold=RETURN_THRESHOLD):
             libc.mallopt(_M_MMAP_THRESHOLD, int(mmap_threshold)))
     return applied
 
+
+
+class IdleSpell:
+    """When to trim: once per idle spell that follows work.
+
+    Fed samples of (wall clock, the process's CPU time) in seconds
+    (`observe`); says a trim is due when the process has used less than
+    `IDLE_CPU_SHARE` of the time for `quiet` seconds since it last used
+    more, and has used more since the last trim. The first sample starts
+    it busy (a worker starts by loading TensorFlow).
+
+    Args:
+        quiet: seconds of idle before a trim, > 0.
+    """
+
+    def __init__(self, quiet):
+        self.quiet = quiet
+        self._last = None          # (wall, cpu) of the previous sample
+        self._idle_since = None    # wall clock when the idle spell began
+        self._worked = True        # work done since the last trim
+
+    def observe(self, wall, cpu):
+        """Takes one sample; returns whether a trim is due now."""
+        last, self._last = self._last, (wall, cpu)
+        if last is None:
+            return False
+        busy = cpu - last[1] > IDLE_CPU_SHARE * max(wall - last[0], 0.0)
+        if busy:
+            self._worked, self._idle_since = True, None
+            return False
+        if self._idle_since is None:
+            self._idle_since = last[0]
+        if self._worked and wall - self._idle_since >= self.quiet:
+            self._worked = False
+            return True
+        return False
+
+    def trimmed(self, wall, cpu):
+        """Takes the sample after a trim: the trim's own CPU is not work."""
+        self._last = (wall, cpu)
+
+
+def trim_when_idle(quiet=TRIM_AFTER_IDLE):
+    """Starts a daemon thread that gives the free pages of this process's
+    malloc arenas back to the OS (`malloc_trim(0)`) once per idle spell of
+    `quiet` seconds after work (`IdleSpell`); a worker starts it with heap
+    `"return"`. It samples the process's CPU time `5 / quiet` times a
+    second.
+
+    A no-op (returns `None`) where the C library is not glibc.
+
+    Args:
+        quiet: seconds idle before a trim, > 0. Defaults to
+            `TRIM_AFTER_IDLE` (0.5 s).
+
+    Returns:
+        The started `threading.Thread` (`.trims`: how many it made so
+        far; `.stop`: a `threading.Event` that ends it), or `None`.
+
+    Raises:
+        ValueError: for a `quiet` that is not a positive number.
+    """
+    if isinstance(quiet, bool) or not isinstance(quiet, (int, float)) \
+            or not quiet > 0:
+        raise ValueError(f"quiet must be a number of seconds > 0, e.g. "
+                         f"0.5. Received: quiet={quiet!r}")
+    libc = _libc()
+    if libc is None:
+        return None
+    stop = threading.Event()
+    spell = IdleSpell(quiet)
+
+    def run():
+        while True:
+            if spell.observe(time.monotonic(), time.process_time()):
+                libc.malloc_trim(0)
+                thread.trims += 1
+                spell.trimmed(time.monotonic(), time.process_time())
+            if stop.wait(quiet / 5):
+                return
+
+    thread = threading.Thread(target=run, name="keras_pipe-malloc-trim",
+                              daemon=True)
+    thread.stop, thread.trims = stop, 0
+    thread.start()
+    return thread

@@ -231,9 +231,10 @@ def serve(cluster, task, job="worker", bind="127.0.0.1",
             `None` (unchanged).
         heap: how glibc keeps freed tensor buffers
             (`keras_pipe.distributed.heap`): `"reuse"` (2 arenas, freed
-            blocks reused: fast), `"return"` (big freed blocks unmapped:
-            lower resident peaks, for a memory budget, at 1.15-1.25x the
-            step time on the MLP benchmark) or `"glibc"` (untouched; a
+            blocks reused: fast), `"return"` (big freed blocks unmapped,
+            the arenas' free pages trimmed when the worker is idle: lower
+            resident peaks, for a memory budget, at 1.15-1.25x the step
+            time on the MLP benchmark) or `"glibc"` (untouched; a
             worker's ~100 threads then keep freed buffers in their own
             arenas). Defaults to `"reuse"`.
 
@@ -260,6 +261,8 @@ def serve(cluster, task, job="worker", bind="127.0.0.1",
     if cpu_affinity is not None:
         os.sched_setaffinity(0, set(cpu_affinity))
     heap_lib.configure(heap)
+    if heap == "return":
+        heap_lib.trim_when_idle()
     runtime.load()
     bind_lib.pin(bind)
     server = runtime.Server(runtime.server_def(

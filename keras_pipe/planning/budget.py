@@ -110,11 +110,15 @@ def block_grid(profile, n):
     after = np.zeros((n + 1, n + 1))
     out = np.array(profile.out, float)
     var = np.array(profile.largest_var, float)
+    second_var = np.array(profile.second_var, float)
+    second = np.zeros((n + 1, n + 1))
     scratch = np.array(profile.workspace, float)
     per_call = np.array(profile.broadcast, float)
     for start in range(n):
         largest[start, start + 1:] = np.maximum.accumulate(out[start:])
         largest_var[start, start + 1:] = np.maximum.accumulate(var[start:])
+        second[start, start + 1:] = memory_lib.second_largest(
+            var[start:], second_var[start:])
         workspace[start, start + 1:] = np.maximum.accumulate(
             scratch[start:])
         broadcast[start, start + 1:] = np.maximum.accumulate(
@@ -127,6 +131,7 @@ def block_grid(profile, n):
         "recompute": recomputed[e] - recomputed[a],
         "trainable": trainable[e] - trainable[a],
         "largest": largest, "largest_variable": largest_var,
+        "second_variable": second,
         "mixing": mixed[e] - mixed[a], "workspace": workspace,
         "broadcast": broadcast, "after_broadcast": after,
         "stash": stashed[e] - stashed[a],

@@ -593,6 +593,7 @@ class Block:
     #                     `CONCURRENT_KERNELS` largest (`_broadcast_gradients`)
     after_broadcast: int = 0  # of `recompute`: the calls after the last
     #                           one with `broadcast`'s gradients
+    second_variable: int = 0  # the second largest variable (of any call)
     forward_nodes: int = 0  # graph nodes of the calls' forward pass
     nodes: int = 0      # graph nodes of their forward and backward passes
 
@@ -655,13 +656,15 @@ class Profile:
         # its last call: each stage's build places the variables of its
         # layers on its device, so the last stage to use one keeps it
         # (`engine.placement.place_variables`).
-        own, largest_var = [(0, 0)] * n, [0] * n
+        own, largest_var, second_var = [(0, 0)] * n, [0] * n, [0] * n
         seen = {}   # variable -> the call it is counted with (its last)
         self._used = []   # per call: (variable, counted with, bytes, trainable)
         for c in reversed(range(n)):
             w = t = 0
             for v in getattr(graph.calls[c].operation, "weights", None) or []:
-                largest_var[c] = max(largest_var[c], _variable_bytes(v))
+                size = _variable_bytes(v)
+                second_var[c] = max(second_var[c], min(size, largest_var[c]))
+                largest_var[c] = max(largest_var[c], size)
                 self._used.append((c, id(v), seen.get(id(v), c),
                                    _variable_bytes(v), v.trainable))
                 if id(v) in seen:
@@ -675,7 +678,7 @@ class Profile:
             weights.append(weights[-1] + w)
             trainable.append(trainable[-1] + t)
         self.weights, self.trainable = weights, trainable
-        self.largest_var = largest_var
+        self.largest_var, self.second_var = largest_var, second_var
         # Bytes alive across gap g (after call g), per micro-batch.
         made, needed = {}, {}
         for x in graph.inputs:
@@ -742,6 +745,8 @@ class Profile:
             recompute=self.recomputed[b] - self.recomputed[a],
             largest=max(self.out[a:b]),
             largest_variable=max(self.largest_var[a:b]),
+            second_variable=int(second_largest(self.largest_var[a:b],
+                                               self.second_var[a:b])[-1]),
             mixing=self.mixed[b] - self.mixed[a],
             workspace=max(self.workspace[a:b]),
             broadcast=max(self.broadcast[a:b]),
@@ -776,7 +781,8 @@ class StageMemory:
 
 FEATURES = ("inputs", "outputs", "activations", "recompute", "trainable",
             "largest", "largest_variable", "mixing", "workspace", "stash",
-            "seeded", "transposed", "broadcast", "after_broadcast")
+            "seeded", "transposed", "broadcast", "after_broadcast",
+            "second_variable")
 _CATEGORIES = ("boundary", "activations", "gradients", "transient")
 
 
@@ -870,9 +876,11 @@ def moments(actions, mode, num_micro_batches, first=False, last=False,
                 # whose sums are not summed again), so about one new
                 # gradient is alive besides the old sums (measured by
                 # `tools/worker_memory.py`: 2.05x the weights before the
-                # chain, 1.68x after).
+                # chain, 1.68x after): the largest two (TF's profiler, the
+                # worker ResNet's stage 1, SGD, M = 1, GPipe, never: its
+                # 16 MiB kernel's gradient alone at the W call's peak).
                 grads = (sums if sums.any() else zero) + _unit(
-                    "largest_variable", 2)
+                    "largest_variable") + _unit("second_variable")
                 released = True
             result.append(np.stack([
                 boundary, kept, grads,
@@ -930,8 +938,11 @@ def moments(actions, mode, num_micro_batches, first=False, last=False,
             # profiler, `tools/allocation_trace.py --logical mlp sgd 1
             # gpipe never 0`: at the MLP stage 0's peak two of its three
             # 1 MiB kernel gradients; all three counted made 18.0 MiB for
-            # a measured 14.0).
-            grads = _unit("largest_variable", 2)
+            # a measured 14.0): the largest two (the worker ResNet's stage
+            # 1, SGD, M = 1, GPipe, never: one 16 MiB kernel gradient at
+            # its allocator peak of 36.7 MiB, `tools/allocation_trace.py
+            # resnet sgd 1 gpipe never 1`; two counted made 48.8).
+            grads = _unit("largest_variable") + _unit("second_variable")
         result.append(np.stack([
             boundary, kept + recompute, grads,
             fixed + passing + waiting
@@ -957,15 +968,28 @@ def moments(actions, mode, num_micro_batches, first=False, last=False,
         # has none: its `lr * g` runs in the gradient's own buffer (TF
         # forwards a buffer to the op that reads it last; BFC peak of a
         # traced SGD step over one 16 MiB variable: 16.0 MiB above the
-        # weights, over two: 32.5). Adam's are one more variable's size.
+        # weights, over two: 32.5): the next gradient made is at most the
+        # second largest. Adam's are one more variable's size.
         result.append(np.stack([
             zero, zero, _unit("largest_variable"),
-            fixed + _unit("largest_variable", 2 if optimizer_slots else 1)]))
+            fixed + (_unit("largest_variable", 2) if optimizer_slots
+                     else _unit("second_variable"))]))
         return np.unique(np.stack(result), axis=0)
     # The optimizer step: summed gradients and the update's temporaries.
     result.append(np.stack([zero, zero, _unit("trainable"),
                             fixed + update_temporaries(optimizer_slots)]))
     return np.unique(np.stack(result), axis=0)
+
+
+def second_largest(largest, second):
+    """Per prefix of a run of calls, the second largest of their variables,
+    from each call's largest and second largest (lists or 1-D arrays):
+    after a call, the old largest or the call's own largest (whichever is
+    smaller) or its second may be the new second."""
+    largest = np.asarray(largest, float)
+    before = np.concatenate([[0.0], np.maximum.accumulate(largest)[:-1]])
+    return np.maximum.accumulate(np.maximum(
+        np.asarray(second, float), np.minimum(largest, before)))
 
 
 def weight_call_transient(run_length):
@@ -1164,6 +1188,17 @@ def _predict(partition, batch_size, num_micro_batches, remat, schedule,
 # (least squares; 15.9 MiB at 0 nodes, not counted: residual 5.2 MiB).
 FUNCTION_NODE_BYTES = 4352
 
+# A worker's build holds its weights and, of the initial values the client
+# sends, about this many times the largest variable in transit (gRPC's
+# receive buffers, the received tensor). Measured where the build is a
+# worker's peak (`tools/memory_model.py --workers`, heap "return", which
+# trims the arenas when the worker idles between the client's layers,
+# median of 3 runs): GPT-2's worker 0 (a 15.6 MiB token table, weights
+# 0.1 MiB besides) 1.55-1.76, the ResNet's worker 1 (a 16 MiB kernel) 1.47
+# above its weights; one 16 MiB variable placed on a fresh worker (6
+# runs): 1.35-1.93. Without the trim about 2 (GPT-2's worker 0: 1.95-2.3).
+BUILD_TRANSIT = 1.5
+
 
 def function_nodes(block, mode, num_micro_batches):
     """Graph nodes of a stage's step functions on its worker.
@@ -1216,8 +1251,8 @@ def predict_resident(partition, batch_size, num_micro_batches,
     Not counted: the kernels' code paged in (8 MiB on the Transformer
     worker of `tools/memory_model.py --workers`, Adam, M = 4). The build
     can peak on its own (before the functions are made): the weights and
-    the initial values the client sends, up to two variables in transit
-    (`build`); a tied variable counts at build on every stage
+    the initial values the client sends, `BUILD_TRANSIT` times the largest
+    variable in transit (`build`); a tied variable counts at build on every stage
     that uses it, since each stage's build places it on its device before
     the last one keeps it.
     Measured by `tools/memory_model.py --workers`. Arguments as in
@@ -1240,6 +1275,7 @@ def predict_resident(partition, batch_size, num_micro_batches,
         start += size
         result.append(ResidentMemory(
             **vars(peak),
-            build=sum(used.values()) + 2 * max(used.values(), default=0),
+            build=sum(used.values()) + int(
+                BUILD_TRANSIT * max(used.values(), default=0)),
             functions=FUNCTION_NODE_BYTES * function_nodes(block, mode, m)))
     return result
