@@ -34,36 +34,40 @@ def _seed():
 
 
 # The longest files, longest first: seconds of one full suite run
-# (`-n 2 --dist loadfile --junitxml`, summed per file, at load ~5.7 on 2
-# cores with other jobs running: 1714 s wall, 2.4x CI's 703 s; at b948f77,
-# an empty cost cache). With `--dist loadfile` xdist hands out whole files
-# in the order the workers collect them; by default it sorts them by their
-# number of tests, which leaves long files of few tests (the examples, the
-# snippets) for last. Longest first, the two workers end together.
+# (`-n 2 --dist loadfile --durations=400 --junitxml`, summed per file, on 2
+# cores shared with another helper's memory-table runs: 881 passed in
+# 956 s wall, 1866 s of tests, at 12cc018, an empty cost cache;
+# test_sparse_gradients' 157 s less one 68 s stall of a case that takes
+# 1 s alone, not reproduced). With `--dist loadfile` xdist hands out whole
+# files in the order the workers collect them; by default it sorts them
+# by their number of tests, which leaves long files of few tests (the
+# examples, the snippets) for last. Longest first, the two workers end
+# together (this run: 932 and 934 s of tests).
 LONGEST_FILES = (
-    "test_zoo.py",                # 529 s
-    "test_readme_snippets.py",    # 520
-    "test_cluster.py",            # 275 (~230 since its shared client)
-    "test_examples.py",           # 204
-    "test_transparency.py",       # 136
-    "test_saving.py",             # 128
-    "test_memory_tables.py",      # 122
-    "test_sparse_gradients.py",   # 106
-    "test_every_schedule.py",     # 104
-    "test_invariance.py",         # 95
-    "test_executor.py",           # 93
-    "test_partition.py",          # 84
-    "test_attached.py",           # 69
-    "test_timeline.py",           # 67
-    "test_keras_hub.py",          # 61
-    "test_bad_inputs.py",         # 60
-    "test_remat.py",              # 56
-    "test_local.py",              # 53
-    "test_worker_memory.py",      # 53
-    "test_benchmark.py",          # 51
-    "test_weight_grad.py",        # 45
-    "test_placement.py",          # 43
-    "test_autoplan.py",           # 42
+    "test_zoo.py",                  # 305 s
+    "test_readme_snippets.py",      # 211
+    "test_cluster.py",              # 144
+    "test_memory_tables.py",        # 125
+    "test_saving.py",               # 118
+    "test_examples.py",             # 116
+    "test_transparency.py",         # 108
+    "test_sparse_gradients.py",     # 89
+    "test_invariance.py",           # 76
+    "test_every_schedule.py",       # 41
+    "test_worker_memory.py",        # 40
+    "test_partition.py",            # 38
+    "test_attached.py",             # 33
+    "test_bad_inputs.py",           # 29
+    "test_benchmark.py",            # 27
+    "test_placement.py",            # 23
+    "test_executor.py",             # 22
+    "test_timeline.py",             # 21
+    "test_remat_per_stage.py",      # 21
+    "test_local.py",                # 20
+    "test_keras_hub.py",            # 20
+    "test_remat.py",                # 16
+    "test_autoplan.py",             # 14
+    "test_verify.py",               # 13
 )
 
 
