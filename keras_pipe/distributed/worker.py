@@ -361,7 +361,8 @@ def _parser():
                         help="how freed tensor buffers are kept: reuse (2 "
                         "malloc arenas, freed blocks reused: fast; the "
                         "default), return (blocks of 128 KiB or more unmapped "
-                        "when freed: lower resident peaks, slower steps), "
+                        "when freed, the heap trimmed when idle: lower "
+                        "resident peaks, slower steps), "
                         "glibc (glibc's settings)")
     return parser
 
