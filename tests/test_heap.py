@@ -69,26 +69,34 @@ def test_a_bad_mode_is_named_with_the_choices():
         heap.configure("fast")
 
 
-# Blocks of a small micro-batch's size (256 KiB: a Transformer's
-# activations at 4 rows) freed among small blocks that stay alive (TF's
-# own): with a 1 MiB threshold they came from an arena, whose freed chunks
-# between live ones stayed resident (a worker held 100 MiB of them after a
-# step, `keras_pipe.distributed.heap`).
-_FRAGMENTS = _PRELUDE + r"""libc.malloc.argtypes = [ctypes.c_size_t]
+# The children's resident size, and `count` blocks of `size` bytes each
+# followed by a 1 KiB block that stays alive (TF's own small blocks), all
+# written.
+_INTERLEAVE = r"""libc.malloc.argtypes = [ctypes.c_size_t]
 libc.free.argtypes = [ctypes.c_void_p]
-size, count = 256 << 10, 200
 
 def resident():
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * 4096
 
+def interleave(size, count):
+    big, small = [], []
+    for _ in range(count):
+        big.append(libc.malloc(size))
+        ctypes.memset(big[-1], 1, size)
+        small.append(libc.malloc(1024))
+        ctypes.memset(small[-1], 1, 1024)
+    return big, small
+"""
+
+# Blocks of a small micro-batch's size (256 KiB: a Transformer's
+# activations at 4 rows) freed among small blocks that stay alive (TF's
+# own): with a 1 MiB threshold they came from an arena, whose freed chunks
+# between live ones stayed resident (a worker held 100 MiB of them after a
+# step, `keras_pipe.distributed.heap`).
+_FRAGMENTS = _PRELUDE + _INTERLEAVE + r"""size, count = 256 << 10, 200
 before = resident()
-big, small = [], []
-for _ in range(count):
-    big.append(libc.malloc(size))
-    ctypes.memset(big[-1], 1, size)
-    small.append(libc.malloc(1024))
-    ctypes.memset(small[-1], 1, 1024)
+big, small = interleave(size, count)
 held = resident() - before
 for block in big:
     libc.free(block)
@@ -110,23 +118,11 @@ def test_return_gives_back_small_micro_batch_blocks_among_live_ones():
 # Blocks under the threshold (64 KiB) freed among small live ones stay in
 # the arena: glibc returns only free space at an arena's top. A worker held
 # 15.7 MiB of them from a ResNet stage's build on (`heap.trim_when_idle`).
-_TRIMMED = _PRELUDE + r"""libc.malloc.argtypes = [ctypes.c_size_t]
-libc.free.argtypes = [ctypes.c_void_p]
-import time
+_TRIMMED = _PRELUDE + _INTERLEAVE + r"""import time
 size, count = 64 << 10, 400
-
-def resident():
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * 4096
-
 thread = heap.trim_when_idle(0.2) if sys.argv[3] == "trim" else None
 before = resident()
-big, small = [], []
-for _ in range(count):
-    big.append(libc.malloc(size))
-    ctypes.memset(big[-1], 1, size)
-    small.append(libc.malloc(1024))
-    ctypes.memset(small[-1], 1, 1024)
+big, small = interleave(size, count)
 for block in big:
     libc.free(block)
 kept = resident() - before
