@@ -429,31 +429,30 @@ class PipelineModel(model_io.SavingMethods, keras.Model):
         return self._made_built_first(
             "test_function", super().make_test_function, force)
 
-    def _made_built_first(self, name, make, force):
+    def _made_built_first(self, name, make, force, wrap=None):
         """The function `self.<name>` that Keras' `make(force=True)` sets,
-        wrapped by `_built_first` (made once unless `force`)."""
+        wrapped by `wrap` (default `_built_first`; made once unless
+        `force`)."""
         if getattr(self, name) is not None and not force:
             return getattr(self, name)
         make(force=True)
-        setattr(self, name, self._built_first(getattr(self, name)))
+        setattr(self, name, (wrap or self._built_first)(getattr(self, name)))
         return getattr(self, name)
 
     def make_predict_function(self, force=False):
         """Keras' predict function, which first builds the stages from the
         spec of its first batch if they are unbuilt."""
-        if self.predict_function is not None and not force:
-            return self.predict_function
-        super().make_predict_function(force=True)
-        predict = self.predict_function
 
-        def built_first(data):
-            if not self.built:
-                self._build_from_data_spec(tf.nest.map_structure(
-                    tf.type_spec_from_value, data[0]))
-            return predict(data)
+        def wrap(predict):
+            def built_first(data):
+                if not self.built:
+                    self._build_from_data_spec(tf.nest.map_structure(
+                        tf.type_spec_from_value, data[0]))
+                return predict(data)
+            return built_first
 
-        self.predict_function = built_first
-        return self.predict_function
+        return self._made_built_first(
+            "predict_function", super().make_predict_function, force, wrap)
 
     def _built_first(self, function):
         """`function(iterator)` that first builds from the element spec of
