@@ -665,13 +665,13 @@ class Profile:
                 size = _variable_bytes(v)
                 second_var[c] = max(second_var[c], min(size, largest_var[c]))
                 largest_var[c] = max(largest_var[c], size)
-                self._used.append((c, id(v), seen.get(id(v), c),
-                                   _variable_bytes(v), v.trainable))
+                self._used.append((c, id(v), seen.get(id(v), c), size,
+                                   v.trainable))
                 if id(v) in seen:
                     continue
                 seen[id(v)] = c
-                w += _variable_bytes(v)
-                t += _variable_bytes(v) if v.trainable else 0
+                w += size
+                t += size if v.trainable else 0
             own[c] = (w, t)
         weights, trainable = [0], [0]
         for w, t in own:
