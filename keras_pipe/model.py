@@ -5,7 +5,7 @@ import tensorflow as tf
 
 from keras_pipe import _compat, _validation, placed_data, reporting
 from keras_pipe.distributed import cluster
-from keras_pipe.engine import building, placement, release
+from keras_pipe.engine import building, in_place, placement, release
 from keras_pipe.engine import executor as executor_lib
 from keras_pipe.engine import losses as losses_lib
 from keras_pipe.engine import replicas as replicas_lib
@@ -504,10 +504,14 @@ class PipelineModel(model_io.SavingMethods, keras.Model):
             graph = tf.compat.v1.get_default_graph()
             first = len(graph.get_operations())
             self.optimizer.apply_gradients(zip(gradients, variables))
+            update_ops = graph.get_operations()[first:]
+            # Each update after the step's uses of its variable's read:
+            # in place, not on a copy (engine/in_place.py).
+            in_place.update_in_place(update_ops)
             # Each device's weight gradients made one at a time, each
             # after the previous one is applied (engine/release.py).
-            release.apply_in_turn(graph.get_operations()[first:], gradients,
-                                  variables, weight_ops, placement.device_of)
+            release.apply_in_turn(update_ops, gradients, variables,
+                                  weight_ops, placement.device_of)
         return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
     @_not_autograph
