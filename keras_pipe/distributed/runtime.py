@@ -6,7 +6,7 @@ TF's C++ libraries (`libtensorflow_framework.so.2`, `libtensorflow_cc.so.2`).
 modules, keras among them, with their pybind extensions and the C++ state
 they register): 618 MiB resident here, where loading the two libraries
 makes 345 MiB. An idle worker after a client connected and ran one op held
-670 MiB with `import tensorflow`, 398 MiB without (`docs/capacity.md`).
+670 MiB with `import tensorflow`, 394-403 MiB without (`docs/capacity.md`).
 
 So a worker loads the libraries with `ctypes` (`load`), encodes its
 `tensorflow.ServerDef` itself (`server_def`: a few fields of protobuf's
