@@ -24,7 +24,7 @@ on an update: no edge makes a cycle.
 
 from keras_pipe import _compat
 
-__all__ = ["VIEWS", "update_in_place", "writes"]
+__all__ = ["VIEWS", "read_users", "update_in_place", "writes"]
 
 # Ops whose output shares its input's buffer: a read passed through one
 # still holds the variable's buffer.
