@@ -165,3 +165,27 @@ def test_mixed_precision_loss_scaling_runs_on_each_gradients_device():
             divisions[device] = divisions.get(device, 0) + 1
     assert checks == expected, (checks, expected)
     assert divisions == expected, (divisions, expected)
+
+
+def test_big_variables_are_placed_one_at_a_time(devices, monkeypatch):
+    # Each move of a variable of IN_TURN_BYTES or more waits until it is on
+    # its device (on a worker an eager op is only queued: without the wait
+    # every transfer of a stage was queued at once and arrived during the
+    # first step); small ones do not wait.
+    from keras_pipe.engine import placement as placement_lib
+
+    waits = []
+    monkeypatch.setattr(placement_lib._compat, "sync_executors",
+                        lambda: waits.append(len(waits)))
+    model = keras.Sequential([keras.Input((512,)),
+                              keras.layers.Dense(512),   # 1 MiB kernel
+                              keras.layers.Dense(600),   # 1.17 MiB kernel
+                              keras.layers.Dense(8)])    # small
+    big = [v for v in model.variables
+           if v.value.shape.num_elements() * 4 >= placement_lib.IN_TURN_BYTES]
+    assert len(big) == 2
+    moved = placement_lib.place_variables(model, devices[1])
+    assert moved == len(model.variables) == 6
+    assert len(waits) == len(big)
+    assert all(placement_lib.device_of(v).endswith("CPU:1")
+               for v in model.variables)
