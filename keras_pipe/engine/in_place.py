@@ -11,15 +11,17 @@ before the last call that uses the read (the input gradient of the last
 micro-batch, which does not feed the weight gradient). Measured on the
 MLP stage of `tools/allocation_trace.py mlp sgd 1 gpipe never 0` (16 MiB
 kernels): the step's allocator peak held the kernel's gradient and a
-16 MiB copy made by `AssignSubVariableOp` (139 MiB in use); with the
-update waiting, the gradient alone (123 MiB).
+16 MiB copy made by `AssignSubVariableOp` (139.4 MiB in use); with the
+update waiting, no copy (129.4 MiB: that gradient and the next one).
 
 `update_in_place` adds control edges, after the optimizer built its
 updates, from every op that uses a read of a variable (through views of
 it: `Identity`, `StopGradient`, `Reshape`, ...) to the ops that write the
 variable. The values are the same; only the order changes. An op that
 uses the read was built before the optimizer's ops, so it cannot depend
-on an update: no edge makes a cycle.
+on an update: no edge makes a cycle. Updates compiled with XLA
+(`compile(jit_compile=True)`: one function call per device) are not
+write ops and are not ordered here.
 """
 
 from keras_pipe import _compat
