@@ -38,7 +38,16 @@ from keras_pipe.distributed import heap as heap_lib
 from keras_pipe.distributed import runtime
 from keras_pipe.distributed.bind import listening_hosts  # noqa: F401  (public here too)
 
-__all__ = ["serve", "bind_shim_path", "listening_hosts", "main"]
+__all__ = ["ONEDNN_VARIABLE", "serve", "bind_shim_path", "listening_hosts",
+           "main"]
+
+
+# TF reads this variable once, when its runtime loads: "1" runs oneDNN's
+# kernels, "0" TF's own (Eigen). Unset, TF decides by the CPU and leaves
+# oneDNN off on some (AMD CPUs without AVX-512), where a micro-batch's small
+# matrix products then cost several times more. A worker turns oneDNN on
+# unless its environment names a setting: the fast-kernels default.
+ONEDNN_VARIABLE = "TF_ENABLE_ONEDNN_OPTS"
 
 
 def bind_shim_path():
@@ -371,6 +380,8 @@ def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     args = _parser().parse_args(argv)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    # Before TF's runtime loads: TF reads it once.
+    os.environ.setdefault(ONEDNN_VARIABLE, "1")
     try:
         cluster = _parse_cluster(args.cluster, args.job)
         server = serve(cluster, args.task, job=args.job, bind=args.bind,
