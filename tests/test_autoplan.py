@@ -358,11 +358,14 @@ def test_loss_seconds_times_a_sparse_cross_entropy_and_warns_on_a_dict(
 
 
 def test_loss_outside_auto_is_refused_not_ignored(devices):
+    # Without a choice given, the planner chooses and costs the loss head;
+    # with a schedule named it would be ignored.
     with pytest.raises(ValueError, match='schedule="auto" only'):
-        keras_pipe.plan(_mlp(depth=2), devices=devices[:2], loss="mse")
+        keras_pipe.plan(_mlp(depth=2), devices=devices[:2], loss="mse",
+                        schedule="gpipe")
     with pytest.raises(ValueError, match='schedule="auto" only'):
-        keras_pipe.PipelineModel.from_model(_mlp(depth=2),
-                                            devices=devices[:2], loss="mse")
+        keras_pipe.PipelineModel.from_model(
+            _mlp(depth=2), devices=devices[:2], loss="mse", schedule="1f1b")
 
 
 def test_scale_at_is_linear_in_log_rows_between_the_measured_ones():

@@ -10,18 +10,24 @@ the devices to calibrate them (`calibrate=False` does not).
 
 import dataclasses
 import math
+import warnings
 
 import tensorflow as tf
 
 from keras_pipe import _validation
+from keras_pipe.engine import building
 from keras_pipe.engine import schedule as schedule_lib
-from keras_pipe.planning import autoplan
+from keras_pipe.planning import autoplan, choices
 from keras_pipe.planning import budget as budget_lib
 from keras_pipe.planning import partition as partition_lib
 from keras_pipe.planning.balance import cost as cost_lib
 from keras_pipe.planning.balance import shapes as shapes_lib
 
 __all__ = ["Plan", "StagePlan", "plan"]
+
+# `keras_pipe.planning.profiling.flops_costs`' warning, which a plan left
+# to the planner on logical devices does not raise (`choices.measured`).
+_FLOPS_WARNING = "keras_pipe is costing the model from FLOPs"
 
 
 @dataclasses.dataclass
@@ -159,11 +165,11 @@ def _weight_bytes(weights, optimizer_slots):
     return total
 
 
-def plan(model, num_stages=None, num_micro_batches=1, balance="params",
-         remat="except_last", batch_size=None, devices=None,
+def plan(model, num_stages=None, num_micro_batches=None, balance=None,
+         remat=None, batch_size=None, devices=None,
          optimizer_slots=2, flops_per_second=None, memory_budget=None,
-         schedule="gpipe", input_shape=None, sample_inputs=None,
-         micro_batch_choices=(1, 2, 4, 8), measure=True, loss=None,
+         schedule=None, input_shape=None, sample_inputs=None,
+         micro_batch_choices=(1, 2, 4, 8), measure=None, loss=None,
          calibrate=True):
     """Plans the pipeline `PipelineModel.from_model` would build, without it.
 
@@ -183,11 +189,13 @@ def plan(model, num_stages=None, num_micro_batches=1, balance="params",
         model: a built `keras.Sequential` or Functional `keras.Model`.
         num_stages: `K`, number of stages. Defaults to `None`: one stage per
             device of `devices`.
-        num_micro_batches: `M`, micro-batches per mini-batch. Defaults to
-            `1`. Chosen by the planner with `memory_budget`.
-        balance: as in `PipelineModel.from_model`. Defaults to `"params"`.
+        num_micro_batches: `M`, micro-batches per mini-batch. Chosen by the
+            planner with `memory_budget`. Defaults to `None`: chosen
+            (`keras_pipe.planning.choices`).
+        balance: as in `PipelineModel.from_model`. Defaults to `None`:
+            chosen with the others, else `"params"`.
         remat: the remat mode the memory estimate assumes. Defaults to
-            `"except_last"`.
+            `None`: chosen with the others, else `"except_last"`.
         batch_size: mini-batch size; sizes are for micro-batches of
             `ceil(batch_size / M)` rows. Defaults to `None` (one row).
         devices: stage devices; `balance="time"` measures on the first.
@@ -213,7 +221,11 @@ def plan(model, num_stages=None, num_micro_batches=1, balance="params",
             `num_micro_batches` and `remat` are then ignored, `batch_size`
             is required, and the plan reports the schedule, each stage's
             device, the predicted step time, the peak memory per device
-            and the runner-ups. Defaults to `"gpipe"`.
+            and the runner-ups. Defaults to `None`: `"auto"` when
+            `num_micro_batches`, `balance`, `remat` and `memory_budget`
+            are not given either (what `from_model` then builds), else
+            the fastest exact schedule for one stage per device
+            (`"gpipe"` with `memory_budget`).
         input_shape: the input shapes to cost, batch axis first (its size
             is ignored: sizes are per micro-batch): one shape such as
             `(None, 128)`, a list with one per input, or a dict by input
@@ -228,7 +240,11 @@ def plan(model, num_stages=None, num_micro_batches=1, balance="params",
             call and a transfer on `devices` (cached,
             `keras_pipe.planning.profiling`); `False` costs from FLOPs at
             `flops_per_second` (2e10 if not given), with a warning.
-            Defaults to `True`.
+            Defaults to `None`: `True` when `schedule="auto"` is given;
+            when every choice is left to the planner, measured on worker
+            processes and GPUs, costed from FLOPs (without a warning) on
+            logical CPU devices of this process
+            (`keras_pipe.planning.choices.measured`).
         loss: with `schedule="auto"`, the loss the pipeline will be
             compiled with: its loss head (on the last stage, per
             micro-batch or once for the batch) is timed and simulated.
@@ -259,6 +275,30 @@ def plan(model, num_stages=None, num_micro_batches=1, balance="params",
     _validation.check_non_negative_number("optimizer_slots", optimizer_slots)
     if flops_per_second is not None:
         _validation.check_positive_number("flops_per_second", flops_per_second)
+    if devices is not None and (isinstance(devices, str) or not isinstance(
+            devices, (list, tuple))):
+        raise TypeError(
+            "devices must be a list of device strings, one per stage, e.g. "
+            f"['/GPU:0', '/GPU:1']. Received: devices={devices!r}")
+    if num_stages is None and devices is None:
+        raise ValueError(
+            "plan needs num_stages or devices (one stage per device). "
+            "Received: num_stages=None, devices=None")
+    implicit = memory_budget is None and choices.leaves_all(
+        num_micro_batches, schedule, remat, balance)
+    if implicit:
+        schedule = "auto"
+        if measure is None:
+            measure = choices.measured(devices)
+        if batch_size is None:
+            batch_size = choices.DEFAULT_BATCH_SIZE
+    elif schedule is None:
+        schedule = "gpipe" if memory_budget is not None else \
+            choices.default_schedule(
+                building.device_indices(devices) if devices else
+                list(range(num_stages or 1)))
+    if measure is None:
+        measure = True
     if schedule != "auto":
         schedule_lib.get_schedule(schedule)
         if loss is not None:
@@ -266,23 +306,27 @@ def plan(model, num_stages=None, num_micro_batches=1, balance="params",
                 'loss= costs the loss head for schedule="auto" only; here it '
                 "would be ignored. Drop it, or pass schedule=\"auto\". "
                 f"Received: loss={loss!r}, schedule={schedule!r}")
-    if devices is not None and (isinstance(devices, str) or not isinstance(
-            devices, (list, tuple))):
-        raise TypeError(
-            "devices must be a list of device strings, one per stage, e.g. "
-            f"['/GPU:0', '/GPU:1']. Received: devices={devices!r}")
+    if schedule != "auto":
+        balance = choices.DEFAULT_BALANCE if balance is None else balance
+        remat = choices.DEFAULT_REMAT if remat is None else remat
+        if num_micro_batches is None:
+            num_micro_batches = choices.default_micro_batches(
+                batch_size, num_stages or len(devices or [None]))
     auto = None
     if schedule == "auto":
-        ranked = autoplan.search(
-            model, devices=devices,
-            num_devices=None if devices else num_stages,
-            batch_size=batch_size, memory_budget=memory_budget,
-            micro_batch_choices=micro_batch_choices,
-            optimizer_slots=optimizer_slots, measure=measure,
-            **({"flops_per_second": flops_per_second}
-               if flops_per_second else {}),
-            input_shape=input_shape, sample_inputs=sample_inputs,
-            loss=loss, calibrate=calibrate)
+        with warnings.catch_warnings():
+            if implicit and not measure:  # documented: logical devices
+                warnings.filterwarnings("ignore", _FLOPS_WARNING)
+            ranked = autoplan.search(
+                model, devices=devices,
+                num_devices=None if devices else num_stages,
+                batch_size=batch_size, memory_budget=memory_budget,
+                micro_batch_choices=micro_batch_choices,
+                optimizer_slots=optimizer_slots, measure=measure,
+                **({"flops_per_second": flops_per_second}
+                   if flops_per_second else {}),
+                input_shape=input_shape, sample_inputs=sample_inputs,
+                loss=loss, calibrate=calibrate)
         auto, memory_budget = ranked, None
         best = ranked[0]
         schedule, num_stages = best.schedule, best.num_stages
@@ -387,11 +431,16 @@ def stages_from_model(model, num_stages, devices, num_micro_batches, remat,
                       sample_inputs, schedule, loss=None):
     """The stages and `PipelineModel` arguments of `from_model`.
 
+    Every choice left `None` is made as `plan` makes it
+    (`keras_pipe.planning.choices`), except `num_micro_batches` without a
+    `batch_size`, left `None` for the pipeline to choose from the first
+    batch it sees.
+
     Returns:
         `(stages, arguments, chosen)`: the cut stages, the keyword
         arguments of `PipelineModel` (`devices`, `num_micro_batches`,
-        `remat`, `schedule`) and, for `schedule="auto"`, the `Plan` chosen
-        (else None).
+        `remat`, `schedule`) and, when the planner chose the schedule, the
+        `Plan` chosen (else None).
     """
     if num_stages is None:
         if not devices:
@@ -400,16 +449,18 @@ def stages_from_model(model, num_stages, devices, num_micro_batches, remat,
                 "stage). Received: num_stages=None, devices=None")
         num_stages = len(devices)
     chosen = None
-    if loss is not None and schedule != "auto":
+    implicit = memory_budget is None and choices.leaves_all(
+        num_micro_batches, schedule, remat, balance)
+    if loss is not None and schedule != "auto" and not implicit:
         raise ValueError(
             'from_model(loss=...) costs the loss head for schedule="auto" '
             "only; here it would be ignored. Drop it (compile with the loss), "
             f'or pass schedule="auto". Received: loss={loss!r}, '
             f"schedule={schedule!r}")
-    if schedule == "auto":
+    if implicit or schedule == "auto":
         chosen = plan(model, num_stages=num_stages, devices=devices,
                       batch_size=batch_size, memory_budget=memory_budget,
-                      schedule="auto", input_shape=input_shape,
+                      schedule=schedule, input_shape=input_shape,
                       sample_inputs=sample_inputs, loss=loss)
         num_stages, devices = chosen.num_stages, chosen.devices
         num_micro_batches, remat = chosen.num_micro_batches, chosen.remat
@@ -417,10 +468,20 @@ def stages_from_model(model, num_stages, devices, num_micro_batches, remat,
                                             None)
     if memory_budget is not None:
         balance, num_micro_batches, remat = budget_lib.pipeline_arguments(
-            model, num_stages, memory_budget, batch_size, schedule=schedule)
+            model, num_stages, memory_budget, batch_size,
+            schedule=schedule or "gpipe")
+    balance = choices.DEFAULT_BALANCE if balance is None else balance
+    remat = choices.DEFAULT_REMAT if remat is None else remat
+    if schedule is None:
+        schedule = "gpipe" if memory_budget is not None else \
+            choices.default_schedule(building.device_indices(devices)
+                                     if devices else list(range(num_stages)))
+    if num_micro_batches is None and batch_size is not None:
+        num_micro_batches = choices.default_micro_batches(batch_size,
+                                                          num_stages)
     stages = partition_lib.split_model(
         model, num_stages, balance=balance, devices=devices,
-        num_micro_batches=num_micro_batches, remat=remat,
+        num_micro_batches=num_micro_batches or 1, remat=remat,
         batch_size=batch_size, input_shape=input_shape,
         sample_inputs=sample_inputs)
     arguments = dict(devices=devices, num_micro_batches=num_micro_batches,
