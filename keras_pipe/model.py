@@ -658,6 +658,18 @@ class PipelineModel(choices.FirstBatchChoices, model_io.SavingMethods,
                 f"Received: data_device={device!r}")
         self._data_device = device
 
+    def train_on_batch(self, *args, **kwargs):
+        self.see_batch("train_on_batch", args, kwargs)
+        return super().train_on_batch(*args, **kwargs)
+
+    def test_on_batch(self, *args, **kwargs):
+        self.see_batch("test_on_batch", args, kwargs)
+        return super().test_on_batch(*args, **kwargs)
+
+    def predict_on_batch(self, *args, **kwargs):
+        self.see_batch("predict_on_batch", args, kwargs)
+        return super().predict_on_batch(*args, **kwargs)
+
     def predict(self, *args, **kwargs):
         _validation.check_data("predict", args, kwargs)
         self.see_batch("predict", args, kwargs)

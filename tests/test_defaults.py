@@ -176,3 +176,11 @@ def test_a_deferred_plan_checks_its_arguments_before_anything(devices):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no warning on logical devices
         keras_pipe.plan(_mlp(), devices=devices[:2], batch_size=32)
+
+
+def test_train_on_batch_plans_for_its_rows(devices):
+    pipe = keras_pipe.PipelineModel.from_model(_mlp(), devices=devices[:2])
+    pipe.compile(keras.optimizers.SGD(0.01), "mse")
+    x, y = _data(40)
+    pipe.train_on_batch(x, y)
+    assert pipe.plan.micro_batch_size == -(-40 // pipe.plan.num_micro_batches)

@@ -18,6 +18,7 @@ import pytest
 import keras_pipe
 from keras_pipe import _compat
 from keras_pipe.distributed import local
+from keras_pipe.engine import products
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -97,6 +98,11 @@ def test_workers_run_onednn_unless_told_otherwise_and_size_their_pool(
     assert threads == (1 if expected else 4)
     assert envs[0]["TF_ENABLE_ONEDNN_OPTS"] == ("1" if expected else "0")
     assert command[command.index("--cpu-affinity") + 1].isdigit()
+    # The client builds the workers' forward products for their kernels.
+    assert products.onednn("/job:worker/replica:0/task:0/device:CPU:0") \
+        == expected
+    assert products.onednn("/device:CPU:0") == (not expected)
+    products.set_workers_onednn(True)
 
 
 @pytest.mark.parametrize("kwargs, environment, error, match", [

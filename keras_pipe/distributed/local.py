@@ -223,6 +223,8 @@ def local_workers(num_workers=2, cores=None, gpus=None,
                               inter_op_threads, timeout)
     heap_lib.check_mode(heap)
     onednn = workers_onednn(onednn)
+    from keras_pipe.engine import products  # imports TF
+    products.set_workers_onednn(onednn)  # their forward products follow
     if intra_op_threads is None:
         intra_op_threads = default_intra_op_threads(onednn)
     addresses = [f"127.0.0.1:{_free_port()}" for _ in range(num_workers)]

@@ -476,7 +476,8 @@ class Executor:
                      and not self._remat(step, ii, j)]
             step.kernels[(r, j)] = (
                 products.TransposedKernels(step.params[r][j])
-                if products.transposes(sizes) else None)
+                if products.transposes(sizes, self.runner(step, i, j).device)
+                else None)
         return step.kernels[(r, j)]
 
     def _thread_state(self, step, i, j, runner, new_state):

@@ -42,7 +42,7 @@ import tensorflow as tf
 from keras_pipe import _compat
 
 __all__ = ["MAX_ROWS", "MIN_COLUMNS", "TransposedKernels", "eligible",
-           "fits", "transposes", "worth_it"]
+           "fits", "onednn", "set_workers_onednn", "transposes", "worth_it"]
 
 # Micro-batches of at most this many rows get the transposed form (at 512
 # rows both forms cost the same).
@@ -52,23 +52,46 @@ MAX_ROWS = 256
 MIN_COLUMNS = 512
 
 
-def worth_it(rows, total_rows):
+# Whether worker processes run oneDNN's kernels. A worker sets its kernels
+# itself (`keras_pipe.distributed.worker` turns oneDNN on unless its
+# environment says otherwise); `keras_pipe.local_workers` records the
+# setting it starts its workers with.
+_WORKERS_ONEDNN = [True]
+
+
+def set_workers_onednn(onednn):
+    """Records whether this process's worker processes run oneDNN."""
+    _WORKERS_ONEDNN[0] = bool(onednn)
+
+
+def onednn(device=None):
+    """Whether `device` runs oneDNN's kernels: a device of a cluster job
+    (a worker process) as its workers were started, else this process's
+    TF (`keras_pipe._compat.onednn_enabled`)."""
+    if device is not None and tf.DeviceSpec.from_string(device).job not in (
+            None, "localhost"):
+        return _WORKERS_ONEDNN[0]
+    return _compat.onednn_enabled()
+
+
+def worth_it(rows, total_rows, device=None):
     """Whether a stage's forward calls of `rows` rows (of `total_rows` in
-    the step) should use transposed kernels: oneDNN on, small micro-batches,
-    and enough rows to pay for the transposes (a transpose costs about
-    what the transposed form saves on 125 rows)."""
+    the step) on `device` should use transposed kernels: oneDNN on there,
+    small micro-batches, and enough rows to pay for the transposes (a
+    transpose costs about what the transposed form saves on 125 rows)."""
     return (isinstance(rows, int) and isinstance(total_rows, int)
             and rows <= MAX_ROWS and total_rows >= MAX_ROWS
-            and _compat.onednn_enabled())
+            and onednn(device))
 
 
-def transposes(sizes):
-    """Whether a stage's forward calls run in place, of `sizes` rows each
-    (one per micro-batch of the step; ints, or tensors for a batch known
-    only when the step runs), get transposed kernels (`worth_it` of the
-    largest and the sum); the executor's rule and the memory model's."""
+def transposes(sizes, device=None):
+    """Whether a stage's forward calls run in place on `device`, of `sizes`
+    rows each (one per micro-batch of the step; ints, or tensors for a
+    batch known only when the step runs), get transposed kernels
+    (`worth_it` of the largest and the sum); the executor's rule and the
+    memory model's."""
     return (bool(sizes) and all(isinstance(n, int) for n in sizes)
-            and worth_it(max(sizes), sum(sizes)))
+            and worth_it(max(sizes), sum(sizes), device))
 
 
 def fits(rows):

@@ -89,19 +89,23 @@ _ARGUMENT = {"fit": 2, "evaluate": 2, "predict": 1}
 
 
 def batch_size_of(method, args, kwargs):
-    """The batch size a `fit` / `evaluate` / `predict` call runs with.
+    """The batch size a `fit` / `evaluate` / `predict` (or `*_on_batch`)
+    call runs with.
 
-    Its `batch_size` argument; else a dataset's or `PyDataset`'s batch
-    (from its spec, else its first batch); else Keras' default for array
-    data, no more than their rows. A Python generator cannot be looked
-    into without consuming it: `DEFAULT_BATCH_SIZE`, with a warning.
+    Its `batch_size` argument (an `*_on_batch` call: its rows); else a
+    dataset's or `PyDataset`'s batch (from its spec, else its first
+    batch); else Keras' default for array data, no more than their rows.
+    A Python generator cannot be looked into without consuming it:
+    `DEFAULT_BATCH_SIZE`, with a warning.
     """
+    x = kwargs.get("x", args[0] if args else None)
+    if method.endswith("_on_batch"):  # the whole of x is the batch
+        return _leading(x) or DEFAULT_BATCH_SIZE
     position = _ARGUMENT[method]
     given = kwargs.get("batch_size", args[position]
                        if len(args) > position else None)
     if given is not None:
         return int(given)
-    x = kwargs.get("x", args[0] if args else None)
     if isinstance(x, tf.data.Dataset):
         return _leading(x.element_spec) or _leading(next(iter(x.take(1))))
     if isinstance(x, keras.utils.PyDataset):
