@@ -105,7 +105,7 @@ def _client(args, folder):
         import keras
 
         import keras_pipe
-        from keras_pipe.planning import memory, partition
+        from keras_pipe.planning import partition, resident
         devices = [f"/job:worker/replica:0/task:{t}/device:CPU:0"
                    for t in range(2)]
         mm.connect_idle(cluster, devices, pids)
@@ -116,7 +116,7 @@ def _client(args, folder):
                              input_shape=case["input_shape"],
                              batch_size=case["batch"])
         slots = mm.optimizer_of(keras, args.optimizer)[1]
-        predicted = memory.predict_resident(
+        predicted = resident.predict_resident(
             part, case["batch"], args.m, args.remat, args.schedule, slots)
         pipe = keras_pipe.PipelineModel.from_model(
             case["model"], num_stages=2, devices=devices,

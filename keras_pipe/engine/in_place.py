@@ -25,13 +25,9 @@ write ops and are not ordered here.
 """
 
 from keras_pipe import _compat
+from keras_pipe.engine.op_types import VIEWS
 
-__all__ = ["VIEWS", "read_users", "update_in_place", "writes"]
-
-# Ops whose output shares its input's buffer: a read passed through one
-# still holds the variable's buffer.
-VIEWS = ("Identity", "IdentityN", "StopGradient", "Reshape", "Squeeze",
-         "ExpandDims", "Snapshot")
+__all__ = ["read_users", "update_in_place", "writes"]
 
 
 def writes(op):

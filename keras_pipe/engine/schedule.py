@@ -32,11 +32,28 @@ from keras_pipe import _validation
 __all__ = ["Action", "bubble_fraction", "build_ticks", "check_placement",
            "check_ticks", "defer_weight_runs", "format_schedule",
            "get_schedule", "gpipe", "idle_fraction", "interleaved_1f1b",
-           "list_schedule", "one_f_one_b", "register_schedule",
+           "is_remat", "list_schedule", "one_f_one_b", "register_schedule",
            "schedule_names", "stage_placement", "ticks_from_orders", "zb_h1",
            "zb_h2", "zbv"]
 
 KINDS = ("F", "B", "W")
+
+
+def is_remat(mode, i, num_micro_batches):
+    """Whether remat `mode` recomputes micro-batch `i`'s forward pass in its
+    backward pass: every one under `"always"`, all but the last under
+    `"except_last"`, none under `"never"`.
+
+    The one rule the executor runs and the memory model and simulator
+    predict with.
+
+    ```python
+    >>> [is_remat("except_last", i, 3) for i in range(3)]
+    [True, True, False]
+    ```
+    """
+    return mode == "always" or (
+        mode == "except_last" and i < num_micro_batches - 1)
 
 
 @dataclasses.dataclass(frozen=True, order=True)
