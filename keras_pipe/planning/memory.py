@@ -23,6 +23,7 @@ import dataclasses
 import numpy as np
 
 from keras_pipe import _validation
+from keras_pipe.distributed import heap
 from keras_pipe.planning.allocation import (
     CATEGORIES,
     moments,
@@ -42,7 +43,7 @@ from keras_pipe.planning.stage_sizes import (
 )
 
 # The memory model's parts, importable from here.
-__all__ = ["CONCURRENT_KERNELS", "Block", "FEATURES", "MMAP_THRESHOLD",
+__all__ = ["CONCURRENT_KERNELS", "Block", "FEATURES",
            "Profile", "StageActions", "StageMemory", "call_nodes",
            "features", "in_flight", "moments", "predict", "predict_stages",
            "second_largest", "stage_actions", "stage_memory", "transposes",
@@ -68,15 +69,6 @@ class StageMemory:
     def total(self):
         return (self.weights + self.optimizer_slots + self.gradients
                 + self.boundary + self.activations + self.transient)
-
-
-
-
-# glibc's mmap threshold in a worker with heap "return"
-# (`keras_pipe.distributed.heap.RETURN_THRESHOLD`, which planning may not
-# import: tests/test_memory.py checks the two agree): smaller blocks come
-# from arenas.
-MMAP_THRESHOLD = 128 << 10
 
 
 def stage_memory(block, actions, mode, num_micro_batches, optimizer_slots=2,
@@ -107,7 +99,7 @@ def stage_memory(block, actions, mode, num_micro_batches, optimizer_slots=2,
     values = forms @ features(block)          # (moments, categories)
     peak = values[int(np.argmax(values.sum(axis=1)))]
     hidden = block.outputs if first else block.inputs
-    if resident and hidden < MMAP_THRESHOLD:
+    if resident and hidden < heap.RETURN_THRESHOLD:
         # A worker's resident memory (`keras_pipe.distributed.heap`,
         # "return"): blocks below the mmap threshold come from glibc's
         # arenas, which keep their high-water mark resident; when a
