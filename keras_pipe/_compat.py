@@ -16,6 +16,8 @@ import contextlib
 import keras
 import tensorflow as tf
 
+from keras_pipe import _validation
+
 SUPPORTED = {"keras": "3.15", "tensorflow": "2.21"}
 
 
@@ -37,6 +39,8 @@ def check_versions(versions):
 
 
 check_versions({"keras": keras.__version__, "tensorflow": tf.__version__})
+# The backend Keras chose (from KERAS_BACKEND or its config file).
+_validation.check_backend(keras.backend.backend())
 
 # Imported after the check: on another version these may not exist.
 from keras.src.backend import get_keras_mask, set_keras_mask  # noqa: E402

@@ -300,7 +300,8 @@ def _measured_without_timing(monkeypatch, loss_per_row):
                         lambda a, b: profiling.Link(0.0, 1e12))
     monkeypatch.setattr(profiling, "update_rate",
                         lambda device, slots: profiling.UpdateRate(0.0, 0.0))
-    monkeypatch.setattr(profiling, "_STEP_PROBE", [])  # no calibration
+    # No calibration:
+    monkeypatch.setattr(profiling, "has_step_probe", lambda: False)
     seen = []
 
     def loss_seconds(loss, outputs, rows, device=None, shapes=None):
@@ -419,7 +420,7 @@ def test_calibration_makes_the_trained_configurations_predict_their_steps(
         trained.append((args[-1], len(sizes), m))
         return truth[(args[-1], len(sizes), m)].step_time
 
-    monkeypatch.setattr(profiling, "_STEP_PROBE", [probe])
+    monkeypatch.setattr(profiling, "has_step_probe", lambda: True)
     monkeypatch.setattr(profiling, "model_step_seconds", probe)
     after = ranked()
     assert trained == [("gpipe", 2, 1), ("gpipe", 2, 4), ("gpipe", 2, 8),
@@ -520,7 +521,7 @@ def test_a_calibration_that_fails_warns_and_the_search_goes_on(
     def probe(*args, **kwargs):
         raise ValueError("cannot clone this model")
 
-    monkeypatch.setattr(profiling, "_STEP_PROBE", [probe])
+    monkeypatch.setattr(profiling, "has_step_probe", lambda: True)
     monkeypatch.setattr(profiling, "model_step_seconds", probe)
     with pytest.warns(UserWarning, match="cannot clone this model.*"
                       "calibrate=False"):
@@ -560,7 +561,7 @@ def test_a_calibration_fit_issues_each_steps_calls_once(devices, monkeypatch):
     monkeypatch.setattr(simulator, "calls", counted_calls)
     monkeypatch.setattr(simulator, "simulate", counted_simulate)
     monkeypatch.setattr(autoplan, "_configure", counted_configure)
-    monkeypatch.setattr(profiling, "_STEP_PROBE", [probe])
+    monkeypatch.setattr(profiling, "has_step_probe", lambda: True)
     monkeypatch.setattr(profiling, "model_step_seconds", probe)
     plain = autoplan.search(model, devices=devices[:2], batch_size=32,
                             micro_batch_choices=[1, 2], calibrate=False)
