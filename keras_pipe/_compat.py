@@ -114,8 +114,9 @@ def onednn_enabled():
     """Whether this process's TF runs oneDNN's kernels (fixed at import).
 
     TF reads `TF_ENABLE_ONEDNN_OPTS` once, when it is imported; its default
-    depends on the CPU (on by default on some Intel CPUs, off on this AMD
-    EPYC). `keras_pipe.local_workers` passes it on to its workers.
+    depends on the CPU (on by default on some Intel CPUs, off on AMD's: the
+    "oneDNN off on AMD" trap, docs/design.md). `keras_pipe.local_workers`
+    passes it on to its workers.
     """
     from tensorflow.python.util import _pywrap_util_port
     return bool(_pywrap_util_port.IsMklEnabled())

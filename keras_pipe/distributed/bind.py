@@ -6,11 +6,12 @@ starts one, and so does a client in `keras_pipe.connect`. TF's gRPC runtime
 has no authentication, so anyone reaching such a port runs code in the
 process. `pin(host)` makes TF bind `host` instead: it loads a small C
 library (`_bind.c`, compiled when keras_pipe is installed, never at run
-time, and checked against the SHA-256 recorded at build time) that
-rewrites the `bind` entries of TF's own shared objects (their GOT) to a
-bind() that turns a wildcard address into `host`. Python's sockets and other libraries are left alone.
-Unlike an `LD_PRELOAD` shim it needs no restart of the process, so a
-worker imports TF once and a client pins itself inside `connect`.
+time, and checked against the SHA-256 recorded at build time) that rewrites
+the `bind` entries of TF's own shared objects (their GOT) to a bind() that
+turns a wildcard address into `host`. Python's sockets and other libraries
+are left alone. Unlike an `LD_PRELOAD` shim it needs no restart of the
+process, so a worker imports TF once and a client pins itself inside
+`connect`.
 
 `listening_hosts(port)` reads `/proc/net/tcp{,6}` to check the result.
 """

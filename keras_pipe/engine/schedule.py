@@ -14,7 +14,7 @@ Where a schedule has no `"W"` action for `(i, j)`, `"B"` computes the input
 and the weight gradients together. With `"W"` actions, `"B"` computes only
 the input gradient (what the previous stage waits for) and `"W"` the weight
 gradients, which the schedule may defer to fill the bubbles (zero-bubble
-pipelining, Qi et al., ICLR 2024).
+pipelining, Qi et al., "Zero Bubble Pipeline Parallelism").
 
 GPipe with 3 micro-batches on 2 stages (``format_schedule(gpipe(3, 2))``)::
 
@@ -479,7 +479,7 @@ def zb_h1(num_micro_batches, num_stages, num_devices=None):
     runs as soon as it can and `"W"` (weight gradients) fills slots that
     would be idle, with at most 2 pending per stage. Activation memory is
     1F1B's (`K - j` micro-batches in flight on stage `j`); the bubble is
-    about a third of 1F1B's (Qi et al., 2024).
+    about a third of 1F1B's (Qi et al.).
 
     Args and raises: as `gpipe`.
     """

@@ -1,13 +1,13 @@
 """Split backward: input gradients now, weight gradients later.
 
-Zero-bubble schedules (Qi et al., ICLR 2024) cut a stage's backward pass in
-two actions: B, the gradient w.r.t. the stage's inputs, which the previous
-stage waits for, and W, the gradients w.r.t. the stage's weights, which
-nobody waits for and which the schedule may run late, in a bubble. And once
-W runs late it may run for several micro-batches at once: the kernel
-gradient of a Dense layer summed over micro-batches, sum_i X_i^T dY_i, is
-one product concat(X)^T concat(dY), so micro-batching no longer multiplies
-the number of full-size weight-gradient matrices.
+Zero-bubble schedules (Qi et al., "Zero Bubble Pipeline Parallelism") cut a
+stage's backward pass in two actions: B, the gradient w.r.t. the stage's
+inputs, which the previous stage waits for, and W, the gradients w.r.t. the
+stage's weights, which nobody waits for and which the schedule may run late,
+in a bubble. And once W runs late it may run for several micro-batches at
+once: the kernel gradient of a Dense layer summed over micro-batches, sum_i
+X_i^T dY_i, is one product concat(X)^T concat(dY), so micro-batching no
+longer multiplies the number of full-size weight-gradient matrices.
 
 Why per op and not per layer: a stage is any Keras layer run as the pure
 function `(inputs, params, state) -> (outputs, new_state, losses)` of

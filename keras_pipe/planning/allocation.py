@@ -110,11 +110,8 @@ def moments(actions, mode, num_micro_batches, first=False, last=False,
                 # The stage's last W: each variable's gradient waits for
                 # the update of the one before (`engine.release`: a W call
                 # whose sums are not summed again), so about one new
-                # gradient is alive besides the old sums (measured by
-                # `tools/worker_memory.py`: 2.05x the weights before the
-                # chain, 1.68x after): the largest two (TF's profiler, the
-                # worker ResNet's stage 1, SGD, M = 1, GPipe, never: its
-                # 16 MiB kernel's gradient alone at the W call's peak).
+                # gradient is alive besides the old sums: counted as the
+                # largest two.
                 grads = (sums if sums.any() else zero) + _unit(
                     "largest_variable") + _unit("second_variable")
                 released = True
@@ -131,11 +128,7 @@ def moments(actions, mode, num_micro_batches, first=False, last=False,
             # anyway, and output gradients) stays for the W call. No
             # scratch buffer: a conv's input gradient (Conv2DBackpropInput)
             # allocates none, only the filter gradient's im2col buffer is
-            # one (TF's profiler, the logical ResNet's stage 1, SGD, M = 1,
-            # GPipe, never: at the Bi call's peak its 16 MiB input, the
-            # tape's and stashed 8 MiB tensors and three of batch norm's
-            # gradient, 104.2 MiB for a measured 104.2; the buffer counted
-            # here made 131.1).
+            # one.
             result.append(np.stack([
                 boundary, kept + _unit("mixing") - seeded, sums,
                 fixed + arriving + _unit("largest") + waiting]))
@@ -147,8 +140,7 @@ def moments(actions, mode, num_micro_batches, first=False, last=False,
         if remat:
             # One traced call: recompute, backward, and the running sums,
             # `(..., sums) -> (..., new sums)`: the call's inputs stay
-            # alive until it returns, so old and new sums coexist (measured
-            # on workers: SGD, M = 2, "always": weights + 2 x trainable).
+            # alive until it returns, so old and new sums coexist.
             recompute = _unit("recompute")
             grads = _unit("trainable", 2 if sums.any() else 1)
             passing = arriving + _unit("inputs") + _unit("largest")
@@ -163,21 +155,14 @@ def moments(actions, mode, num_micro_batches, first=False, last=False,
         # other micro-batches in flight can have arrived and be waiting.
         # One micro-batch, taped, SGD: each update reads only its own
         # gradient, so the step's function applies a gradient as soon as it
-        # is made (no sum waits for another micro-batch), as the chain does
-        # (measured on workers, the MLP: 113 / 102 MiB; all gradients at
-        # once would be 144 / 128). Not measured with Adam at M = 1 without
-        # remat: its step keeps the full count.
+        # is made (no sum waits for another micro-batch), as the chain does.
+        # With optimizer slots (Adam) the step keeps the full count.
         released = m == 1 and not remat and not optimizer_slots
         if released:
             # While the backward pass runs, about two gradients are alive:
-            # the one being applied and the next being made (TF's
-            # profiler, `tools/allocation_trace.py --logical mlp sgd 1
-            # gpipe never 0`: at the MLP stage 0's peak two of its three
-            # 1 MiB kernel gradients; all three counted made 18.0 MiB for
-            # a measured 14.0): the largest two (the worker ResNet's stage
-            # 1, SGD, M = 1, GPipe, never: one 16 MiB kernel gradient at
-            # its allocator peak of 36.7 MiB, `tools/allocation_trace.py
-            # resnet sgd 1 gpipe never 1`; two counted made 48.8).
+            # the one being applied and the next being made: counted as
+            # the largest two (TF's profiler, `tools/allocation_trace.py`,
+            # finds no more at a stage's peak).
             grads = _unit("largest_variable") + _unit("second_variable")
         result.append(np.stack([
             boundary, kept + recompute, grads,
@@ -202,10 +187,9 @@ def moments(actions, mode, num_micro_batches, first=False, last=False,
         # Updates in turn, each freeing its gradient: one gradient applied
         # while the next is made, and the update's temporaries. Plain SGD
         # has none: its `lr * g` runs in the gradient's own buffer (TF
-        # forwards a buffer to the op that reads it last; BFC peak of a
-        # traced SGD step over one 16 MiB variable: 16.0 MiB above the
-        # weights, over two: 32.5): the next gradient made is at most the
-        # second largest. Adam's are one more variable's size.
+        # forwards a buffer to the op that reads it last): the next
+        # gradient made is at most the second largest. Adam's are one more
+        # variable's size.
         result.append(np.stack([
             zero, zero, _unit("largest_variable"),
             fixed + (_unit("largest_variable", 2) if optimizer_slots
@@ -232,14 +216,7 @@ def weight_call_transient(run_length):
     form, not size: beyond it, one slot is being concatenated (its pieces
     and the result, `run_length` largest outputs) while one product runs
     (one scratch buffer); the executor's second inter-op thread runs the
-    concatenations the next products wait for. Measured (TF profiler's
-    allocator events, the worker ResNet's stage 0 alone on a logical
-    device, Adam, M = 4, GPipe, remat "never", /tmp script of branch
-    i30v): at the peak, in W, one `Conv2DBackpropFilter` scratch buffer
-    (27.0 MiB), eight concatenated slots and the other slots' pieces
-    (112 MiB for a 104 MiB stash) and one weight gradient; the two
-    buffers and two copies of a slot counted before gave 187.3 MiB for
-    the stage's measured 152.7.
+    concatenations the next products wait for.
     """
     # A broadcast kernel's gradient (`broadcast_bytes`) is per row of the
     # run's concatenated inputs.
@@ -259,11 +236,8 @@ def update_temporaries(optimizer_slots):
     largest variables. An optimizer with slots (Adam) reads and updates its
     slots per variable in chains the executor starts for every variable
     before it finishes one, so about one buffer per trainable variable is
-    alive at once, plus the two in progress. Measured with the BFC
-    allocator's peak of `optimizer.apply` in a `tf.function`
-    (Keras 3.15, TF 2.21): SGD over 1-16 variables 1-2 largest; Adam over
-    n x 16 MiB variables, n = 1, 2, 3, 4, 8: 32, 64, 80, 80, 160 MiB, and
-    16 x 4 MiB: 76 MiB (trainable + 2 largest: 48, 64, 80, 96, 160, 72).
+    alive at once, plus the two in progress (checked against the BFC
+    allocator's peak of `optimizer.apply` in a `tf.function`).
     """
     form = _unit("largest_variable", 2)
     if optimizer_slots:

@@ -56,12 +56,9 @@ def _folded_transpose(t):
     """Whether `t` is a 2-D transpose that only matrix products read:
     grappler's arithmetic optimizer folds it into them (`MatMul`'s
     `transpose_a/b`, "FoldTransposeIntoMatMul"), so the step's graph
-    holds no transposed copy. The tied output layer of GPT-2
-    (`ReversibleEmbedding(reverse=True)`: `matmul(x, transpose(table))`):
-    TF's profiler found no transposed table alive at the worker GPT-2's
-    stage-1 peak (Adam, M = 4, GPipe, never), where the model counted one
-    per micro-batch held (15.6 MiB each; the stage +19% on its logical
-    device, 282.0 / 236.7 MiB, its worker +19-20%)."""
+    holds no transposed copy (a tied output layer,
+    `ReversibleEmbedding(reverse=True)`: `matmul(x, transpose(table))`,
+    keeps no transposed table per micro-batch)."""
     if t.op.type != "Transpose" or t.shape.rank != 2:
         return False
     perm = tf.get_static_value(t.op.inputs[1])
@@ -126,11 +123,9 @@ def broadcast_bytes(call, shapes=None):
     A 3-D input times a 2-D kernel is a batched product that broadcasts the
     kernel (Keras' `einsum` for `EinsumDense`: `MultiHeadAttention`'s four
     projections); TF's gradient makes the kernel's gradient per row,
-    `[rows, ...kernel]`, and sums it. TF's profiler
-    (`tools/allocation_trace.py transformer sgd 1 gpipe never 0`, the
-    worker Transformer's stage 0, 16 rows) found two `[16, 512, 512]`
-    gradients (query and value, 16 MiB each) alive at the stage's
-    allocator peak, made by the inter-op pool's two threads at once."""
+    `[rows, ...kernel]`, and sums it; the inter-op pool makes
+    `CONCURRENT_KERNELS` of them at once (TF's profiler:
+    `tools/allocation_trace.py`)."""
     if not isinstance(call.operation, keras.Operation):
         return 0
     kept_inside(call, shapes)
@@ -243,7 +238,6 @@ def kept_inside_bytes(call, rows, shapes=None):
     return per_row * rows + whole
 
 
-
 # TF's CPU kernels for a 2-D convolution's gradients (Conv2DCustomBackprop-
 # Input/Filter, `tensorflow/core/kernels/conv_grad_*_ops.cc`) im2col a shard
 # of images into one scratch buffer sized for "the L3 cache" they assume:
@@ -253,13 +247,11 @@ _CONV_WORKING_SET = 30 << 20
 
 # Backward kernels with a scratch buffer that run at once: a conv's input
 # and filter gradients are ready together (and a W call's filter gradients
-# all at once), and TF's inter-op pool (2 threads here: one per core) runs
-# two kernels together. Measured, BFC allocator peak of the ResNet stage 0
-# of `tools/memory_model.py`, M = 4, remat "always": 58.2 MiB with one
-# inter-op thread (`tf.config.threading.set_inter_op_parallelism_threads`),
-# 86.9 with the default: one more 27 MiB buffer (M = 1 without remat: 84.7
-# and 113.7). A backward call of input gradients only (`"Bi"`) holds none:
-# only the filter gradient (Conv2DBackpropFilter) allocates the buffer.
+# all at once), and TF's inter-op pool runs two kernels together (its
+# threads, one per core on the machines the model was fitted on; one
+# inter-op thread holds one buffer fewer). A backward call of input
+# gradients only (`"Bi"`) holds none: only the filter gradient
+# (Conv2DBackpropFilter) allocates the buffer.
 CONCURRENT_KERNELS = 2
 
 
@@ -267,10 +259,7 @@ def backward_workspace(call, shapes=None):
     """Bytes of the scratch buffer the gradient of `call` allocates (0 for
     most layers): a `Conv1D`/`Conv2D`'s im2col buffer, as TF's CPU kernel
     sizes it (one shard of images, `_CONV_WORKING_SET`), independent of the
-    micro-batch size. Measured (BFC allocator peak of one conv's traced
-    gradient): 16 x 32 x 32 x 32 -> 32 filters, 3 x 3: 36.0 MiB, of which
-    the buffer 27.0 and the tensors 9; 5 x 5: 34.1 / 28.1; 2 x 8 x 8 x
-    256, 3 x 3: 9.1 / 6.2."""
+    micro-batch size."""
     op = call.operation
     if not isinstance(op, (keras.layers.Conv1D, keras.layers.Conv2D)) or \
             isinstance(op, (keras.layers.Conv1DTranspose,

@@ -1,9 +1,9 @@
 """Measured costs of a model's layer calls, stage calls and transfers.
 
 Why measure: what FLOPs say is not what a device does. On a CPU the same
-products cost 1.35-1.53x more per row at 8 micro-batches than at one, a
-transfer between two workers costs about a millisecond whatever its size,
-and a stage call has a fixed cost of its own; a planner that ranks
+products cost more per row on small micro-batches than on large ones, a
+transfer between two workers has a latency whatever its size, and a stage
+call has a fixed cost of its own; a planner that ranks
 schedules and micro-batch counts by FLOPs ranks them wrongly. So each
 layer call is timed on the target device, for each micro-batch size the
 planner considers: its forward pass, its input gradient, its weight

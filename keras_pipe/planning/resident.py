@@ -18,23 +18,17 @@ __all__ = ["BUILD_TRANSIT", "FUNCTION_NODE_BYTES", "ResidentMemory",
 
 # Resident bytes per graph node of the step's functions on a worker: TF's
 # graphs and executors (node definitions, kernels, their small blocks in
-# glibc's arenas). Measured by `tools/function_memory.py` (two workers,
-# one-row micro-batches, resident size after two steps minus the idle
-# worker, the weights and the slots, against the nodes placed on the
-# worker; `--fit docs/benchmarks/function_memory.json`): 25 stages of the
-# ResNet, the Transformer and GPT-2, 87-6445 nodes: 4.25 KiB per node
-# (least squares; 15.9 MiB at 0 nodes, not counted: residual 5.2 MiB).
+# glibc's arenas). A least-squares fit of resident size against the nodes
+# placed on the worker, by `tools/function_memory.py --fit` (docs/capacity.md,
+# "The memory model's constants").
 FUNCTION_NODE_BYTES = 4352
 
 # A worker's build holds its weights and, of the initial values the client
 # sends, about this many times the largest variable in transit (gRPC's
-# receive buffers, the received tensor). Measured where the build is a
-# worker's peak (`tools/memory_model.py --workers`, heap "return", which
-# trims the arenas when the worker idles between the client's layers,
-# median of 3 runs): GPT-2's worker 0 (a 15.6 MiB token table, weights
-# 0.1 MiB besides) 1.55-1.76, the ResNet's worker 1 (a 16 MiB kernel) 1.47
-# above its weights; one 16 MiB variable placed on a fresh worker (6
-# runs): 1.35-1.93. Without the trim about 2 (GPT-2's worker 0: 1.95-2.3).
+# receive buffers, the received tensor), with heap "return" trimming the
+# arenas while the worker idles between the client's layers. Fitted where
+# the build is a worker's peak (`tools/memory_model.py --workers`;
+# docs/capacity.md, "The memory model's constants").
 BUILD_TRANSIT = 1.5
 
 
@@ -46,9 +40,7 @@ def function_nodes(block, mode, num_micro_batches):
     (`Stage.forward`); rematerialized micro-batches call two functions
     traced once: the forward (`forward_nodes`) and the backward, which
     holds the forward twice (TF's forward with its side outputs, and the
-    recompute's) and the gradient ops. Measured node counts (ResNet stage
-    0: 669 at M = 1 without remat, 3097 at M = 4, 1736 with remat "always";
-    predicted 750, 3000, 1746)."""
+    recompute's) and the gradient ops."""
     m = num_micro_batches
     in_place = sum(not schedule_lib.is_remat(mode, i, m) for i in range(m))
     nodes = in_place * block.nodes
@@ -79,22 +71,20 @@ def predict_resident(partition, batch_size, num_micro_batches,
     """Predicted resident peak of each stage's worker process in training.
 
     Net of an idle worker (after a client connected and ran one op), the
-    base a memory budget for a worker is net of: TF's own share (~650 MiB
-    here: kernels, thread pools, gRPC) is in it. The step's peak is the
-    allocator peak of `predict`: with freed blocks of 128 KiB or more
-    given back to the OS (`keras_pipe.distributed.heap`, `"return"`),
+    base a memory budget for a worker is net of: TF's own share (kernels,
+    thread pools, gRPC) is in it. The step's peak is the allocator peak of
+    `predict`: with freed blocks of `heap.RETURN_THRESHOLD` or more given
+    back to the OS (`keras_pipe.distributed.heap`, `"return"`),
     resident memory follows the allocator's bytes in use; to it come the
     step's functions, TF's graphs and executors on the worker
     (`functions`: `FUNCTION_NODE_BYTES` per node of `function_nodes`).
-    Not counted: the kernels' code paged in (8 MiB on the Transformer
-    worker of `tools/memory_model.py --workers`, Adam, M = 4). The build
+    Not counted: the kernels' code paged in. The build
     can peak on its own (before the functions are made): the weights and
     the initial values the client sends, `BUILD_TRANSIT` times the largest
-    variable in transit (`build`); a tied variable counts at build on every stage
-    that uses it, since each stage's build places it on its device before
-    the last one keeps it.
-    Measured by `tools/memory_model.py --workers`. Arguments as in
-    `predict`.
+    variable in transit (`build`); a tied variable counts at build on
+    every stage that uses it, since each stage's build places it on its
+    device before the last one keeps it. Checked against measurement by
+    `tools/memory_model.py --workers`. Arguments as in `predict`.
 
     Returns:
         A list of `ResidentMemory`, one per stage.
