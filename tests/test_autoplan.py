@@ -464,13 +464,8 @@ def test_step_seconds_trains_a_clone_and_leaves_the_model_alone(devices,
 
 
 def _validate_planner():
-    import importlib.util
-    import pathlib
-    path = pathlib.Path(__file__).parents[1] / "tools" / "validate_planner.py"
-    spec = importlib.util.spec_from_file_location("validate_planner", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    from tests.support import tools  # noqa: PLC0415
+    return tools.load("validate_planner")
 
 
 def test_the_validation_tables_leave_out_the_trained_configurations():
