@@ -363,7 +363,7 @@ class PipelineModel(choices.FirstBatchChoices, model_io.SavingMethods,
         """`keras.Model.compile`, with a colocated optimizer.
 
         XLA cannot compile a step whose variables live on several devices
-        (trap 4): the step runs un-compiled, and `jit_compile=True`
+        (the one-device XLA trap): the step runs un-compiled, and `jit_compile=True`
         compiles each device's optimizer update as one XLA function (see
         "Design" in the docs). `model.jit_compile` stays False;
         `model.xla_updates` says whether the updates are compiled.
@@ -640,9 +640,8 @@ class PipelineModel(choices.FirstBatchChoices, model_io.SavingMethods,
         every step, and the arrays are copied there once per call (that
         worker holds them while the call runs, which the memory model and
         `memory_budget` do not count: opt in only for arrays small next to
-        that worker's memory). Measured on the MLP benchmark: about 1 ms
-        less of this process's CPU per step (of 10-13), and 27 ms less per
-        `fit` call (docs/performance.md).
+        that worker's memory). It saves this process the CPU of sending
+        each batch (docs/performance.md).
         """
         chosen = getattr(self, "_data_device", None)
         if chosen != "auto":

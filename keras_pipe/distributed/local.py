@@ -186,10 +186,8 @@ def local_workers(num_workers=2, cores=None, gpus=None,
             blocks stay resident for reuse), `"return"` (blocks of 128 KiB
             or more go back to the OS when freed, and the rest of the free
             heap once a worker idles 0.5 s: lower resident peaks, for
-            a model sized to a memory budget, at 1.15-1.25x the step time
-            on the MLP benchmark when the threshold was 1 MiB, 1.3x on a
-            Transformer worker at 128 KiB) or `"glibc"`. Defaults to
-            `"reuse"`.
+            a model sized to a memory budget, at the cost of slower steps;
+            docs/capacity.md) or `"glibc"`. Defaults to `"reuse"`.
         timeout: seconds for the workers to start and then to answer.
             Defaults to `120.0`.
         onednn: whether the workers run oneDNN's kernels, whose small

@@ -260,9 +260,7 @@ def _step_costs(step, measured, batch_size):
     # their stashed inputs (`keras_pipe.engine.weight_grad`) under a tape,
     # but a weight gradient of a product reads its inputs and output
     # gradient only: the replayed forward feeds no output of the traced
-    # call and TF prunes it (a 1024 x 1024 kernel's W at 512 rows: 15.2-
-    # 17.0 ms replayed, 15.2-16.7 the gradient alone, 28.7-29.8 with the
-    # forward product kept). So "W" costs the weight gradients alone.
+    # call and TF prunes it. So "W" costs the weight gradients alone.
     backward_input = per_stage(costs.backward_input)
     weight = per_stage(costs.weight)
     return simulator.Costs(

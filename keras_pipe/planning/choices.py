@@ -22,6 +22,7 @@ here, so the same call chooses the same configuration (the measured costs
 are cached: `keras_pipe.planning.profiling`).
 """
 
+import dataclasses
 import warnings
 
 import keras
@@ -29,8 +30,8 @@ import numpy as np
 import tensorflow as tf
 
 __all__ = ["DEFAULT_BATCH_SIZE", "DEFAULT_REMAT", "DEFAULT_BALANCE",
-           "batch_size_of", "default_micro_batches", "default_schedule",
-           "leaves_all", "measured"]
+           "Resolved", "batch_size_of", "default_micro_batches",
+           "default_schedule", "leaves_all", "measured", "resolve"]
 
 # Keras' own default batch size for array data (`Model.fit`).
 DEFAULT_BATCH_SIZE = 32
@@ -222,3 +223,63 @@ class FirstBatchChoices:
                 self.__dict__.get("_batch_size_seen") or DEFAULT_BATCH_SIZE,
                 len(self._stage_layers))
         return self._num_micro_batches
+
+
+@dataclasses.dataclass
+class Resolved:
+    """A call's choices, each given or made (`resolve`).
+
+    Attributes:
+        implicit: True when the caller gave no choice (planned by
+            `schedule="auto"`).
+        schedule: the schedule's name, or `"auto"`.
+        num_micro_batches: `M`, or None (auto, or chosen from the first
+            batch when no batch size is known).
+        remat, balance: as given or their defaults (None under auto).
+        measure: whether auto measures costs (None: not planning).
+        batch_size: as given; Keras' default when planning without one.
+    """
+
+    implicit: bool
+    schedule: str
+    num_micro_batches: object
+    remat: object
+    balance: object
+    measure: object
+    batch_size: object
+
+
+def resolve(num_micro_batches, schedule, remat, balance, memory_budget,
+            devices, num_stages, batch_size, measure=None,
+            batch_size_known=True):
+    """Makes the choices left `None`, by this module's rules.
+
+    `batch_size_known=False` (`from_model` before any batch) leaves `M`
+    None for the pipeline to choose from its first batch; `plan` costs
+    Keras' default batch instead.
+    """
+    from keras_pipe.engine import building  # noqa: PLC0415
+    implicit = memory_budget is None and leaves_all(
+        num_micro_batches, schedule, remat, balance)
+    if implicit or schedule == "auto":
+        if batch_size is None and implicit:
+            batch_size = DEFAULT_BATCH_SIZE
+        return Resolved(
+            implicit=implicit, schedule="auto", num_micro_batches=None,
+            remat=None, balance=None, batch_size=batch_size,
+            measure=(measured(devices) if implicit else True)
+            if measure is None else measure)
+    if schedule is None:
+        schedule = "gpipe" if memory_budget is not None else \
+            default_schedule(building.device_indices(devices) if devices
+                             else list(range(num_stages or 1)))
+    if num_micro_batches is None and (batch_size is not None
+                                      or batch_size_known):
+        num_micro_batches = default_micro_batches(
+            batch_size, num_stages or len(devices or [None]))
+    return Resolved(
+        implicit=False, schedule=schedule,
+        num_micro_batches=num_micro_batches,
+        remat=DEFAULT_REMAT if remat is None else remat,
+        balance=DEFAULT_BALANCE if balance is None else balance,
+        measure=True if measure is None else measure, batch_size=batch_size)

@@ -15,7 +15,6 @@ import warnings
 import tensorflow as tf
 
 from keras_pipe import _validation
-from keras_pipe.engine import building
 from keras_pipe.engine import schedule as schedule_lib
 from keras_pipe.planning import autoplan, choices
 from keras_pipe.planning import budget as budget_lib
@@ -267,6 +266,67 @@ def plan(model, num_stages=None, num_micro_batches=None, balance=None,
             `optimizer_slots` that is not an int >= 0 or a
             `flops_per_second` that is not a number > 0.
     """
+    _check_arguments(optimizer_slots, flops_per_second, devices, num_stages)
+    chosen = choices.resolve(num_micro_batches, schedule, remat, balance,
+                             memory_budget, devices, num_stages, batch_size,
+                             measure)
+    if chosen.schedule != "auto":
+        schedule_lib.get_schedule(chosen.schedule)
+        if loss is not None:
+            raise ValueError(
+                'loss= costs the loss head for schedule="auto" only; here it '
+                "would be ignored. Drop it, or pass schedule=\"auto\". "
+                f"Received: loss={loss!r}, schedule={chosen.schedule!r}")
+    batch_size = chosen.batch_size
+    flops = {"flops_per_second": flops_per_second} if flops_per_second else {}
+    ranked = None
+    if chosen.schedule == "auto":
+        ranked = _search(model, devices, num_stages, memory_budget,
+                         micro_batch_choices, optimizer_slots, chosen, flops,
+                         input_shape, sample_inputs, loss, calibrate)
+        best, memory_budget = ranked[0], None
+        chosen = dataclasses.replace(
+            chosen, schedule=best.schedule, balance=list(best.sizes),
+            num_micro_batches=best.num_micro_batches, remat=list(best.remat))
+        num_stages = best.num_stages
+        if devices is not None:
+            devices = autoplan.expand_devices(devices, best.stage_devices)
+    num_stages = num_stages or len(devices)
+    budget = None
+    if memory_budget is not None:
+        budget = budget_lib.search(
+            model, num_stages, memory_budget, batch_size,
+            schedule=chosen.schedule, optimizer_slots=optimizer_slots,
+            **flops)
+        chosen = dataclasses.replace(
+            chosen, balance=budget.sizes,
+            num_micro_batches=budget.num_micro_batches, remat=budget.remat)
+    part = partition_lib.cut(model, num_stages, chosen.balance, devices,
+                             chosen.num_micro_batches, chosen.remat,
+                             batch_size, input_shape, sample_inputs)
+    micro = partition_lib.micro_batch_size(batch_size,
+                                           chosen.num_micro_batches)
+    stages = _stage_plans(part, chosen, micro, optimizer_slots, budget,
+                          input_shape, sample_inputs)
+    m, k = chosen.num_micro_batches, num_stages
+    bubble = schedule_lib.bubble_fraction(m, k)
+    result = Plan(model.name, k, m, micro, chosen.balance, chosen.remat,
+                  stages, list(part.sizes), list(part.tied), bubble,
+                  _step_time(stages, chosen, k, budget, flops_per_second),
+                  _suggestion(m, k), budget, part.graph.opaque,
+                  schedule=chosen.schedule if isinstance(chosen.schedule, str)
+                  else getattr(chosen.schedule, "__name__",
+                               str(chosen.schedule)),
+                  devices=list(devices) if devices is not None else None,
+                  stage_devices=None)
+    if ranked is not None:
+        _add_search(result, ranked)
+    return result
+
+
+def _check_arguments(optimizer_slots, flops_per_second, devices,
+                     num_stages):
+    """`plan`'s checks of the arguments the choices do not cover."""
     if isinstance(optimizer_slots, bool) or not isinstance(optimizer_slots,
                                                            int):
         raise TypeError(
@@ -284,84 +344,36 @@ def plan(model, num_stages=None, num_micro_batches=None, balance=None,
         raise ValueError(
             "plan needs num_stages or devices (one stage per device). "
             "Received: num_stages=None, devices=None")
-    implicit = memory_budget is None and choices.leaves_all(
-        num_micro_batches, schedule, remat, balance)
-    if implicit:
-        schedule = "auto"
-        if measure is None:
-            measure = choices.measured(devices)
-        if batch_size is None:
-            batch_size = choices.DEFAULT_BATCH_SIZE
-    elif schedule is None:
-        schedule = "gpipe" if memory_budget is not None else \
-            choices.default_schedule(
-                building.device_indices(devices) if devices else
-                list(range(num_stages or 1)))
-    if measure is None:
-        measure = True
-    if schedule != "auto":
-        schedule_lib.get_schedule(schedule)
-        if loss is not None:
-            raise ValueError(
-                'loss= costs the loss head for schedule="auto" only; here it '
-                "would be ignored. Drop it, or pass schedule=\"auto\". "
-                f"Received: loss={loss!r}, schedule={schedule!r}")
-    if schedule != "auto":
-        balance = choices.DEFAULT_BALANCE if balance is None else balance
-        remat = choices.DEFAULT_REMAT if remat is None else remat
-        if num_micro_batches is None:
-            num_micro_batches = choices.default_micro_batches(
-                batch_size, num_stages or len(devices or [None]))
-    auto = None
-    if schedule == "auto":
-        with warnings.catch_warnings():
-            if implicit and not measure:  # documented: logical devices
-                warnings.filterwarnings("ignore", _FLOPS_WARNING)
-            ranked = autoplan.search(
-                model, devices=devices,
-                num_devices=None if devices else num_stages,
-                batch_size=batch_size, memory_budget=memory_budget,
-                micro_batch_choices=micro_batch_choices,
-                optimizer_slots=optimizer_slots, measure=measure,
-                **({"flops_per_second": flops_per_second}
-                   if flops_per_second else {}),
-                input_shape=input_shape, sample_inputs=sample_inputs,
-                loss=loss, calibrate=calibrate)
-        auto, memory_budget = ranked, None
-        best = ranked[0]
-        schedule, num_stages = best.schedule, best.num_stages
-        balance, num_micro_batches, remat = (
-            list(best.sizes), best.num_micro_batches, list(best.remat))
-        if devices is not None:
-            devices = autoplan.expand_devices(devices, best.stage_devices)
-    if num_stages is None:
-        if devices is None:
-            raise ValueError(
-                "plan needs num_stages or devices (one stage per device). "
-                "Received: num_stages=None, devices=None")
-        num_stages = len(devices)
-    choice = None
-    if memory_budget is not None:
-        choice = budget_lib.search(
-            model, num_stages, memory_budget, batch_size, schedule=schedule,
-            optimizer_slots=optimizer_slots,
-            **({"flops_per_second": flops_per_second}
-               if flops_per_second else {}))
-        balance, num_micro_batches, remat = (
-            choice.sizes, choice.num_micro_batches, choice.remat)
-    part = partition_lib.cut(model, num_stages, balance, devices,
-                             num_micro_batches, remat, batch_size,
-                             input_shape, sample_inputs)
-    graph = part.graph
-    shapes = part.shapes
+
+
+def _search(model, devices, num_stages, memory_budget, micro_batch_choices,
+            optimizer_slots, chosen, flops, input_shape, sample_inputs, loss,
+            calibrate):
+    """`schedule="auto"`: every configuration, fastest first."""
+    with warnings.catch_warnings():
+        if chosen.implicit and not chosen.measure:  # documented: logical
+            warnings.filterwarnings("ignore", _FLOPS_WARNING)
+        return autoplan.search(
+            model, devices=devices,
+            num_devices=None if devices else num_stages,
+            batch_size=chosen.batch_size, memory_budget=memory_budget,
+            micro_batch_choices=micro_batch_choices,
+            optimizer_slots=optimizer_slots, measure=chosen.measure,
+            input_shape=input_shape, sample_inputs=sample_inputs,
+            loss=loss, calibrate=calibrate, **flops)
+
+
+def _stage_plans(part, chosen, micro, optimizer_slots, budget, input_shape,
+                 sample_inputs):
+    """One `StagePlan` per stage of the cut `part`."""
+    graph, shapes = part.graph, part.shapes
     if shapes is None:
         shapes = shapes_lib.infer_shapes(graph, input_shape, sample_inputs,
                                          what="keras_pipe.plan")
-    micro = partition_lib.micro_batch_size(batch_size, num_micro_batches)
     call_flops = cost_lib.flops(graph, micro, shapes)
     call_bytes = cost_lib.activation_bytes(graph, micro, shapes)
-    times = part.costs if balance == "time" else None
-    m, k = num_micro_batches, num_stages
+    times = part.costs if chosen.balance == "time" else None
+    remat, m = chosen.remat, chosen.num_micro_batches
     stages, start = [], 0
     for j, size in enumerate(part.sizes):
         calls = part.stage_calls(j)
@@ -384,46 +396,49 @@ def plan(model, num_stages=None, num_micro_batches=None, balance=None,
             flops=float(sum(call_flops[i] for i in span)),
             input_bytes=in_bytes, output_bytes=out_bytes,
             peak_memory_bytes=(
-                choice.peaks[j].total if choice is not None else
+                budget.peaks[j].total if budget is not None else
                 _weight_bytes(weights, optimizer_slots) + kept),
             time=None if times is None else sum(times[i] for i in span),
             cost=None if part.costs is None else float(
                 sum(part.costs[i] for i in span))))
-    factor = _remat_factor(remat, m)
-    step_time = None
-    if times is not None:
-        step_time = (m + k - 1) * max(s.time for s in stages) * factor
-    elif flops_per_second:
-        step_time = ((m + k - 1) * max(s.flops for s in stages) * factor
-                     / flops_per_second)
-    bubble = schedule_lib.bubble_fraction(m, k)
-    suggestion = None
+    return stages
+
+
+def _step_time(stages, chosen, num_stages, budget, flops_per_second):
+    """GPipe's step estimate from the slowest stage, or None."""
+    if budget is not None:
+        return budget.step_time
+    m = chosen.num_micro_batches
+    factor = _remat_factor(chosen.remat, m)
+    if chosen.balance == "time":
+        return (m + num_stages - 1) * max(s.time for s in stages) * factor
+    if flops_per_second:
+        return ((m + num_stages - 1) * max(s.flops for s in stages) * factor
+                / flops_per_second)
+    return None
+
+
+def _suggestion(m, k):
+    """GPipe's advice on `M` for `k` stages, or None."""
     if k > 1 and m < 4 * k:
-        suggestion = (
-            f"num_micro_batches={m} < 4 x num_stages = {4 * k}: the "
-            f"pipeline idles {bubble:.0%} of a step. GPipe suggests "
-            f"num_micro_batches >= {4 * k}, which idles "
-            f"{schedule_lib.bubble_fraction(4 * k, k):.0%}.")
-    if choice is not None:
-        step_time = choice.step_time
-    result = Plan(model.name, k, m, micro, balance, remat, stages,
-                  list(part.sizes), list(part.tied), bubble, step_time,
-                  suggestion, choice, graph.opaque,
-                  schedule=schedule if isinstance(schedule, str) else getattr(
-                      schedule, "__name__", str(schedule)),
-                  devices=list(devices) if devices is not None else None,
-                  stage_devices=None)
-    if auto is not None:
-        best = auto[0]
-        for stage, peak in zip(stages, best.stage_peak_memory):
-            stage.peak_memory_bytes = peak
-        result.step_time = best.step_time
-        result.stage_devices = list(best.stage_devices)
-        result.peak_memory = list(best.peak_memory)
-        result.idle = list(best.idle)
-        result.runner_ups = auto[1:]
-        result.suggestion = None
-    return result
+        return (f"num_micro_batches={m} < 4 x num_stages = {4 * k}: the "
+                f"pipeline idles {schedule_lib.bubble_fraction(m, k):.0%} of "
+                f"a step. GPipe suggests num_micro_batches >= {4 * k}, which "
+                f"idles {schedule_lib.bubble_fraction(4 * k, k):.0%}.")
+    return None
+
+
+def _add_search(result, ranked):
+    """What `schedule="auto"` predicted for its pick, and the runner-ups."""
+    best = ranked[0]
+    for stage, peak in zip(result.stages, best.stage_peak_memory):
+        stage.peak_memory_bytes = peak
+    result.step_time = best.step_time
+    result.stage_devices = list(best.stage_devices)
+    result.peak_memory = list(best.peak_memory)
+    result.idle = list(best.idle)
+    result.runner_ups = ranked[1:]
+    result.suggestion = None
 
 
 def stages_from_model(model, num_stages, devices, num_micro_batches, remat,
@@ -448,37 +463,33 @@ def stages_from_model(model, num_stages, devices, num_micro_batches, remat,
                 "from_model needs num_stages, or devices (one per "
                 "stage). Received: num_stages=None, devices=None")
         num_stages = len(devices)
-    chosen = None
-    implicit = memory_budget is None and choices.leaves_all(
-        num_micro_batches, schedule, remat, balance)
-    if loss is not None and schedule != "auto" and not implicit:
+    resolved = choices.resolve(num_micro_batches, schedule, remat, balance,
+                               memory_budget, devices, num_stages,
+                               batch_size, batch_size_known=False)
+    if loss is not None and resolved.schedule != "auto":
         raise ValueError(
             'from_model(loss=...) costs the loss head for schedule="auto" '
             "only; here it would be ignored. Drop it (compile with the loss), "
             f'or pass schedule="auto". Received: loss={loss!r}, '
             f"schedule={schedule!r}")
-    if implicit or schedule == "auto":
+    chosen = None
+    if resolved.schedule == "auto":
         chosen = plan(model, num_stages=num_stages, devices=devices,
                       batch_size=batch_size, memory_budget=memory_budget,
                       schedule=schedule, input_shape=input_shape,
                       sample_inputs=sample_inputs, loss=loss)
         num_stages, devices = chosen.num_stages, chosen.devices
         num_micro_batches, remat = chosen.num_micro_batches, chosen.remat
-        balance, schedule, memory_budget = (chosen.sizes, chosen.schedule,
-                                            None)
-    if memory_budget is not None:
+        balance, schedule = chosen.sizes, chosen.schedule
+    elif memory_budget is not None:
         balance, num_micro_batches, remat = budget_lib.pipeline_arguments(
             model, num_stages, memory_budget, batch_size,
-            schedule=schedule or "gpipe")
-    balance = choices.DEFAULT_BALANCE if balance is None else balance
-    remat = choices.DEFAULT_REMAT if remat is None else remat
-    if schedule is None:
-        schedule = "gpipe" if memory_budget is not None else \
-            choices.default_schedule(building.device_indices(devices)
-                                     if devices else list(range(num_stages)))
-    if num_micro_batches is None and batch_size is not None:
-        num_micro_batches = choices.default_micro_batches(batch_size,
-                                                          num_stages)
+            schedule=resolved.schedule)
+        schedule = resolved.schedule
+    else:
+        balance, num_micro_batches, remat, schedule = (
+            resolved.balance, resolved.num_micro_batches, resolved.remat,
+            resolved.schedule)
     stages = partition_lib.split_model(
         model, num_stages, balance=balance, devices=devices,
         num_micro_batches=num_micro_batches or 1, remat=remat,
