@@ -12,6 +12,7 @@ call's cost from the two step times: the planner
 with them.
 """
 
+import gc
 import statistics
 import time
 
@@ -237,5 +238,13 @@ def step_seconds(model, devices, sizes, num_micro_batches, remat,
         return keras.tree.map_structure(
             lambda a: np.concatenate([a] * times), (x, y))
 
-    return _least_median_step(pipe, repeat(2), repeat(steps + 1), batch_size,
-                              runs)
+    try:
+        return _least_median_step(pipe, repeat(2), repeat(steps + 1),
+                                  batch_size, runs)
+    finally:
+        # The clone's variables live on the devices until Python frees
+        # them, and a Keras model is a reference cycle: collected now, the
+        # next calibration point (and the real pipeline after the plan)
+        # reuses the memory instead of adding to it.
+        del pipe, clone
+        gc.collect()

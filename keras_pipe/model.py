@@ -221,11 +221,14 @@ class PipelineModel(choices.FirstBatchChoices, model_io.SavingMethods,
                 choices.leaves_all(num_micro_batches, options["schedule"],
                                    remat, balance):
             # Planned for the batch size the pipeline first sees.
-            return cls(choices.Deferred(
-                model, devices, options,
-                lambda size: planner.stages_from_model(
-                    model, devices=devices, batch_size=size, **options)),
-                **kwargs)
+            def stages_for(size, compiled_loss, optimizer_slots):
+                return planner.stages_from_model(
+                    model, devices=devices, batch_size=size,
+                    optimizer_slots=optimizer_slots, **dict(
+                        options, loss=options["loss"] or compiled_loss))
+
+            return cls(choices.Deferred(model, devices, options, stages_for),
+                       **kwargs)
         stages, arguments, chosen = planner.stages_from_model(
             model, devices=devices, batch_size=batch_size, **options)
         pipe = cls(stages, **arguments, **kwargs)

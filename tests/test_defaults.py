@@ -44,8 +44,10 @@ def test_from_model_alone_plans_for_the_batch_fit_sees(devices):
     chosen = pipe.plan
     assert chosen is not None and chosen.micro_batch_size == -(
         -48 // chosen.num_micro_batches)
-    # The same call of `keras_pipe.plan` chooses the same configuration.
-    alone = keras_pipe.plan(model, devices=devices[:2], batch_size=48)
+    # The same call of `keras_pipe.plan` chooses the same configuration:
+    # the batch, and the compiled loss and optimizer (SGD: no slots).
+    alone = keras_pipe.plan(model, devices=devices[:2], batch_size=48,
+                            loss="mse", optimizer_slots=0)
     assert (alone.schedule, alone.num_stages, alone.num_micro_batches,
             alone.sizes, list(alone.remat)) == (
         chosen.schedule, chosen.num_stages, chosen.num_micro_batches,
@@ -184,3 +186,13 @@ def test_train_on_batch_plans_for_its_rows(devices):
     x, y = _data(40)
     pipe.train_on_batch(x, y)
     assert pipe.plan.micro_batch_size == -(-40 // pipe.plan.num_micro_batches)
+
+
+@pytest.mark.parametrize("optimizer, slots", [
+    (keras.optimizers.SGD(0.1), 0),
+    (keras.optimizers.SGD(0.1, momentum=0.9), 1),
+    (keras.optimizers.Adam(), 2),
+    (keras.optimizers.RMSprop(), 1),
+])
+def test_the_plan_costs_the_compiled_optimizers_slots(optimizer, slots):
+    assert choices.optimizer_slots(optimizer) == slots

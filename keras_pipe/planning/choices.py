@@ -29,7 +29,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-__all__ = ["DEFAULT_BATCH_SIZE", "DEFAULT_REMAT", "DEFAULT_BALANCE",
+__all__ = ["DEFAULT_BATCH_SIZE", "DEFAULT_OPTIMIZER_SLOTS", "DEFAULT_REMAT",
+           "DEFAULT_BALANCE", "optimizer_slots",
            "Resolved", "batch_size_of", "default_micro_batches",
            "default_schedule", "leaves_all", "measured", "resolve"]
 
@@ -84,6 +85,23 @@ def measured(devices):
                 None, "localhost"):
             return True
     return False
+
+
+# What a plan assumes when no optimizer is compiled yet (Adam's).
+DEFAULT_OPTIMIZER_SLOTS = 2
+
+
+def optimizer_slots(optimizer):
+    """The variables `optimizer` keeps per trained weight (SGD 0, SGD with
+    momentum 1, Adam 2, ...): a fresh copy of it built for one and for two
+    weights, counted."""
+    counts = []
+    for n in (1, 2):
+        fresh = type(optimizer).from_config(optimizer.get_config())
+        fresh.build([keras.Variable(np.zeros((1,), "float32"))
+                     for _ in range(n)])
+        counts.append(len(fresh.variables))
+    return counts[1] - counts[0]
 
 
 _ARGUMENT = {"fit": 2, "evaluate": 2, "predict": 1}
@@ -162,8 +180,9 @@ class Deferred:
         if devices is not None:
             _validation.check_device_list(devices)
             placement.resolve_devices(devices)
-        # `stages_for(batch_size)`: `(stages, PipelineModel arguments,
-        # plan)`, as `planner.stages_from_model` returns them.
+        # `stages_for(batch_size, loss, optimizer_slots)`: `(stages,
+        # PipelineModel arguments, plan)`, as `planner.stages_from_model`
+        # returns them.
         self.stages_for = stages_for
 
 
@@ -210,7 +229,13 @@ class FirstBatchChoices:
         deferred = self.__dict__["_deferred"]
         batch_size = (batch_size or self.__dict__.get("_batch_size_seen")
                       or DEFAULT_BATCH_SIZE)
-        stages, arguments, chosen = deferred.stages_for(batch_size)
+        # Compiled by now, usually: the plan costs that loss head and
+        # those optimizer slots.
+        optimizer = getattr(self, "optimizer", None)
+        stages, arguments, chosen = deferred.stages_for(
+            batch_size, getattr(self, "loss", None),
+            DEFAULT_OPTIMIZER_SLOTS if optimizer is None
+            else optimizer_slots(optimizer))
         self._deferred = None
         self._set_stages(stages, **arguments)
         self.plan = chosen

@@ -443,13 +443,14 @@ def _add_search(result, ranked):
 
 def stages_from_model(model, num_stages, devices, num_micro_batches, remat,
                       balance, memory_budget, batch_size, input_shape,
-                      sample_inputs, schedule, loss=None):
+                      sample_inputs, schedule, loss=None,
+                      optimizer_slots=choices.DEFAULT_OPTIMIZER_SLOTS):
     """The stages and `PipelineModel` arguments of `from_model`.
 
     Every choice left `None` is made as `plan` makes it
     (`keras_pipe.planning.choices`), except `num_micro_batches` without a
     `batch_size`, left `None` for the pipeline to choose from the first
-    batch it sees.
+    batch it sees. `loss` and `optimizer_slots` are what a plan costs.
 
     Returns:
         `(stages, arguments, chosen)`: the cut stages, the keyword
@@ -477,7 +478,8 @@ def stages_from_model(model, num_stages, devices, num_micro_batches, remat,
         chosen = plan(model, num_stages=num_stages, devices=devices,
                       batch_size=batch_size, memory_budget=memory_budget,
                       schedule=schedule, input_shape=input_shape,
-                      sample_inputs=sample_inputs, loss=loss)
+                      sample_inputs=sample_inputs, loss=loss,
+                      optimizer_slots=optimizer_slots)
         num_stages, devices = chosen.num_stages, chosen.devices
         num_micro_batches, remat = chosen.num_micro_batches, chosen.remat
         balance, schedule = chosen.sizes, chosen.schedule
