@@ -569,3 +569,16 @@ def test_a_calibration_fit_issues_each_steps_calls_once(devices, monkeypatch):
                                  micro_batch_choices=[1, 2])
     assert len(made) == len(configured) < len(simulated) / 10
     assert len(calibrated) == len(plain)
+
+
+def test_a_search_lets_go_of_its_timing_loops_and_their_weight_copies(
+        devices, tmp_path, monkeypatch):
+    """The timing loops hold a copy of each layer's weights on the device
+    they time; kept after the search, a worker would hold the model's
+    weights twice once the pipeline is placed."""
+    monkeypatch.setenv("KERAS_PIPE_CACHE", str(tmp_path / "costs.json"))
+    monkeypatch.setattr(profiling, "cache_path",
+                        lambda: tmp_path / "costs.json")
+    autoplan.search(_mlp(depth=2), devices=devices[:2], batch_size=16,
+                    micro_batch_choices=(1, 2), calibrate=False)
+    assert not profiling._LOOPS

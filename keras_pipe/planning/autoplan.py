@@ -571,12 +571,17 @@ def search(model, devices=None, num_devices=None, batch_size=None,
     ms = sorted({min(_validation.check_positive_int("micro_batch_choices",
                                                    m), batch_size)
                  for m in micro_batch_choices})
-    measured.prepare(-(-batch_size // m) for m in ms)
-    distinct = list(dict.fromkeys(devices or []))
-    if calibrate and measure and len(distinct) > 1 and (
-            profiling.has_step_probe()):
-        _calibrate(model, measured, distinct, ms, batch_size, budgets,
-                   optimizer_slots, allowed, input_shape, sample_inputs)
+    try:
+        measured.prepare(-(-batch_size // m) for m in ms)
+        distinct = list(dict.fromkeys(devices or []))
+        if calibrate and measure and len(distinct) > 1 and (
+                profiling.has_step_probe()):
+            _calibrate(model, measured, distinct, ms, batch_size, budgets,
+                       optimizer_slots, allowed, input_shape, sample_inputs)
+    finally:
+        # The timing loops hold copies of the layers' weights on the
+        # device they timed: gone before the pipeline's own weights come.
+        profiling.release_loops()
     for name, stage_devices in layouts(num_devices):
         if schedules is not None and name not in schedules:
             continue

@@ -20,6 +20,7 @@ Where nothing can be measured (`measure=False`), costs come from FLOPs at
 
 import contextlib
 import dataclasses
+import gc
 import hashlib
 import importlib
 import importlib.util
@@ -38,7 +39,7 @@ from keras_pipe.planning.balance import cost as cost_lib
 
 __all__ = ["CallCosts", "Link", "Overhead", "UpdateRate", "cache_path",
            "call_costs", "cached", "flops_costs", "flops_update_rate",
-           "has_step_probe", "link", "loss_seconds", "loss_target",
+           "has_step_probe", "link", "loss_seconds", "loss_target", "release_loops",
            "model_step_seconds", "smooth", "step_overhead", "update_rate",
            "update_seconds"]
 
@@ -320,6 +321,14 @@ def _loops(call, training, device):
         _LOOPS[key] = (call, [_loop(f, device) for f in _functions(
             call, training, device)])
     return _LOOPS[key][1]
+
+
+def release_loops():
+    """Lets the `_loops` made so far go, with the copies of the layers'
+    weights they hold on the devices they time (a search makes them
+    once, for every row count, and releases them when it is done)."""
+    _LOOPS.clear()
+    gc.collect()
 
 
 def _per_run(run, inputs, repeats, target, device=None):
