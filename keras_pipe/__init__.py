@@ -3,7 +3,8 @@
 The public names are `__all__`. They load on first use (PEP 562): importing
 the package imports neither Keras nor TensorFlow, so a worker process
 (`python -m keras_pipe.distributed.worker`, which runs TF's C++ runtime
-alone) does not hold TF's Python package.
+alone) does not hold TF's Python package. The first use of a name other
+than `schedule` registers `PipelineModel` with Keras' serialization.
 """
 
 import importlib
@@ -48,6 +49,11 @@ def __getattr__(name):
     if name not in _EXPORTS:
         raise AttributeError(f"module 'keras_pipe' has no attribute {name!r}")
     module, attribute = _EXPORTS[name]
+    if module != "keras_pipe.engine.schedule":
+        # Every other name uses Keras: its first use also registers
+        # `PipelineModel` with Keras' serialization, so that
+        # `keras_pipe.load_model` and `keras.saving.load_model` find it.
+        importlib.import_module("keras_pipe.model")
     value = importlib.import_module(module)
     if attribute is not None:
         value = getattr(value, attribute)

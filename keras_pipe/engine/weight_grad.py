@@ -11,26 +11,20 @@ longer multiplies the number of full-size weight-gradient matrices.
 
 Why per op and not per layer: a stage is any Keras layer run as the pure
 function `(inputs, params, state) -> (outputs, new_state, losses)` of
-`keras_pipe.engine.stage`; knowing each layer's backward pass would mean a table of
-layers. The traced ops of the stage say all that is needed. Inside the
-traced B function, each tensor the stage computes is
-
-    P  derived from the params (and constants) only,
-    C  derived from constants only,
-    X  everything else (it depends on the inputs, the state, a random op).
-
-An X op with a float P input is a *mixing op*: the gradient reaches the
-params only through mixing ops (or through a P tensor that is itself an
-output or a loss). B runs the stage under a `tf.GradientTape`, takes the
-gradient w.r.t. the float inputs *and* the float outputs of every mixing op
-in one `tape.gradient` (the weight-gradient ops it also builds feed no output
-of the function and are pruned when it runs), and returns as the stash, per
-mixing op, its X inputs and the gradients of its outputs. W replays the
-P chain from the params (the same ops, through `tf.raw_ops`), replays each
-mixing op on its stashed X inputs under a tape and calls `tape.gradient`
-once with the stashed gradients as `output_gradients`: the same ops on the
-same values as the fused backward pass, so the same gradients, up to the
-order of float additions.
+`keras_pipe.engine.stage`; knowing each layer's backward pass would mean a
+table of layers. The traced ops of the stage say all that is needed:
+`split_plan` sorts them into P (from the params), C (from constants) and X
+(the rest), and finds the *mixing ops*, X ops with a float P input, through
+which alone the gradient reaches the params. B runs the stage under a
+`tf.GradientTape`, takes the gradient w.r.t. the float inputs *and* the
+float outputs of every mixing op in one `tape.gradient` (the weight-gradient
+ops it also builds feed no output of the function and are pruned when it
+runs), and returns as the stash, per mixing op, its X inputs and the
+gradients of its outputs. W replays the P chain from the params (the same
+ops, through `tf.raw_ops`), replays each mixing op on its stashed X inputs
+under a tape and calls `tape.gradient` once with the stashed gradients as
+`output_gradients`: the same ops on the same values as the fused backward
+pass, so the same gradients, up to the order of float additions.
 
 A mixing op takes the micro-batches concatenated (one op for all) where
 that is exact: its X inputs have the batch axis first (static size unknown
