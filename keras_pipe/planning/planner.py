@@ -12,12 +12,11 @@ import dataclasses
 import math
 import warnings
 
-import tensorflow as tf
-
 from keras_pipe import _validation
 from keras_pipe.engine import schedule as schedule_lib
 from keras_pipe.planning import autoplan, choices
 from keras_pipe.planning import budget as budget_lib
+from keras_pipe.planning import memory as memory_lib
 from keras_pipe.planning import partition as partition_lib
 from keras_pipe.planning.balance import cost as cost_lib
 from keras_pipe.planning.balance import shapes as shapes_lib
@@ -154,14 +153,6 @@ def _stage_weights(calls):
                 seen.add(id(v))
                 weights.append(v)
     return weights
-
-
-def _weight_bytes(weights, optimizer_slots):
-    total = 0
-    for v in weights:
-        size = math.prod(v.shape) * tf.as_dtype(v.dtype).size
-        total += size * ((2 + optimizer_slots) if v.trainable else 1)
-    return total
 
 
 def plan(model, num_stages=None, num_micro_batches=None, balance=None,
@@ -307,7 +298,7 @@ def plan(model, num_stages=None, num_micro_batches=None, balance=None,
     micro = partition_lib.micro_batch_size(batch_size,
                                            chosen.num_micro_batches)
     stages = _stage_plans(part, chosen, micro, optimizer_slots, budget,
-                          input_shape, sample_inputs)
+                          input_shape, sample_inputs, batch_size)
     m, k = chosen.num_micro_batches, num_stages
     bubble = schedule_lib.bubble_fraction(m, k)
     result = Plan(model.name, k, m, micro, chosen.balance, chosen.remat,
@@ -364,16 +355,20 @@ def _search(model, devices, num_stages, memory_budget, micro_batch_choices,
 
 
 def _stage_plans(part, chosen, micro, optimizer_slots, budget, input_shape,
-                 sample_inputs):
-    """One `StagePlan` per stage of the cut `part`."""
+                 sample_inputs, batch_size):
+    """One `StagePlan` per stage of the cut `part`; peaks from the memory
+    model (`keras_pipe.planning.memory.predict`)."""
     graph, shapes = part.graph, part.shapes
     if shapes is None:
         shapes = shapes_lib.infer_shapes(graph, input_shape, sample_inputs,
                                          what="keras_pipe.plan")
     call_flops = cost_lib.flops(graph, micro, shapes)
-    call_bytes = cost_lib.activation_bytes(graph, micro, shapes)
     times = part.costs if chosen.balance == "time" else None
-    remat, m = chosen.remat, chosen.num_micro_batches
+    m = chosen.num_micro_batches
+    peaks = budget.peaks if budget is not None else memory_lib.predict(
+        part, batch_size or m, m, chosen.remat,
+        chosen.schedule if budget is None else "gpipe", optimizer_slots,
+        input_shape)
     stages, start = [], 0
     for j, size in enumerate(part.sizes):
         calls = part.stage_calls(j)
@@ -383,21 +378,13 @@ def _stage_plans(part, chosen, micro, optimizer_slots, budget, input_shape,
                        for x in part.stage_inputs(j))
         out_bytes = sum(cost_lib.tensor_bytes(x, micro, shapes)
                         for x in part.stage_outputs(j))
-        activations = sum(call_bytes[i] for i in span)
-        mode = remat[j] if isinstance(remat, (list, tuple)) else remat
-        if mode == "never":
-            kept = m * (in_bytes + activations)
-        else:
-            kept = m * in_bytes + activations
         weights = _stage_weights(calls)
         stages.append(StagePlan(
             index=j, layers=[c.name for c in calls],
             params=sum(math.prod(v.shape) for v in weights),
             flops=float(sum(call_flops[i] for i in span)),
             input_bytes=in_bytes, output_bytes=out_bytes,
-            peak_memory_bytes=(
-                budget.peaks[j].total if budget is not None else
-                _weight_bytes(weights, optimizer_slots) + kept),
+            peak_memory_bytes=peaks[j].total,
             time=None if times is None else sum(times[i] for i in span),
             cost=None if part.costs is None else float(
                 sum(part.costs[i] for i in span))))

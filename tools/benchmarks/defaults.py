@@ -149,10 +149,9 @@ def child_pipeline(p):
                             p["steps"])
 
         builders = {"default": (default, warm_up)}
-        for schedule in p["schedules"]:
-            for m in p["micro_batches"]:
-                builders[f"{schedule} M={m}"] = (
-                    lambda s=schedule, m=m: build(s, m), warm_up)
+        for schedule, m in p["grid"]:
+            builders[f"{schedule} M={m}"] = (
+                lambda s=schedule, m=m: build(s, m), warm_up)
         for label, run in build_then_warm(builders, errors).items():
             runs[label] = {"steps": [], "cpu": [], "wait": [],
                            "cpu_per_step": [], "run": run}
@@ -163,13 +162,15 @@ def child_pipeline(p):
             "chosen": chosen, "errors": errors}
 
 
-def run(names, quick, log=print):
-    """Every job of `names`: both baselines, then the pipelines."""
-    s = {"steps": 4 if quick else 8, "warm": 2 if quick else 3,
+def run(names, quick, log=print, grid=None, steps=None):
+    """Every job of `names`: both baselines, then the pipelines (the
+    default and `grid`, `(schedule, M)` pairs; default: every schedule of
+    `GRID_SCHEDULES` at M = 2, 4, 8)."""
+    s = {"steps": steps or (4 if quick else 8), "warm": 2 if quick else 3,
          "rounds": 1 if quick else 2,
-         "micro_batches": [2, 4] if quick else [2, 4, 8],
-         "schedules": ["gpipe", "zb_h2", "zbv"] if quick
-         else list(GRID_SCHEDULES)}
+         "grid": grid or [(n, m) for n in (
+             ["gpipe", "zb_h2", "zbv"] if quick else GRID_SCHEDULES)
+             for m in ([2, 4] if quick else [2, 4, 8])]}
     cores = sorted(os.sched_getaffinity(0))[:2]
     result = {"settings": s, "jobs": {}}
     for name in names:
@@ -183,8 +184,7 @@ def run(names, quick, log=print):
                 "defaults_baseline", dict(common, cpus=cores[:1]), 3600,
                 log=log, env={"TF_ENABLE_ONEDNN_OPTS": onednn})
         entry["pipeline"] = run_child(
-            "defaults_pipeline", dict(common, micro_batches=s[
-                "micro_batches"], schedules=s["schedules"]), 3600, log=log,
+            "defaults_pipeline", dict(common, grid=s["grid"]), 3600, log=log,
             env={"TF_ENABLE_ONEDNN_OPTS": None})
         log("  " + summary_line(name, entry))
     return result
@@ -211,10 +211,16 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--jobs", default="mlp,transformer,conv,ln_mlp,ffn")
+    parser.add_argument("--grid", default="",
+                        help="schedule:M pairs, e.g. zb_h2:4,zbv:2 "
+                        "(default: every schedule at M = 2, 4, 8)")
+    parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--out", default="benchmark_out/defaults.json")
     args = parser.parse_args()
+    grid = [(pair.split(":")[0], int(pair.split(":")[1]))
+            for pair in args.grid.split(",") if pair.strip()]
     result = run([j.strip() for j in args.jobs.split(",") if j.strip()],
-                 args.quick)
+                 args.quick, grid=grid or None, steps=args.steps)
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
