@@ -13,6 +13,11 @@ data they would have used is drawn and dropped, and training goes on from
 the next one. With a data order that depends on the epoch only (a fixed
 dataset, `shuffle=False`, or a shuffle with a fixed seed), the resumed fit
 ends with the same weights as an uninterrupted one.
+
+In the same process (a `fit` that goes on after a lost worker,
+`keras_pipe.distributed.recovery`), the running totals of the metrics at
+the last save are kept in memory too and put back after the skipped
+batches, so the epoch's logs are those of an uninterrupted run.
 """
 
 import json
@@ -68,6 +73,19 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
         self._skip = 0
         self._resume_steps = 0
         self._train_function = None
+        self.saves = 0  # backups written by this callback object
+        self._metric_state = None  # (position, values) of the last save
+        self._metrics_to_restore = None
+
+    @property
+    def resumed_steps(self):
+        """Batches of the current epoch that the restore skipped."""
+        return self._resume_steps
+
+    def save_if_missing(self):
+        """Writes a backup now if none exists (the start of a run)."""
+        if not os.path.exists(self._weights_path):
+            self._save_model()
 
     # ------------------------------------------------------------- restore
 
@@ -78,6 +96,8 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
                 checksums.verify(f, repr(self._weights_path))
         super()._load_model()
         self._skip = 0
+        self._batches_seen_since_last_saving = 0
+        self._metrics_to_restore = None
         if not os.path.exists(self._weights_path):
             return
         with h5py.File(self._weights_path, "r") as f:
@@ -99,6 +119,9 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
         _compat.set_initial_epoch(self.model, epoch)
         self._current_epoch = epoch
         self._skip = steps
+        if steps and self._metric_state is not None \
+                and self._metric_state[0] == position:
+            self._metrics_to_restore = self._metric_state[1]
 
     def on_train_begin(self, logs=None):
         super().on_train_begin(logs)
@@ -118,7 +141,12 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
             self._skip -= min(steps, self._skip)
             if not self._skip:
                 self.model.train_function = original
-            return {}  # No metric has seen these batches.
+                if self._metrics_to_restore is not None:
+                    for variable, value in zip(self.model.metrics_variables,
+                                               self._metrics_to_restore):
+                        variable.assign(value)
+                    self._metrics_to_restore = None
+            return {}  # The metrics hold these batches only if restored.
 
         self.model.train_function = skipping
 
@@ -173,3 +201,6 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
                            "batch": self._last_batch_seen}, f)
 
         saving.write_atomically(self._training_metadata_path, write_metadata)
+        self._metric_state = (position, [
+            v.numpy() for v in self.model.metrics_variables])
+        self.saves += 1

@@ -4,7 +4,7 @@ import keras
 import tensorflow as tf
 
 from keras_pipe import _compat, _validation, placed_data, reporting
-from keras_pipe.distributed import cluster
+from keras_pipe.distributed import cluster, recovery
 from keras_pipe.engine import building, in_place, placement, release
 from keras_pipe.engine import executor as executor_lib
 from keras_pipe.engine import losses as losses_lib
@@ -565,8 +565,10 @@ class PipelineModel(model_io.SavingMethods, keras.Model):
         # TensorBoard(write_graph=True) gets the model config as Keras
         # writes it for a Functional model (`keras_pipe.reporting`).
         args, kwargs = reporting.with_config_writers_in(args, kwargs)
-        return cluster.run(self._resolved_devices, "fit", self._placed_fit,
-                           *args, **kwargs)
+        # With a BackupAndRestore, a lost worker costs the steps since
+        # the last backup, not the call (`recovery`).
+        return recovery.fit(self, self._resolved_devices, self._placed_fit,
+                            args, kwargs)
 
     def _placed_fit(self, *args, **kwargs):
         args, kwargs = placed_data.placed_call(
