@@ -74,6 +74,7 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
         self._resume_steps = 0
         self._train_function = None
         self.saves = 0  # backups written by this callback object
+        self.saved_iterations = None  # optimizer steps of the last one
         self._metric_state = None  # (position, values) of the last save
         self._metrics_to_restore = None
 
@@ -204,3 +205,4 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
         self._metric_state = (position, [
             v.numpy() for v in self.model.metrics_variables])
         self.saves += 1
+        self.saved_iterations = position["iterations"]

@@ -337,7 +337,8 @@ class _Supervisor:
                     log = self.logdir / f"worker{task}.log"
                     kept = self.logdir / (f"worker{task}."
                                           f"{self.restarts[task]}.log")
-                    os.replace(log, kept)
+                    if log.exists():
+                        os.replace(log, kept)
                     exits.restarted(f"/job:worker/replica:0/task:{task}",
                                     proc, kept)
                     self.procs[task] = self.start(task)

@@ -39,6 +39,7 @@ counts it lost after a silence derived from the measured step time
 `MIN_STEP_DEADLINE` and at most `cluster.HUNG_AFTER` seconds.
 """
 
+import logging
 import statistics
 import threading
 import time
@@ -90,7 +91,13 @@ def fit(model, devices, placed_fit, args, kwargs):
                                "a new backup was written; fit gives up.")
                 raise
             progress = saved
+            start = time.monotonic()
             _recover(model, devices, error)
+            logging.getLogger(__name__).warning(
+                "keras_pipe: lost %s during fit; connected again after %.1f "
+                "s, going on from the backup of optimizer step %s.",
+                cluster.describe_tasks(error.tasks),
+                time.monotonic() - start, backup.saved_iterations)
             attempt = [c if c is backup else _Replayed(c, backup, seen)
                        for c in callbacks] + [seen, clock]
             continue

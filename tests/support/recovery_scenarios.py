@@ -27,8 +27,10 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 import keras_pipe  # noqa: E402
-from keras_pipe.distributed import exits  # noqa: E402
-from keras_pipe.distributed import recovery  # noqa: E402
+from keras_pipe.distributed import (
+    exits,  # noqa: E402
+    recovery,  # noqa: E402
+)
 
 ROWS, BATCH, EPOCHS, SAVE_FREQ = 96, 8, 2, 5  # 12 steps per epoch
 KILL_STEP = 8  # global step (0-based) before which the fault comes
@@ -67,18 +69,20 @@ def max_diff(a, b):
 
 
 class Fault(keras.callbacks.Callback):
-    """Signals a worker before global step `step`, or in the save after it."""
+    """Signals a worker before global step `step`, or in the first backup
+    save after it (before the save reads the weights)."""
 
     def __init__(self, task, step, sig, backup=None):
         super().__init__()
         self.task, self.step, self.sig = task, step, sig
         self.seen = 0
+        self.begun = 0  # steps started, the one the fault broke included
         self.at = None
         if backup is not None:  # during the backup's own save
             original = backup._save_model
 
             def save():
-                if self.seen == self.step and self.at is None:
+                if self.seen >= self.step and self.at is None:
                     self.fire()
                 original()
 
@@ -94,6 +98,7 @@ class Fault(keras.callbacks.Callback):
         self.at = time.monotonic()
 
     def on_train_batch_begin(self, batch, logs=None):
+        self.begun += 1
         if not self.during_save and self.seen == self.step \
                 and self.at is None:
             self.fire()
@@ -135,10 +140,25 @@ def fit(model, backup_dir, extra=()):
     return backup, events, history
 
 
+DEADLINES = []  # (time, seconds) of each read of the step deadline
+
+
+def _record_deadlines():
+    original = recovery.StepClock.deadline
+
+    def recorded(self):
+        seconds = original(self)
+        DEADLINES.append((time.monotonic(), seconds))
+        return seconds
+
+    recovery.StepClock.deadline = recorded
+
+
 def run_fault(args):
     sig = {"kill": signal.SIGKILL, "save": signal.SIGKILL,
            "stop": signal.SIGSTOP, "gone": signal.SIGKILL}[args.scenario]
     tmp = tempfile.mkdtemp()
+    _record_deadlines()
     with keras_pipe.local_workers(2, restart=args.scenario != "gone",
                                   timeout=240.0) as devices:
         if args.scenario == "gone":
@@ -169,6 +189,7 @@ def run_fault(args):
             "error": error,
             "fault_fired": fault.at is not None,
             "batch_ends": len(batches),
+            "steps_begun": fault.begun,
             "steps": EPOCHS * ROWS // BATCH,
             "first_step_after_fault_s": (after[0] - fault.at) if after
             else None,
@@ -181,6 +202,8 @@ def run_fault(args):
             "iterations": int(model.optimizer.iterations.numpy())
             if error is None else None,
         }
+        before = [s for t, s in DEADLINES if after and t < after[0]]
+        result["deadline_at_loss"] = before[-1] if before else None
         if error is None:
             result["weights_max_diff"] = max_diff(values(model), expected)
         print(json.dumps(result), flush=True)
