@@ -14,10 +14,12 @@ the next one. With a data order that depends on the epoch only (a fixed
 dataset, `shuffle=False`, or a shuffle with a fixed seed), the resumed fit
 ends with the same weights as an uninterrupted one.
 
-In the same process (a `fit` that goes on after a lost worker,
-`keras_pipe.distributed.recovery`), the running totals of the metrics at
-the last save are kept in memory too and put back after the skipped
-batches, so the epoch's logs are those of an uninterrupted run.
+The position holds the running totals of the metrics too (the loss's mean,
+accuracy, ...), put back after the skipped batches, so the resumed epoch's
+logs are those of an uninterrupted run, not of its last batches only.
+Neither depends on the cut: a backup taken with `K` stages resumes on
+another number of stages or devices (weights and optimizer slots are saved
+by layer, in the order of the model's variables).
 """
 
 import json
@@ -75,7 +77,6 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
         self._train_function = None
         self.saves = 0  # backups written by this callback object
         self.saved_iterations = None  # optimizer steps of the last one
-        self._metric_state = None  # (position, values) of the last save
         self._metrics_to_restore = None
 
     @property
@@ -120,9 +121,8 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
         _compat.set_initial_epoch(self.model, epoch)
         self._current_epoch = epoch
         self._skip = steps
-        if steps and self._metric_state is not None \
-                and self._metric_state[0] == position:
-            self._metrics_to_restore = self._metric_state[1]
+        if steps:
+            self._metrics_to_restore = position.get("metrics")
 
     def on_train_begin(self, logs=None):
         super().on_train_begin(logs)
@@ -142,14 +142,26 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
             self._skip -= min(steps, self._skip)
             if not self._skip:
                 self.model.train_function = original
-                if self._metrics_to_restore is not None:
-                    for variable, value in zip(self.model.metrics_variables,
-                                               self._metrics_to_restore):
-                        variable.assign(value)
-                    self._metrics_to_restore = None
+                self._restore_metrics(iterator)
             return {}  # The metrics hold these batches only if restored.
 
         self.model.train_function = skipping
+
+    def _restore_metrics(self, iterator):
+        """Puts the metrics' running totals of the backup back."""
+        saved, self._metrics_to_restore = self._metrics_to_restore, None
+        # A PipelineModel builds its compiled metrics at its first step,
+        # which has not run in a new process: built here from the data's
+        # spec, as that step would.
+        build = getattr(self.model, "_build_from_data_spec", None)
+        spec = getattr(iterator, "element_spec", None)
+        if build is not None and spec is not None:
+            build(spec)
+        variables = self.model.metrics_variables
+        if saved is None or len(saved) != len(variables):
+            return
+        for variable, value in zip(variables, saved):
+            variable.assign(value)
 
     def on_train_end(self, logs=None):
         if self._train_function is not None:
@@ -185,6 +197,8 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
             "steps": self._steps_done,
             "iterations": (int(optimizer.iterations.numpy())
                            if optimizer is not None else None),
+            "metrics": [v.numpy().tolist()
+                        for v in self.model.metrics_variables],
         }
 
         # Made in memory, with checksums: a full disk is a clean OSError.
@@ -202,7 +216,5 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
                            "batch": self._last_batch_seen}, f)
 
         saving.write_atomically(self._training_metadata_path, write_metadata)
-        self._metric_state = (position, [
-            v.numpy() for v in self.model.metrics_variables])
         self.saves += 1
         self.saved_iterations = position["iterations"]

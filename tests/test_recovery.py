@@ -257,3 +257,23 @@ def test_a_worker_that_does_not_come_back_ends_fit_naming_it():
     assert "did not answer again within 10 s" in error["message"], error
     assert "killed by SIGKILL" in error["message"], error
 
+
+
+@pytest.mark.slow
+def test_a_backup_from_two_workers_resumes_on_three(tmp_path):
+    # The optimizer slots and the data position follow the variables'
+    # order and the batch count, not the cut; the metrics' running totals
+    # are in the backup (before, the resumed epoch's loss averaged its
+    # batches after the backup only).
+    backup = str(tmp_path / "backup")
+    first = _scenario("layout", "--phase", "first", "--workers", "2",
+                      "--backup", backup)
+    assert first == {"stages": 2}
+    result = _scenario("layout", "--phase", "resume", "--workers", "3",
+                       "--backup", backup)
+    assert result["stages"] == 3
+    assert result["tasks"] == [f"/job:worker/replica:0/task:{t}"
+                               for t in range(3)]
+    assert result["weights_max_diff"] <= 1e-5, result
+    for name, values in result["reference_history"].items():
+        assert result["history"][name] == pytest.approx(values, abs=1e-6)

@@ -10,12 +10,19 @@ JSON line with what the test checks:
     python tests/support/recovery_scenarios.py save --task 1   # during a save
     python tests/support/recovery_scenarios.py stop --task 1   # SIGSTOP
     python tests/support/recovery_scenarios.py gone --task 1   # no restart
+    python tests/support/recovery_scenarios.py layout --phase first \
+        --workers 2 --backup DIR      # reference, then a fit stopped at 8
+    python tests/support/recovery_scenarios.py layout --phase resume \
+        --workers 3 --backup DIR      # the same fit resumed on 3 stages
 """
 
 import argparse
+import contextlib
 import json
 import os
+import pathlib
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -27,10 +34,7 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 import keras_pipe  # noqa: E402
-from keras_pipe.distributed import (
-    exits,  # noqa: E402
-    recovery,  # noqa: E402
-)
+from keras_pipe.distributed import cluster, exits, recovery  # noqa: E402
 
 ROWS, BATCH, EPOCHS, SAVE_FREQ = 96, 8, 2, 5  # 12 steps per epoch
 KILL_STEP = 8  # global step (0-based) before which the fault comes
@@ -203,18 +207,111 @@ def run_fault(args):
             if error is None else None,
         }
         before = [s for t, s in DEADLINES if after and t < after[0]]
-        result["deadline_at_loss"] = before[-1] if before else None
+        # No step deadline read: the watchdog's fixed silence was in force.
+        result["deadline_at_loss"] = before[-1] if before else \
+            cluster.HUNG_AFTER
         if error is None:
             result["weights_max_diff"] = max_diff(values(model), expected)
         print(json.dumps(result), flush=True)
     sys.stdout.flush()
 
 
+@contextlib.contextmanager
+def workers(num_workers):
+    """Worker processes on free loopback ports, not pinned (more workers
+    than cores); killed at the end."""
+    from tests.support.ports import free_port
+    addresses = [f"127.0.0.1:{free_port()}" for _ in range(num_workers)]
+    procs = [subprocess.Popen(
+        [sys.executable, "-m", "keras_pipe.distributed.worker", "--task",
+         str(task), "--cluster", ",".join(addresses), "--intra-op-threads",
+         "1", "--inter-op-threads", "4"], stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL) for task in range(num_workers)]
+    try:
+        keras_pipe.connect({"worker": addresses}, timeout=240.0)
+        yield [f"/job:worker/replica:0/task:{t}/device:CPU:0"
+               for t in range(num_workers)]
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+
+
+def layout_model(devices):
+    """One Sequential model cut into len(devices) stages by from_model."""
+    keras.utils.set_random_seed(5)
+    layers = keras.layers
+    base = keras.Sequential([
+        keras.Input((8,)), layers.Dense(16, activation="relu"),
+        layers.Dropout(0.2), layers.Dense(16, activation="relu"),
+        layers.Dense(16, activation="relu"), layers.Dropout(0.1),
+        layers.Dense(3)])
+    model = keras_pipe.PipelineModel.from_model(
+        base, num_stages=len(devices), devices=devices, num_micro_batches=2)
+    model.compile(keras.optimizers.Adam(0.01),
+                  keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=["accuracy"])
+    return model
+
+
+class StopAt(keras.callbacks.Callback):
+    """Ends fit after `step` steps, as a preemption would."""
+
+    def __init__(self, step):
+        super().__init__()
+        self.step, self.seen = step, 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.seen += 1
+        if self.seen == self.step:
+            raise KeyboardInterrupt("preempted")
+
+
+def run_layout(args):
+    x, y = data()
+    fit = dict(batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0)
+    expected = pathlib.Path(args.backup + ".expected.npz")
+    with workers(args.workers) as devices:
+        if args.phase == "first":
+            reference = layout_model(devices)
+            history = reference.fit(x, y, **fit).history
+            np.savez(expected, *values(reference))
+            expected.with_suffix(".json").write_text(json.dumps(history))
+            model = layout_model(devices)
+            backup = keras_pipe.BackupAndRestore(args.backup,
+                                                 save_freq=SAVE_FREQ)
+            with contextlib.suppress(KeyboardInterrupt):
+                model.fit(x, y, callbacks=[backup, StopAt(KILL_STEP)], **fit)
+            print(json.dumps({"stages": model.num_stages}))
+            return
+        model = layout_model(devices)
+        backup = keras_pipe.BackupAndRestore(args.backup, save_freq=SAVE_FREQ)
+        history = model.fit(x, y, callbacks=[backup], **fit).history
+        saved = np.load(expected)
+        print(json.dumps({
+            "stages": model.num_stages,
+            "tasks": sorted({v.value.device.split("/device")[0]
+                             for v in model.variables}),
+            "history": history,
+            "reference_history": json.loads(
+                expected.with_suffix(".json").read_text()),
+            "weights_max_diff": max_diff(
+                values(model), [saved[k] for k in saved.files])}))
+
+
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("scenario", choices=["kill", "save", "stop", "gone"])
+    parser.add_argument("scenario",
+                        choices=["kill", "save", "stop", "gone", "layout"])
     parser.add_argument("--task", type=int, default=1)
-    run_fault(parser.parse_args())
+    parser.add_argument("--phase", choices=["first", "resume"])
+    parser.add_argument("--workers", type=int)
+    parser.add_argument("--backup")
+    args = parser.parse_args()
+    if args.scenario == "layout":
+        run_layout(args)
+    else:
+        run_fault(args)
 
 
 if __name__ == "__main__":
