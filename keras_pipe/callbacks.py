@@ -43,7 +43,12 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
     """`keras.callbacks.BackupAndRestore` with an exact mid-epoch resume.
 
     Works with any Keras model; a `PipelineModel` saves its seed generator
-    states too, so Dropout draws the same masks after the restart.
+    states too, so Dropout draws the same masks after the restart. With
+    stages on remote workers and `save_freq` a number of batches, a worker
+    lost during `fit` costs the batches since the last backup, not the
+    call: once the worker is back at its address (`local_workers(...,
+    restart=True)`, or its host's supervisor), the same `fit` call restores
+    the backup and goes on (`keras_pipe.distributed.recovery`).
 
     ```python
     backup = keras_pipe.BackupAndRestore("/ckpt/backup", save_freq=100)
@@ -78,6 +83,11 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
         self.saves = 0  # backups written by this callback object
         self.saved_iterations = None  # optimizer steps of the last one
         self._metrics_to_restore = None
+
+    @property
+    def weights_path(self):
+        """The backup's weights file (`<backup_dir>/latest.weights.h5`)."""
+        return self._weights_path
 
     @property
     def resumed_steps(self):

@@ -24,6 +24,7 @@ import pytest
 
 import keras_pipe
 from keras_pipe.distributed import cluster, exits, local, recovery
+from tests.support.recovery_scenarios import StopAt
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SCENARIOS = str(ROOT / "tests" / "support" / "recovery_scenarios.py")
@@ -146,17 +147,6 @@ def test_restart_must_be_a_bool():
             pass
 
 
-class _FailAt(keras.callbacks.Callback):
-    def __init__(self, step):
-        super().__init__()
-        self.step, self.seen = step, 0
-
-    def on_train_batch_end(self, batch, logs=None):
-        self.seen += 1
-        if self.seen == self.step:
-            raise RuntimeError("interrupted")
-
-
 def test_a_same_process_resume_puts_the_metrics_running_totals_back(
         devices, tmp_path):
     # Broke: the resumed epoch's loss and accuracy averaged only the batches
@@ -183,7 +173,7 @@ def test_a_same_process_resume_puts_the_metrics_running_totals_back(
     model = make()
     backup = keras_pipe.BackupAndRestore(str(tmp_path / "b"), save_freq=5)
     with pytest.raises(RuntimeError, match="interrupted"):
-        model.fit(x, y, callbacks=[backup, _FailAt(8)], **fit)
+        model.fit(x, y, callbacks=[backup, StopAt(8, RuntimeError)], **fit)
     history = model.fit(x, y, callbacks=[backup], **fit).history
     assert history["loss"] == pytest.approx(expected["loss"], abs=1e-6)
     assert history["accuracy"] == pytest.approx(expected["accuracy"],
@@ -277,3 +267,14 @@ def test_a_backup_from_two_workers_resumes_on_three(tmp_path):
     assert result["weights_max_diff"] <= 1e-5, result
     for name, values in result["reference_history"].items():
         assert result["history"][name] == pytest.approx(values, abs=1e-6)
+
+
+@pytest.mark.slow
+def test_the_docs_example_runs():
+    text = (ROOT / "docs" / "reliability.md").read_text()
+    section = text.split("## Lost workers: fit goes on", 1)[1]
+    snippet = section.split("```python\n", 1)[1].split("```", 1)[0]
+    result = subprocess.run([sys.executable, "-c", snippet], env=_env(),
+                            capture_output=True, text=True, timeout=900,
+                            cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-3000:]

@@ -673,7 +673,10 @@ _REBUILD = (
     "lived on the lost worker) and restore its weights: with "
     "keras_pipe.BackupAndRestore in fit's callbacks, the same fit() call "
     "resumes at the exact batch of the last backup; or load_weights() from "
-    "a checkpoint.")
+    "a checkpoint. With a BackupAndRestore(save_freq=<batches>) and "
+    "workers started again at their addresses (local_workers(..., "
+    "restart=True), or a supervisor on their hosts), fit goes on by itself "
+    "(keras_pipe.distributed.recovery).")
 
 
 def _first_line(error):

@@ -31,7 +31,15 @@ What the other callbacks see: `on_train_begin` once, each epoch's
 backup once; the batches between the backup and the loss twice, with the
 same batch numbers (their logs of the replay equal those of the first
 run). The returned `History` holds one entry per epoch. A loss that comes
-again before the run wrote a new backup ends `fit` (no progress).
+again before the run wrote a new backup ends `fit` (no progress); so does
+a loss before any backup exists, which is why a backup is written when
+training begins.
+
+The data must be drawn again from the backup's batch: arrays, a
+`tf.data.Dataset` or a `keras.utils.PyDataset` are; an iterator or a
+generator is not, and a `fit` given one is not recovered. As for a resume
+in a new process, the data order must depend on the epoch only
+(`shuffle=False`, or a shuffle with a fixed seed).
 
 A hung worker (stopped, or deadlocked) answers no probe. The watchdog
 counts it lost after a silence derived from the measured step time
@@ -39,7 +47,9 @@ counts it lost after a silence derived from the measured step time
 `MIN_STEP_DEADLINE` and at most `cluster.HUNG_AFTER` seconds.
 """
 
+import collections.abc
 import logging
+import os
 import statistics
 import threading
 import time
@@ -63,13 +73,14 @@ _CALLBACKS_ARG = 5  # `callbacks` is the 6th positional argument of fit
 def fit(model, devices, placed_fit, args, kwargs):
     """`model.fit(*args, **kwargs)` through `cluster.run`, recovering from a
     lost worker when a `keras_pipe.BackupAndRestore` is among the callbacks
-    (see the module docstring)."""
+    and the data can be drawn again (see the module docstring)."""
     callbacks = list(kwargs.get("callbacks") or (
         args[_CALLBACKS_ARG] if len(args) > _CALLBACKS_ARG else None) or [])
     backup = _backup_of(callbacks)
-    if backup is None or not cluster.remote_tasks(devices):
+    data = args[0] if args else kwargs.get("x")
+    if backup is None or not cluster.remote_tasks(devices) or isinstance(
+            data, collections.abc.Iterator):
         return cluster.run(devices, "fit", placed_fit, *args, **kwargs)
-    args = args[:_CALLBACKS_ARG]
     history = next((c for c in callbacks
                     if isinstance(c, keras.callbacks.History)), None)
     if history is None:
@@ -80,29 +91,38 @@ def fit(model, devices, placed_fit, args, kwargs):
     progress = None
     while True:
         try:
-            cluster.run(devices, "fit", placed_fit, *args,
-                        callbacks=attempt, silence=clock.deadline,
-                        **{k: v for k, v in kwargs.items()
-                           if k != "callbacks"})
+            call_args, call_kwargs = _with_callbacks(args, kwargs, attempt)
+            cluster.run(devices, "fit", placed_fit, *call_args,
+                        silence=clock.deadline, **call_kwargs)
         except cluster.WorkerUnavailableError as error:
-            saved = backup.saves
-            if saved == progress:
-                error.add_note("keras_pipe: the worker was lost again before "
-                               "a new backup was written; fit gives up.")
+            if backup.saves == progress or not os.path.exists(
+                    backup.weights_path):
+                error.add_note(
+                    "keras_pipe: fit cannot go on: no backup was written "
+                    "since the last loss.")
                 raise
-            progress = saved
+            progress = backup.saves
             start = time.monotonic()
             _recover(model, devices, error)
+            seconds = time.monotonic() - start
             logging.getLogger(__name__).warning(
                 "keras_pipe: lost %s during fit; connected again after %.1f "
                 "s, going on from the backup of optimizer step %s.",
-                cluster.describe_tasks(error.tasks),
-                time.monotonic() - start, backup.saved_iterations)
+                cluster.describe_tasks(error.tasks), seconds,
+                backup.saved_iterations, extra={"recovery_seconds": seconds})
             attempt = [c if c is backup else _Replayed(c, backup, seen)
                        for c in callbacks] + [seen, clock]
             continue
         model.history = history
         return history
+
+
+def _with_callbacks(args, kwargs, callbacks):
+    """`(args, kwargs)` of fit with `callbacks` in place of the given ones."""
+    if len(args) > _CALLBACKS_ARG:
+        return [*args[:_CALLBACKS_ARG], callbacks,
+                *args[_CALLBACKS_ARG + 1:]], kwargs
+    return list(args), {**kwargs, "callbacks": callbacks}
 
 
 def _backup_of(callbacks):

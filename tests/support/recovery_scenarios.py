@@ -19,6 +19,7 @@ JSON line with what the test checks:
 import argparse
 import contextlib
 import json
+import logging
 import os
 import pathlib
 import signal
@@ -100,6 +101,7 @@ class Fault(keras.callbacks.Callback):
         self.pid = proc.pid
         os.kill(proc.pid, self.sig)
         self.at = time.monotonic()
+        self.wall = time.time()
 
     def on_train_batch_begin(self, batch, logs=None):
         self.begun += 1
@@ -158,11 +160,24 @@ def _record_deadlines():
     recovery.StepClock.deadline = recorded
 
 
+class Recoveries(logging.Handler):
+    """The recoveries that `keras_pipe.distributed.recovery` logs."""
+
+    def __init__(self):
+        super().__init__()
+        self.records = []
+        logging.getLogger(recovery.__name__).addHandler(self)
+
+    def emit(self, record):
+        self.records.append(record)
+
+
 def run_fault(args):
     sig = {"kill": signal.SIGKILL, "save": signal.SIGKILL,
            "stop": signal.SIGSTOP, "gone": signal.SIGKILL}[args.scenario]
     tmp = tempfile.mkdtemp()
     _record_deadlines()
+    recoveries = Recoveries()
     with keras_pipe.local_workers(2, restart=args.scenario != "gone",
                                   timeout=240.0) as devices:
         if args.scenario == "gone":
@@ -210,6 +225,9 @@ def run_fault(args):
         # No step deadline read: the watchdog's fixed silence was in force.
         result["deadline_at_loss"] = before[-1] if before else \
             cluster.HUNG_AFTER
+        result["recoveries"] = [{
+            "detected_after_s": r.created - r.recovery_seconds - fault.wall,
+            "recovery_s": r.recovery_seconds} for r in recoveries.records]
         if error is None:
             result["weights_max_diff"] = max_diff(values(model), expected)
         print(json.dumps(result), flush=True)
@@ -255,16 +273,17 @@ def layout_model(devices):
 
 
 class StopAt(keras.callbacks.Callback):
-    """Ends fit after `step` steps, as a preemption would."""
+    """Ends fit after `step` steps by raising `error`, as a preemption
+    (`KeyboardInterrupt`) or a failing callback would."""
 
-    def __init__(self, step):
+    def __init__(self, step, error=KeyboardInterrupt):
         super().__init__()
-        self.step, self.seen = step, 0
+        self.step, self.error, self.seen = step, error, 0
 
     def on_train_batch_end(self, batch, logs=None):
         self.seen += 1
         if self.seen == self.step:
-            raise KeyboardInterrupt("preempted")
+            raise self.error("interrupted")
 
 
 def run_layout(args):
