@@ -425,7 +425,8 @@ class _Watch:
         self.tasks = tasks
         self.interval = interval
         self.misses = misses
-        self.silence = silence
+        # Seconds, or a function that returns them (read at each probe).
+        self.silence = silence if callable(silence) else lambda: silence
         self.lost = {}
         self.lost_at = None
         self.manager = _compat.cancellation.CancellationManager()
@@ -519,9 +520,8 @@ def run(devices, action, function, *args, interval=1.0, misses=2,
         except tf.errors.OpError as error:
             _raise_stage_error(function, action, args, kwargs, error)
             raise
-    watchdog = _Watch(tasks, interval, misses, (
-        silence if callable(silence) else
-        lambda: HUNG_AFTER if silence is None else silence))
+    watchdog = _Watch(tasks, interval, misses,
+                      HUNG_AFTER if silence is None else silence)
     keras_state = _compat.keras_global_state()
     outcome = {}
     # Set when `call` ends. Not `Thread.is_alive`: a KeyboardInterrupt in
