@@ -244,8 +244,26 @@ def test_a_worker_that_does_not_come_back_ends_fit_naming_it():
     error = result["error"]
     assert error["type"] == "WorkerUnavailableError", error
     assert list(error["tasks"]) == ["/job:worker/replica:0/task:1"]
-    assert "did not answer again within 10 s" in error["message"], error
     assert "killed by SIGKILL" in error["message"], error
+    assert ("was started by local_workers(restart=False), which does not "
+            "start it again; pass restart=True") in error["notes"], error
+
+
+def test_a_remote_worker_that_does_not_answer_again_ends_fit(monkeypatch):
+    task = {"/job:worker/replica:0/task:1": "127.0.0.1:1"}
+    monkeypatch.setattr(cluster, "remote_tasks", lambda devices: task)
+    waited = []
+    monkeypatch.setattr(recovery.probes, "unreachable",
+                        lambda tasks, timeout: waited.append(timeout) or task)
+    lost = cluster.WorkerUnavailableError("Lost task 1 during fit.", task)
+    with pytest.raises(cluster.WorkerUnavailableError,
+                       match=r"Lost task 1 during fit. "
+                       r"/job:worker/replica:0/task:1 at 127.0.0.1:1 did not "
+                       r"answer again within 120 s \(keras_pipe.distributed"
+                       r".recovery.RECOVER_TIMEOUT\)") as raised:
+        recovery._recover(None, ["/job:worker/replica:0/task:1/CPU:0"], lost)
+    assert waited == [recovery.RECOVER_TIMEOUT]
+    assert raised.value.tasks == task
 
 
 

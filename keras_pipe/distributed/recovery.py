@@ -95,11 +95,13 @@ def fit(model, devices, placed_fit, args, kwargs):
             cluster.run(devices, "fit", placed_fit, *call_args,
                         silence=clock.deadline, **call_kwargs)
         except cluster.WorkerUnavailableError as error:
-            if backup.saves == progress or not os.path.exists(
-                    backup.weights_path):
-                error.add_note(
-                    "keras_pipe: fit cannot go on: no backup was written "
-                    "since the last loss.")
+            if not os.path.exists(backup.weights_path):
+                error.add_note("keras_pipe: fit cannot go on: no backup "
+                               f"exists at {backup.weights_path!r}.")
+                raise
+            if backup.saves == progress:
+                error.add_note("keras_pipe: fit cannot go on: no backup "
+                               "was written since the last loss.")
                 raise
             progress = backup.saves
             start = time.monotonic()
@@ -142,8 +144,15 @@ def _recover(model, devices, error):
     tasks = cluster.remote_tasks(devices)
     for name in error.tasks:
         proc = exits.process(name)
-        if proc is not None and exits.is_supervised(name) \
-                and proc.poll() is None:
+        if proc is None:
+            continue  # not started here: its host may start it again
+        if not exits.is_supervised(name):
+            error.add_note(
+                f"keras_pipe: fit cannot go on: {name} was started by "
+                "local_workers(restart=False), which does not start it "
+                "again; pass restart=True.")
+            raise error
+        if proc.poll() is None:
             proc.kill()  # hung: its supervisor starts it again
     down = probes.unreachable(tasks, RECOVER_TIMEOUT)
     if down:

@@ -180,8 +180,6 @@ def run_fault(args):
     recoveries = Recoveries()
     with keras_pipe.local_workers(2, restart=args.scenario != "gone",
                                   timeout=240.0) as devices:
-        if args.scenario == "gone":
-            recovery.RECOVER_TIMEOUT = 10.0
         reference = make_model(devices)
         _, ref_events, ref_history = fit(reference, os.path.join(tmp, "ref"))
         expected = values(reference)
@@ -199,6 +197,7 @@ def run_fault(args):
                                 callbacks=[backup, events, fault])
         except Exception as exc:  # reported to the test, which checks it
             error = {"type": type(exc).__name__, "message": str(exc),
+                     "notes": " ".join(getattr(exc, "__notes__", [])),
                      "tasks": getattr(exc, "tasks", None)}
             history = None
         batches = [e for e in events.events if e[0] == "batch_end"]
