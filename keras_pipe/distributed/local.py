@@ -313,12 +313,16 @@ class _Supervisor:
     """
 
     POLL = 0.2  # seconds between two looks at the processes
+    # Seconds between two starts of one worker: one that cannot start
+    # (it exits at once) is tried again at this pace, not in a busy loop.
+    RESTART_AFTER = 1.0
 
     def __init__(self, procs, logdir, start):
         self.procs = procs
         self.logdir = logdir
         self.start = start
         self.restarts = [0] * len(procs)
+        self.started = [time.monotonic()] * len(procs)
         self.finished = threading.Event()
         self.lock = threading.Lock()
         self.thread = threading.Thread(target=self._run, daemon=True,
@@ -331,7 +335,9 @@ class _Supervisor:
         while not self.finished.wait(self.POLL):
             for task, proc in enumerate(self.procs):
                 with self.lock:
-                    if self.finished.is_set() or proc.poll() is None:
+                    if self.finished.is_set() or proc.poll() is None or (
+                            time.monotonic() - self.started[task]
+                            < self.RESTART_AFTER):
                         continue
                     self.restarts[task] += 1
                     log = self.logdir / f"worker{task}.log"
@@ -342,6 +348,7 @@ class _Supervisor:
                     exits.restarted(f"/job:worker/replica:0/task:{task}",
                                     proc, kept)
                     self.procs[task] = self.start(task)
+                    self.started[task] = time.monotonic()
 
     def stop(self):
         """Ends the thread; no worker is started after this returns."""
