@@ -296,3 +296,11 @@ def test_the_docs_example_runs():
                             capture_output=True, text=True, timeout=900,
                             cwd=ROOT)
     assert result.returncode == 0, result.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_fit_goes_on_after_a_worker_its_host_restarts_is_killed():
+    # Workers this client did not start, each under a shell loop that starts
+    # it again (docs/reliability.md): the client waits for the task to
+    # answer at its address, then goes on as with local_workers.
+    _assert_one_consistent_run(_scenario("remote", "--task", "1"))

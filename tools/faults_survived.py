@@ -30,6 +30,8 @@ FAULTS = [
      "the save's read fails; the task refuses probes"),
     ("SIGSTOP of worker 1 mid-epoch (hung)", "stop", 1,
      "no probe answer for the step deadline (>= 10 s), then 5 s of grace"),
+    ("SIGKILL of worker 1 kept up by a shell loop (not started by the "
+     "client)", "remote", 1, "2 refused probes, or TF's own error"),
 ]
 
 
@@ -44,9 +46,8 @@ def run(scenario, task):
 
 
 def span(values, fmt="{:.1f}"):
-    low, high = min(values), max(values)
-    return fmt.format(low) if low == high else (
-        f"{fmt.format(low)}-{fmt.format(high)}")
+    low, high = fmt.format(min(values)), fmt.format(max(values))
+    return low if low == high else f"{low}-{high}"
 
 
 def main():

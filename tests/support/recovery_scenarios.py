@@ -10,6 +10,8 @@ JSON line with what the test checks:
     python tests/support/recovery_scenarios.py save --task 1   # during a save
     python tests/support/recovery_scenarios.py stop --task 1   # SIGSTOP
     python tests/support/recovery_scenarios.py gone --task 1   # no restart
+    python tests/support/recovery_scenarios.py remote --task 1
+        # workers not started by the client, kept up by a shell loop
     python tests/support/recovery_scenarios.py layout --phase first \
         --workers 2 --backup DIR      # reference, then a fit stopped at 8
     python tests/support/recovery_scenarios.py layout --phase resume \
@@ -98,8 +100,8 @@ class Fault(keras.callbacks.Callback):
 
     def fire(self):
         proc = exits.process(f"/job:worker/replica:0/task:{self.task}")
-        self.pid = proc.pid
-        os.kill(proc.pid, self.sig)
+        self.pid = proc.pid if proc is not None else LOOPED[self.task]()
+        os.kill(self.pid, self.sig)
         self.at = time.monotonic()
         self.wall = time.time()
 
@@ -173,13 +175,16 @@ class Recoveries(logging.Handler):
 
 
 def run_fault(args):
-    sig = {"kill": signal.SIGKILL, "save": signal.SIGKILL,
-           "stop": signal.SIGSTOP, "gone": signal.SIGKILL}[args.scenario]
+    sig = {"kill": signal.SIGKILL, "save": signal.SIGKILL, "remote":
+           signal.SIGKILL, "stop": signal.SIGSTOP,
+           "gone": signal.SIGKILL}[args.scenario]
     tmp = tempfile.mkdtemp()
     _record_deadlines()
     recoveries = Recoveries()
-    with keras_pipe.local_workers(2, restart=args.scenario != "gone",
-                                  timeout=240.0) as devices:
+    started = (workers(2, looped=True) if args.scenario == "remote" else
+               keras_pipe.local_workers(2, restart=args.scenario != "gone",
+                                        timeout=240.0))
+    with started as devices:
         reference = make_model(devices)
         _, ref_events, ref_history = fit(reference, os.path.join(tmp, "ref"))
         expected = values(reference)
@@ -233,24 +238,49 @@ def run_fault(args):
     sys.stdout.flush()
 
 
+# task -> a function that returns the pid of its worker under a loop
+LOOPED = {}
+
+
+def _child(pid):
+    """The pid of the one child process of `pid` (the loop's worker)."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        children = pathlib.Path(f"/proc/{pid}/task/{pid}/children")
+        found = children.read_text().split()
+        if found:
+            return int(found[0])
+        time.sleep(0.1)
+    raise RuntimeError(f"process {pid} started no worker")
+
+
 @contextlib.contextmanager
-def workers(num_workers):
+def workers(num_workers, looped=False):
     """Worker processes on free loopback ports, not pinned (more workers
-    than cores); killed at the end."""
+    than cores); killed at the end. `looped`: each runs under a shell loop
+    that starts it again when it ends, as its host's supervisor would
+    (docs/reliability.md)."""
     from tests.support.ports import free_port
     addresses = [f"127.0.0.1:{free_port()}" for _ in range(num_workers)]
-    procs = [subprocess.Popen(
-        [sys.executable, "-m", "keras_pipe.distributed.worker", "--task",
-         str(task), "--cluster", ",".join(addresses), "--intra-op-threads",
-         "1", "--inter-op-threads", "4"], stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL) for task in range(num_workers)]
+    procs = []
+    for task in range(num_workers):
+        command = [sys.executable, "-m", "keras_pipe.distributed.worker",
+                   "--task", str(task), "--cluster", ",".join(addresses),
+                   "--intra-op-threads", "1", "--inter-op-threads", "4"]
+        if looped:
+            command = ["bash", "-c", "while true; do \"$@\"; sleep 1; done",
+                       "loop", *command]
+        procs.append(subprocess.Popen(
+            command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            start_new_session=True))
+        LOOPED[task] = lambda pid=procs[-1].pid: _child(pid)
     try:
         keras_pipe.connect({"worker": addresses}, timeout=240.0)
         yield [f"/job:worker/replica:0/task:{t}/device:CPU:0"
                for t in range(num_workers)]
     finally:
-        for proc in procs:
-            proc.kill()
+        for proc in procs:  # the loop and its worker: one process group
+            os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
 
 
@@ -320,7 +350,8 @@ def run_layout(args):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("scenario",
-                        choices=["kill", "save", "stop", "gone", "layout"])
+                        choices=["kill", "save", "stop", "gone", "remote",
+                                 "layout"])
     parser.add_argument("--task", type=int, default=1)
     parser.add_argument("--phase", choices=["first", "resume"])
     parser.add_argument("--workers", type=int)
