@@ -558,7 +558,7 @@ def run(devices, action, function, *args, interval=1.0, misses=2,
         # After an error, a task is lost if the watchdog saw it so or it
         # takes no connection; not for missing a probe (busy, loaded).
         lost = dict(watchdog.lost) or (
-            _gone(tasks) if done.is_set()
+            _gone_within(tasks, error, interval * misses) if done.is_set()
             else _unreachable(tasks, interval * misses))
         if lost:
             detail = (_first_line(error) if error is not None else
@@ -581,6 +581,22 @@ def run(devices, action, function, *args, interval=1.0, misses=2,
     if error is not None:
         raise error
     return outcome["value"]
+
+
+def _gone_within(tasks, error, seconds):
+    """The tasks whose process this client saw end (`exits`) or that take
+    no connection (`_gone`), looked at for up to `seconds` after a lost
+    connection (`UnavailableError`): TF can report the reset before the
+    dying process has closed its port."""
+    deadline = time.monotonic() + (
+        seconds if isinstance(error, tf.errors.UnavailableError) else 0.0)
+    while True:
+        gone = {name: address for name, address in tasks.items()
+                if exits.why_ended(name, wait=0.0) is not None}
+        gone = gone or _gone(tasks)
+        if gone or time.monotonic() >= deadline:
+            return gone
+        time.sleep(0.2)
 
 
 def _task_of(device):

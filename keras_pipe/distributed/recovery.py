@@ -55,6 +55,7 @@ import threading
 import time
 
 import keras
+import tensorflow as tf
 
 from keras_pipe import _compat
 from keras_pipe.distributed import cluster, exits, probes
@@ -94,7 +95,12 @@ def fit(model, devices, placed_fit, args, kwargs):
             call_args, call_kwargs = _with_callbacks(args, kwargs, attempt)
             cluster.run(devices, "fit", placed_fit, *call_args,
                         silence=clock.deadline, **call_kwargs)
-        except cluster.WorkerUnavailableError as error:
+        except (cluster.WorkerUnavailableError,
+                tf.errors.UnavailableError) as error:
+            # An `UnavailableError` that `cluster.run` could not pin on a
+            # task (a worker started again before its port was looked at)
+            # is recovered the same way: every remote variable is created
+            # again, whichever task was lost.
             if not os.path.exists(backup.weights_path):
                 error.add_note("keras_pipe: fit cannot go on: no backup "
                                f"exists at {backup.weights_path!r}.")
@@ -110,7 +116,9 @@ def fit(model, devices, placed_fit, args, kwargs):
             logging.getLogger(__name__).warning(
                 "keras_pipe: lost %s during fit; connected again after %.1f "
                 "s, going on from the backup of optimizer step %s.",
-                cluster.describe_tasks(error.tasks), seconds,
+                cluster.describe_tasks(getattr(error, "tasks", None) or
+                                       cluster.remote_tasks(devices)),
+                seconds,
                 backup.saved_iterations, extra={"recovery_seconds": seconds})
             attempt = [c if c is backup else _Replayed(c, backup, seen)
                        for c in callbacks] + [seen, clock]
@@ -142,7 +150,8 @@ def _recover(model, devices, error):
     variables; re-raises `error` (with how long it waited) if a task does
     not answer within `RECOVER_TIMEOUT` seconds."""
     tasks = cluster.remote_tasks(devices)
-    for name in error.tasks:
+    lost = getattr(error, "tasks", {})
+    for name in lost:
         proc = exits.process(name)
         if proc is None:
             continue  # not started here: its host may start it again
@@ -160,10 +169,10 @@ def _recover(model, devices, error):
             f"{error} {cluster.describe_tasks(down)} did not answer again "
             f"within {RECOVER_TIMEOUT:g} s (keras_pipe.distributed.recovery."
             "RECOVER_TIMEOUT), so fit cannot go on from its backup.",
-            error.tasks) from error
+            down) from error
     cluster.reconnect()
     replace(model)
-    for name in error.tasks:
+    for name in lost:
         exits.recovered(name)
 
 
@@ -175,8 +184,6 @@ def replace(model):
     Returns:
         The number of variables created again.
     """
-    import tensorflow as tf
-
     from keras_pipe.engine.placement import device_of
     optimizer = model.optimizer
     variables = {}
