@@ -16,6 +16,8 @@ import contextlib
 import keras
 import tensorflow as tf
 
+from keras_pipe import _validation
+
 SUPPORTED = {"keras": "3.15", "tensorflow": "2.21"}
 
 
@@ -37,6 +39,8 @@ def check_versions(versions):
 
 
 check_versions({"keras": keras.__version__, "tensorflow": tf.__version__})
+# The backend Keras chose (from KERAS_BACKEND or its config file).
+_validation.check_backend(keras.backend.backend())
 
 # Imported after the check: on another version these may not exist.
 from keras.src.backend import get_keras_mask, set_keras_mask  # noqa: E402
@@ -110,8 +114,9 @@ def onednn_enabled():
     """Whether this process's TF runs oneDNN's kernels (fixed at import).
 
     TF reads `TF_ENABLE_ONEDNN_OPTS` once, when it is imported; its default
-    depends on the CPU (on by default on some Intel CPUs, off on this AMD
-    EPYC). `keras_pipe.local_workers` passes it on to its workers.
+    depends on the CPU (on by default on some Intel CPUs, off on AMD's: the
+    "oneDNN off on AMD" trap, docs/design.md). `keras_pipe.local_workers`
+    passes it on to its workers.
     """
     from tensorflow.python.util import _pywrap_util_port
     return bool(_pywrap_util_port.IsMklEnabled())

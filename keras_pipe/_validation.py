@@ -6,9 +6,18 @@ Each check raises before anything is built, with the bad value and the fix:
 
 import math
 
-__all__ = ["REMAT_MODES", "check_positive_int", "check_non_negative_number",
-           "check_positive_number", "check_remat", "check_device_list",
-           "check_data"]
+__all__ = ["REMAT_MODES", "check_backend", "check_positive_int",
+           "check_non_negative_number", "check_positive_number",
+           "check_remat", "check_device_list", "check_data"]
+
+def check_backend(backend):
+    """Raises ImportError unless Keras' backend `backend` is TensorFlow's."""
+    if backend != "tensorflow":
+        raise ImportError(
+            "keras_pipe needs the TensorFlow backend of Keras, but the "
+            f"backend is {backend!r}. Set KERAS_BACKEND=tensorflow before "
+            "importing keras.")
+
 
 # Which micro-batches recompute their stage in the backward pass.
 REMAT_MODES = ("always", "except_last", "never")

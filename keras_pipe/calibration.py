@@ -1,18 +1,18 @@
 """The fixed costs of a training step, measured with the real executor.
 
-Why: a step costs more than its layers' work. `fit` runs its own loop on
-the client, sends the batch in, dispatches the step function to each
-device and reads the results back, and each stage call inside the step
-adds a cost of its own (its launch, the sends of what crosses a cut). On a
-CPU with small stages these are a large share of a step (about 8 ms of a
-15 ms step of a 9-layer MLP on two workers), and no per-layer timing sees
-them. So `measure` trains a pipeline of stages that compute next to
-nothing on the devices, with 1 and 8 micro-batches, and reads the step's
-fixed cost and a call's cost from the two step times: the planner
+Why: a step costs more than its layers' work. `fit` runs its own loop on the
+client, sends the batch in, dispatches the step function to each device and
+reads the results back, and each stage call inside the step adds a cost of
+its own (its launch, the sends of what crosses a cut). On a CPU with small
+stages these are a large share of a step, and no per-layer timing sees them.
+So `measure` trains a pipeline of stages that compute next to nothing on the
+devices, with 1 and 8 micro-batches, and reads the step's fixed cost and a
+call's cost from the two step times: the planner
 (`keras_pipe.planning.profiling.step_overhead`) costs every configuration
 with them.
 """
 
+import gc
 import statistics
 import time
 
@@ -188,8 +188,8 @@ def step_seconds(model, devices, sizes, num_micro_batches, remat,
     What the planner's layer costs miss is what a step adds to them on the
     devices: its calls' inputs arriving from another process, buffers
     not reused from the run before as in a loop, the host process sharing
-    the cores with the workers (on 2 pinned workers a KerasHub GPT-2's
-    calls each ran 20-50% longer in the step than in the profile's loop).
+    the cores with the workers: a call runs longer in the step than in
+    the profile's loop.
     So the planner (`keras_pipe.planning.autoplan`) trains the real
     pipeline in a few configurations (`autoplan.calibration_points`) and
     fits its costs to the steps it measured.
@@ -238,5 +238,13 @@ def step_seconds(model, devices, sizes, num_micro_batches, remat,
         return keras.tree.map_structure(
             lambda a: np.concatenate([a] * times), (x, y))
 
-    return _least_median_step(pipe, repeat(2), repeat(steps + 1), batch_size,
-                              runs)
+    try:
+        return _least_median_step(pipe, repeat(2), repeat(steps + 1),
+                                  batch_size, runs)
+    finally:
+        # The clone's variables live on the devices until Python frees
+        # them, and a Keras model is a reference cycle: collected now, the
+        # next calibration point (and the real pipeline after the plan)
+        # reuses the memory instead of adding to it.
+        del pipe, clone
+        gc.collect()

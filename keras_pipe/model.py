@@ -11,6 +11,7 @@ from keras_pipe.engine import losses as losses_lib
 from keras_pipe.engine import replicas as replicas_lib
 from keras_pipe.engine.schedule import schedule_names
 from keras_pipe.engine.stage import Stage
+from keras_pipe.planning import choices
 from keras_pipe.saving import files as saving
 from keras_pipe.saving import model_io
 
@@ -23,7 +24,8 @@ _not_autograph = tf.autograph.experimental.do_not_convert
 
 
 @keras.saving.register_keras_serializable(package="keras_pipe")
-class PipelineModel(model_io.SavingMethods, keras.Model):
+class PipelineModel(choices.FirstBatchChoices, model_io.SavingMethods,
+                    keras.Model):
     """A Keras model cut into stages that run as a GPipe pipeline.
 
     Each stage lives on its own device. A mini-batch is cut into
@@ -59,7 +61,9 @@ class PipelineModel(model_io.SavingMethods, keras.Model):
         devices: one TF device string per stage. Defaults to `None`: one
             GPU per stage, an error if there are not enough GPUs.
         num_micro_batches: `M`, micro-batches per mini-batch, >= 1. A batch
-            of `B < M` rows runs as `B` micro-batches. Defaults to `1`.
+            of `B < M` rows runs as `B` micro-batches. Defaults to `None`:
+            two per stage, no more than the rows of the first batch the
+            pipeline sees (`keras_pipe.planning.choices`).
         remat: which micro-batches recompute their stage activations in the
             backward pass instead of keeping them: `"always"`,
             `"except_last"` (all but the last micro-batch, whose backward
@@ -75,7 +79,8 @@ class PipelineModel(model_io.SavingMethods, keras.Model):
             Every schedule gives the same gradients; all but GPipe need a
             loss that is a sum over rows, as every Keras loss is.
             `from_model(..., schedule="auto")` chooses one. Defaults to
-            `"gpipe"`.
+            `None`: the fastest exact schedule the devices' order allows
+            (`"zb_h2"` for one stage per device).
         **kwargs: `keras.Model` arguments (`name`, `dtype`, `trainable`).
 
     Raises:
@@ -88,8 +93,12 @@ class PipelineModel(model_io.SavingMethods, keras.Model):
             or a built stage cannot take the previous stage's output.
     """
 
-    def __init__(self, stages, devices=None, num_micro_batches=1,
-                 remat="except_last", schedule="gpipe", **kwargs):
+    def __init__(self, stages, devices=None, num_micro_batches=None,
+                 remat="except_last", schedule=None, **kwargs):
+        if isinstance(stages, choices.Deferred):  # see `from_model`
+            super().__init__(**kwargs)
+            self._deferred = stages
+            return
         if isinstance(schedule, str) and schedule == "auto":
             raise ValueError(
                 'PipelineModel(stages, schedule="auto") cannot choose: the '
@@ -100,9 +109,20 @@ class PipelineModel(model_io.SavingMethods, keras.Model):
                 "name a schedule here "
                 f"({', '.join(schedule_names())}). Received: "
                 "schedule='auto'")
-        stages, resolved = building.check_stages(
-            stages, devices, num_micro_batches, remat, schedule)
+        stages, resolved, schedule = building.check_stages(
+            stages, devices, num_micro_batches, remat, schedule,
+            choices.default_schedule)
         super().__init__(**kwargs)
+        self._set_stages(stages, devices, num_micro_batches, remat, schedule,
+                         resolved)
+
+    def _set_stages(self, stages, devices, num_micro_batches, remat,
+                    schedule, resolved=None):
+        """Sets the stages and their runners, and places built stages."""
+        if resolved is None:
+            stages, resolved, schedule = building.check_stages(
+                stages, devices, num_micro_batches, remat, schedule,
+                choices.default_schedule)
         self._stage_layers = stages
         self._given_devices = list(devices) if devices is not None else list(
             resolved)
@@ -126,51 +146,62 @@ class PipelineModel(model_io.SavingMethods, keras.Model):
 
     @classmethod
     def from_model(cls, model, num_stages=None, devices=None,
-                   num_micro_batches=1, remat="except_last", balance="params",
+                   num_micro_batches=None, remat=None, balance=None,
                    memory_budget=None, batch_size=None, input_shape=None,
                    sample_inputs=None, loss=None, **kwargs):
         """Cuts a built Sequential or Functional model into a pipeline.
 
         The stages reuse `model`'s layers (weights shared, not copied); see
-        `keras_pipe.planning.partition` for how cuts carry skip connections, several
-        inputs and outputs, and tied layers. `keras_pipe.plan` shows the cut
-        without building the pipeline.
+        `keras_pipe.planning.partition` for how cuts carry skip connections,
+        several inputs and outputs, and tied layers. `keras_pipe.plan` shows
+        the cut without building the pipeline, and chooses as this does.
+
+        With only the model and the devices, the pipeline chooses: the
+        schedule, the stages per device, `M`, the cut and each stage's
+        remat are planned together (`schedule="auto"`) for the batch size
+        of the first `fit`, `evaluate` or `predict` call (or `batch_size`),
+        from costs measured on worker processes and GPUs (cached; the first
+        plan of a model adds its measurement, `docs/planner.md`) and from
+        FLOPs on logical CPU devices. Any choice given is kept, and those
+        left `None` take fixed defaults (`keras_pipe.planning.choices`).
 
         ```python
-        model = keras.applications.ResNet50(weights=None)
-        pipe = keras_pipe.PipelineModel.from_model(
-            model, num_stages=4, devices=devices, num_micro_batches=16,
-            balance="time")
+        pipe = keras_pipe.PipelineModel.from_model(model, devices=devices)
+        pipe.compile("adam", "mse")
+        pipe.fit(x, y, batch_size=256)      # planned for 256 rows
+        print(pipe.plan)                    # what was chosen, and why
         ```
 
         Args:
             model: a built `keras.Sequential` or Functional `keras.Model`.
-            num_stages: number of stages.
+            num_stages: number of stages. Defaults to `None`: one per
+                device (chosen with the others when nothing else is given).
             devices: one device per stage, as in `PipelineModel`. Defaults
                 to `None`.
-            num_micro_batches: `M`. Defaults to `1`.
-            remat: as in `PipelineModel`. Defaults to `"except_last"`.
+            num_micro_batches: `M`. Defaults to `None`: chosen.
+            remat: as in `PipelineModel`. Defaults to `None`: chosen with
+                the others, else `"except_last"`.
             balance: `"params"`, `"flops"`, `"time"`, `"memory"` or a list
-                of layer-call counts per stage. Defaults to `"params"`.
+                of layer-call counts per stage. Defaults to `None`: chosen
+                with the others, else `"params"`.
             memory_budget: bytes per device (or a list, one per stage):
                 the cut, `num_micro_batches` and per-stage `remat` are then
                 chosen by `keras_pipe.plan` to fit it (see
-                `keras_pipe.planning.budget`), and those arguments are ignored.
-                Defaults to `None`.
-            batch_size, input_shape, sample_inputs: the sizes the cost-based
-                balances (and `memory_budget`, which needs `batch_size`)
-                cost, as in `keras_pipe.planning.partition.split_model`
+                `keras_pipe.planning.budget`). Defaults to `None`.
+            batch_size, input_shape, sample_inputs: the sizes the plan and
+                the cost-based balances cost, as in
+                `keras_pipe.planning.partition.split_model`
                 (`input_shape={"token_ids": (None, 128)}` for inputs of
-                unknown length). Default to `None`.
-            loss: with `schedule="auto"`, the loss you will compile with,
+                unknown length). `batch_size` plans now instead of at the
+                first batch. Default to `None`.
+            loss: when the planner chooses, the loss you will compile with,
                 so the plan costs the loss head (as `keras_pipe.plan`).
                 Defaults to `None`: `model`'s compiled loss, if any.
-            **kwargs: `PipelineModel` arguments (`schedule`) and
-                `keras.Model` arguments (`name`, ...). `schedule="auto"`
-                builds the plan of `keras_pipe.plan(..., schedule="auto")`
-                (schedule, stages per device, `M`, cut, per-stage remat;
-                `devices` one per device, `batch_size` required); the
-                model keeps it as `.plan`.
+            **kwargs: `PipelineModel` arguments (`schedule`: a name, or
+                `"auto"` to plan as when nothing is given) and
+                `keras.Model` arguments (`name`, ...). A planned pipeline
+                keeps its `keras_pipe.planning.planner.Plan` as `.plan`
+                (None when nothing was planned).
 
         Returns:
             A `PipelineModel`.
@@ -181,16 +212,27 @@ class PipelineModel(model_io.SavingMethods, keras.Model):
         """
         # Imported here: the Keras glue needs planning for this call only.
         from keras_pipe.planning import planner  # noqa: PLC0415
+        options = dict(num_stages=num_stages,
+                       num_micro_batches=num_micro_batches, remat=remat,
+                       balance=balance, memory_budget=memory_budget,
+                       input_shape=input_shape, sample_inputs=sample_inputs,
+                       schedule=kwargs.pop("schedule", None), loss=loss)
+        if batch_size is None and memory_budget is None and \
+                choices.leaves_all(num_micro_batches, options["schedule"],
+                                   remat, balance):
+            # Planned for the batch size the pipeline first sees.
+            def stages_for(size, compiled_loss, optimizer_slots):
+                return planner.stages_from_model(
+                    model, devices=devices, batch_size=size,
+                    optimizer_slots=optimizer_slots, **dict(
+                        options, loss=options["loss"] or compiled_loss))
+
+            return cls(choices.Deferred(model, devices, options, stages_for),
+                       **kwargs)
         stages, arguments, chosen = planner.stages_from_model(
-            model, num_stages=num_stages, devices=devices,
-            num_micro_batches=num_micro_batches, remat=remat,
-            balance=balance, memory_budget=memory_budget,
-            batch_size=batch_size, input_shape=input_shape,
-            sample_inputs=sample_inputs,
-            schedule=kwargs.pop("schedule", "gpipe"), loss=loss)
+            model, devices=devices, batch_size=batch_size, **options)
         pipe = cls(stages, **arguments, **kwargs)
-        if chosen is not None:
-            pipe.plan = chosen
+        pipe.plan = chosen
         return pipe
 
     @property
@@ -205,7 +247,8 @@ class PipelineModel(model_io.SavingMethods, keras.Model):
 
     @property
     def num_micro_batches(self):
-        return self._num_micro_batches
+        """`M`; when not given, chosen from the first batch size seen."""
+        return self.chosen_micro_batches()
 
     @property
     def remat(self):
@@ -232,6 +275,9 @@ class PipelineModel(model_io.SavingMethods, keras.Model):
         """The names Keras gives per-output losses and metrics (`a_loss`):
         those of the model the pipeline was cut from, else of its last
         stage (None if it has none)."""
+        deferred = self.__dict__.get("_deferred")
+        if deferred is not None:  # the same names, before the plan
+            return getattr(deferred.model, "output_names", None)
         graph = saving.graph_of(self._stage_layers)
         source = graph.model if graph is not None else self._stage_layers[-1]
         return getattr(source, "output_names", None)
@@ -320,7 +366,7 @@ class PipelineModel(model_io.SavingMethods, keras.Model):
         """`keras.Model.compile`, with a colocated optimizer.
 
         XLA cannot compile a step whose variables live on several devices
-        (trap 4): the step runs un-compiled, and `jit_compile=True`
+        (the one-device XLA trap): the step runs un-compiled, and `jit_compile=True`
         compiles each device's optimizer update as one XLA function (see
         "Design" in the docs). `model.jit_compile` stays False;
         `model.xla_updates` says whether the updates are compiled.
@@ -564,6 +610,7 @@ class PipelineModel(model_io.SavingMethods, keras.Model):
         _validation.check_data("fit", args, kwargs)
         # TensorBoard(write_graph=True) gets the model config as Keras
         # writes it for a Functional model (`keras_pipe.reporting`).
+        self.see_batch("fit", args, kwargs)
         args, kwargs = reporting.with_config_writers_in(args, kwargs)
         # With a BackupAndRestore, a lost worker costs the steps since
         # the last backup, not the call (`recovery`).
@@ -577,6 +624,7 @@ class PipelineModel(model_io.SavingMethods, keras.Model):
 
     def evaluate(self, *args, **kwargs):
         _validation.check_data("evaluate", args, kwargs)
+        self.see_batch("evaluate", args, kwargs)
         return cluster.run(self._resolved_devices, "evaluate",
                            self._placed_evaluate, *args, **kwargs)
 
@@ -597,9 +645,8 @@ class PipelineModel(model_io.SavingMethods, keras.Model):
         every step, and the arrays are copied there once per call (that
         worker holds them while the call runs, which the memory model and
         `memory_budget` do not count: opt in only for arrays small next to
-        that worker's memory). Measured on the MLP benchmark: about 1 ms
-        less of this process's CPU per step (of 10-13), and 27 ms less per
-        `fit` call (docs/performance.md).
+        that worker's memory). It saves this process the CPU of sending
+        each batch (docs/performance.md).
         """
         chosen = getattr(self, "_data_device", None)
         if chosen != "auto":
@@ -615,7 +662,20 @@ class PipelineModel(model_io.SavingMethods, keras.Model):
                 f"Received: data_device={device!r}")
         self._data_device = device
 
+    def train_on_batch(self, *args, **kwargs):
+        self.see_batch("train_on_batch", args, kwargs)
+        return super().train_on_batch(*args, **kwargs)
+
+    def test_on_batch(self, *args, **kwargs):
+        self.see_batch("test_on_batch", args, kwargs)
+        return super().test_on_batch(*args, **kwargs)
+
+    def predict_on_batch(self, *args, **kwargs):
+        self.see_batch("predict_on_batch", args, kwargs)
+        return super().predict_on_batch(*args, **kwargs)
+
     def predict(self, *args, **kwargs):
         _validation.check_data("predict", args, kwargs)
+        self.see_batch("predict", args, kwargs)
         return cluster.run(self._resolved_devices, "predict",
                            super().predict, *args, **kwargs)

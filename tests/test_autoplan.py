@@ -300,7 +300,8 @@ def _measured_without_timing(monkeypatch, loss_per_row):
                         lambda a, b: profiling.Link(0.0, 1e12))
     monkeypatch.setattr(profiling, "update_rate",
                         lambda device, slots: profiling.UpdateRate(0.0, 0.0))
-    monkeypatch.setattr(profiling, "_STEP_PROBE", [])  # no calibration
+    # No calibration:
+    monkeypatch.setattr(profiling, "has_step_probe", lambda: False)
     seen = []
 
     def loss_seconds(loss, outputs, rows, device=None, shapes=None):
@@ -358,11 +359,14 @@ def test_loss_seconds_times_a_sparse_cross_entropy_and_warns_on_a_dict(
 
 
 def test_loss_outside_auto_is_refused_not_ignored(devices):
+    # Without a choice given, the planner chooses and costs the loss head;
+    # with a schedule named it would be ignored.
     with pytest.raises(ValueError, match='schedule="auto" only'):
-        keras_pipe.plan(_mlp(depth=2), devices=devices[:2], loss="mse")
+        keras_pipe.plan(_mlp(depth=2), devices=devices[:2], loss="mse",
+                        schedule="gpipe")
     with pytest.raises(ValueError, match='schedule="auto" only'):
-        keras_pipe.PipelineModel.from_model(_mlp(depth=2),
-                                            devices=devices[:2], loss="mse")
+        keras_pipe.PipelineModel.from_model(
+            _mlp(depth=2), devices=devices[:2], loss="mse", schedule="1f1b")
 
 
 def test_scale_at_is_linear_in_log_rows_between_the_measured_ones():
@@ -419,7 +423,7 @@ def test_calibration_makes_the_trained_configurations_predict_their_steps(
         trained.append((args[-1], len(sizes), m))
         return truth[(args[-1], len(sizes), m)].step_time
 
-    monkeypatch.setattr(profiling, "_STEP_PROBE", [probe])
+    monkeypatch.setattr(profiling, "has_step_probe", lambda: True)
     monkeypatch.setattr(profiling, "model_step_seconds", probe)
     after = ranked()
     assert trained == [("gpipe", 2, 1), ("gpipe", 2, 4), ("gpipe", 2, 8),
@@ -463,13 +467,8 @@ def test_step_seconds_trains_a_clone_and_leaves_the_model_alone(devices,
 
 
 def _validate_planner():
-    import importlib.util
-    import pathlib
-    path = pathlib.Path(__file__).parents[1] / "tools" / "validate_planner.py"
-    spec = importlib.util.spec_from_file_location("validate_planner", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    from tests.support import tools  # noqa: PLC0415
+    return tools.load("validate_planner")
 
 
 def test_the_validation_tables_leave_out_the_trained_configurations():
@@ -520,7 +519,7 @@ def test_a_calibration_that_fails_warns_and_the_search_goes_on(
     def probe(*args, **kwargs):
         raise ValueError("cannot clone this model")
 
-    monkeypatch.setattr(profiling, "_STEP_PROBE", [probe])
+    monkeypatch.setattr(profiling, "has_step_probe", lambda: True)
     monkeypatch.setattr(profiling, "model_step_seconds", probe)
     with pytest.warns(UserWarning, match="cannot clone this model.*"
                       "calibrate=False"):
@@ -560,7 +559,7 @@ def test_a_calibration_fit_issues_each_steps_calls_once(devices, monkeypatch):
     monkeypatch.setattr(simulator, "calls", counted_calls)
     monkeypatch.setattr(simulator, "simulate", counted_simulate)
     monkeypatch.setattr(autoplan, "_configure", counted_configure)
-    monkeypatch.setattr(profiling, "_STEP_PROBE", [probe])
+    monkeypatch.setattr(profiling, "has_step_probe", lambda: True)
     monkeypatch.setattr(profiling, "model_step_seconds", probe)
     plain = autoplan.search(model, devices=devices[:2], batch_size=32,
                             micro_batch_choices=[1, 2], calibrate=False)
@@ -570,3 +569,16 @@ def test_a_calibration_fit_issues_each_steps_calls_once(devices, monkeypatch):
                                  micro_batch_choices=[1, 2])
     assert len(made) == len(configured) < len(simulated) / 10
     assert len(calibrated) == len(plain)
+
+
+def test_a_search_lets_go_of_its_timing_loops_and_their_weight_copies(
+        devices, tmp_path, monkeypatch):
+    """The timing loops hold a copy of each layer's weights on the device
+    they time; kept after the search, a worker would hold the model's
+    weights twice once the pipeline is placed."""
+    monkeypatch.setenv("KERAS_PIPE_CACHE", str(tmp_path / "costs.json"))
+    monkeypatch.setattr(profiling, "cache_path",
+                        lambda: tmp_path / "costs.json")
+    autoplan.search(_mlp(depth=2), devices=devices[:2], batch_size=16,
+                    micro_batch_choices=(1, 2), calibrate=False)
+    assert not profiling._LOOPS

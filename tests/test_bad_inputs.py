@@ -1,6 +1,6 @@
 """Bad worker flags, connect() and plan() arguments: clear errors, nothing started.
 
-Each case names the bad value and the fix (README "Bad inputs" counts them).
+Each case names the bad value and the fix (docs/reliability.md, "Bad inputs").
 """
 
 import json

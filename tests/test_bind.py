@@ -30,6 +30,14 @@ def test_addresses():
     assert bind_lib.format_address("127.0.0.1", 2222) == "127.0.0.1:2222"
 
 
+def test_a_missing_shim_is_an_error_naming_the_install(monkeypatch):
+    # The shim is built at install only: nothing is compiled at run time.
+    monkeypatch.setattr(bind_lib, "_installed_shim", lambda: None)
+    with pytest.raises(RuntimeError, match=r"not built.*pip install -e \.") as e:
+        bind_lib.shim_path()
+    assert "_bind" in str(e.value)
+
+
 def test_connect_refuses_to_listen_everywhere_and_says_how(monkeypatch):
     # Broke: connect() left the client's TF server on every interface.
     def no_shim(host):

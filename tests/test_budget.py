@@ -1,6 +1,5 @@
 """The memory-budget planner: its choice fits in measured peak, its errors."""
 
-import importlib.util
 import pathlib
 
 import keras
@@ -10,17 +9,14 @@ import tensorflow as tf
 
 import keras_pipe
 from keras_pipe.planning import budget, memory, partition
+from tests.support import tools
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 MiB = 2**20
 
 
 def _tool():
-    spec = importlib.util.spec_from_file_location(
-        "memory_model", ROOT / "tools" / "memory_model.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return tools.load("memory_model")
 
 
 def _mlp(width=256, depth=6, inputs=64):

@@ -77,7 +77,6 @@ def test_smooth_keeps_two_row_counts_and_flops_costs():
 def test_step_overhead_is_measured_once_per_devices(devices, monkeypatch,
                                                     tmp_path):
     monkeypatch.setenv("KERAS_PIPE_CACHE", str(tmp_path / "costs.json"))
-    import keras_pipe  # noqa: F401, PLC0415 - sets the probe
     overhead = profiling.step_overhead(devices[:2])
     assert overhead.measured
     assert overhead.step >= 0 and overhead.call >= 0
@@ -86,7 +85,7 @@ def test_step_overhead_is_measured_once_per_devices(devices, monkeypatch,
     def no_measuring(devices):
         raise AssertionError("measured again instead of read from cache")
 
-    monkeypatch.setattr(profiling, "_OVERHEAD_PROBE", [no_measuring])
+    monkeypatch.setattr(calibration, "measure", no_measuring)
     assert profiling.step_overhead(devices[:2]) == overhead
     with pytest.raises(AssertionError, match="measured again"):
         profiling.step_overhead(devices[1:3])  # other devices

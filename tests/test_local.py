@@ -18,6 +18,7 @@ import pytest
 import keras_pipe
 from keras_pipe import _compat
 from keras_pipe.distributed import local
+from keras_pipe.engine import products
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -57,15 +58,21 @@ def test_bad_arguments_are_refused_before_anything_starts(
 
 
 
-@pytest.mark.parametrize("onednn", [False, True])
-def test_workers_share_the_clients_kernels_and_size_their_pool_by_them(
-        onednn, monkeypatch):
-    """Each worker gets this process's oneDNN setting as TF read it at
-    import, whatever the environment says now, and the intra-op pool for
-    those kernels:
-    1 thread with oneDNN, 4 with TF's own, whose one-thread products cost
-    more per row at a micro-batch's sizes (measured, not timed here:
-    `keras_pipe.distributed.local.INTRA_OP_THREADS`).
+@pytest.mark.parametrize("environment, onednn, expected", [
+    (None, None, True),     # unset: the fast kernels, whatever TF's default
+    ("0", None, False),     # the user said otherwise
+    ("1", None, True),
+    ("true", None, True),
+    (None, False, False),   # the argument wins over the environment
+    ("0", True, True),
+])
+def test_workers_run_onednn_unless_told_otherwise_and_size_their_pool(
+        environment, onednn, expected, monkeypatch):
+    """Each worker runs oneDNN's kernels (TF leaves them off on some CPUs,
+    and a micro-batch's small products cost several times more without
+    them) unless `onednn=` or `TF_ENABLE_ONEDNN_OPTS` says otherwise; this
+    process's own kernels do not decide. Its intra-op pool follows: 1
+    thread with oneDNN, 4 with TF's own (`INTRA_OP_THREADS`).
     """
     commands, envs = [], []
 
@@ -78,15 +85,66 @@ def test_workers_share_the_clients_kernels_and_size_their_pool_by_them(
         raise Stop
 
     monkeypatch.setattr(local.subprocess, "Popen", popen)
-    monkeypatch.setattr(_compat, "onednn_enabled", lambda: onednn)
-    monkeypatch.setenv("TF_ENABLE_ONEDNN_OPTS", "0" if onednn else "1")
+    # This process's kernels must not matter.
+    monkeypatch.setattr(_compat, "onednn_enabled", lambda: not expected)
+    if environment is None:
+        monkeypatch.delenv("TF_ENABLE_ONEDNN_OPTS", raising=False)
+    else:
+        monkeypatch.setenv("TF_ENABLE_ONEDNN_OPTS", environment)
     with pytest.raises(Stop):
-        _enter(num_workers=1)
+        _enter(num_workers=1, onednn=onednn)
     command = commands[0]
     threads = int(command[command.index("--intra-op-threads") + 1])
-    assert threads == (1 if onednn else 4)
-    assert envs[0]["TF_ENABLE_ONEDNN_OPTS"] == ("1" if onednn else "0")
+    assert threads == (1 if expected else 4)
+    assert envs[0]["TF_ENABLE_ONEDNN_OPTS"] == ("1" if expected else "0")
     assert command[command.index("--cpu-affinity") + 1].isdigit()
+    # The client builds the workers' forward products for their kernels.
+    assert products.onednn("/job:worker/replica:0/task:0/device:CPU:0") \
+        == expected
+    assert products.onednn("/device:CPU:0") == (not expected)
+    products.set_workers_onednn(True)
+
+
+@pytest.mark.parametrize("kwargs, environment, error, match", [
+    ({"onednn": "yes"}, None, TypeError,
+     r"onednn must be True, False or None.*onednn='yes'"),
+    ({}, "2", ValueError,
+     r"TF_ENABLE_ONEDNN_OPTS='2' in the environment is neither 0 nor 1"),
+])
+def test_a_bad_kernel_setting_is_named_before_a_worker_starts(
+        kwargs, environment, error, match, monkeypatch):
+    started = []
+    monkeypatch.setattr(local, "_start",
+                        lambda *a, **k: started.append(a))
+    if environment is not None:
+        monkeypatch.setenv("TF_ENABLE_ONEDNN_OPTS", environment)
+    with pytest.raises(error, match=match):
+        _enter(num_workers=1, **kwargs)
+    assert not started
+
+
+def test_the_worker_command_turns_onednn_on_unless_its_environment_says(
+        monkeypatch):
+    """`python -m keras_pipe.distributed.worker` (the documented command for
+    remote workers) sets `TF_ENABLE_ONEDNN_OPTS=1` before TF's runtime
+    loads, and keeps a setting its environment names."""
+    from keras_pipe.distributed import worker
+
+    seen = []
+
+    def serve(*args, **kwargs):
+        seen.append(os.environ.get("TF_ENABLE_ONEDNN_OPTS"))
+        raise ValueError("stop here")
+
+    monkeypatch.setattr(worker, "serve", serve)
+    for environment, expected in ((None, "1"), ("0", "0")):
+        if environment is None:
+            monkeypatch.delenv("TF_ENABLE_ONEDNN_OPTS", raising=False)
+        else:
+            monkeypatch.setenv("TF_ENABLE_ONEDNN_OPTS", environment)
+        with pytest.raises(SystemExit, match="stop here"):
+            worker.main(["--task", "0", "--cluster", "127.0.0.1:1"])
+        assert seen[-1] == expected
 
 
 @pytest.mark.parametrize("heap", [None, "return"])
@@ -137,6 +195,11 @@ _SCRIPT = textwrap.dedent("""
             print("PIDS", ",".join(map(str, pids)), flush=True)
             print("AFFINITY", ",".join(
                 str(sorted(os.sched_getaffinity(p))) for p in pids), flush=True)
+            print("ONEDNN", ",".join(
+                dict(v.split(b"=", 1) for v in open(f"/proc/{p}/environ", "rb")
+                     .read().split(b"\\0") if b"=" in v)
+                .get(b"TF_ENABLE_ONEDNN_OPTS", b"unset").decode()
+                for p in pids), flush=True)
             if mode == "error":
                 raise RuntimeError("boom inside the block")
             if mode == "sigint":
@@ -153,6 +216,7 @@ _SCRIPT = textwrap.dedent("""
 def _run(mode, interrupt=False):
     """Runs the script; returns (output lines by tag, return code)."""
     env = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="3")
+    env.pop("TF_ENABLE_ONEDNN_OPTS", None)  # the default environment
     proc = subprocess.Popen([sys.executable, "-c", _SCRIPT, mode], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
@@ -196,6 +260,8 @@ def test_workers_run_ops_and_none_is_left_running(mode):
     cores = sorted(os.sched_getaffinity(0))[:2]
     assert sorted(lines["AFFINITY"].split(",")) == sorted(
         f"[{c}]" for c in cores)
+    # The fast kernels reach the workers without an environment variable.
+    assert lines["ONEDNN"] == "1,1"
     _assert_gone(pids)
     if mode == "ok":
         assert code == 0 and "DONE" in lines

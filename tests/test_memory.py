@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 
 from keras_pipe.engine import schedule
-from keras_pipe.planning import memory, partition
+from keras_pipe.planning import backward, memory, partition
+from keras_pipe.planning import resident as resident_lib
 
 
 def _mlp(width=64, depth=4):
@@ -235,10 +236,10 @@ def test_a_worker_peak_is_the_larger_of_its_step_and_its_build():
     part = partition.cut(model, 2, balance=[3, 4])
     block = memory.Profile(part.graph, 1).block(0, 3)
     step = memory.predict(part, 64, 2, "never", optimizer_slots=0)
-    resident = memory.predict_resident(part, 64, 2, "never",
+    resident = resident_lib.predict_resident(part, 64, 2, "never",
                                        optimizer_slots=0)
     assert resident[0].build == block.weights + int(
-        memory.BUILD_TRANSIT * block.largest_variable)
+        resident_lib.BUILD_TRANSIT * block.largest_variable)
     # The step's resident peak: at least the allocator's (small blocks'
     # high-water mark stays resident, `predict_resident`).
     steps = [memory.StageMemory.total.fget(r) for r in resident]
@@ -321,9 +322,9 @@ def test_a_tied_variable_counts_at_build_on_every_stage_that_uses_it():
     # Stage 0's build places the shared layer's variables on its device
     # before stage 1's build moves them on: both builds hold them.
     part = _tied_cut()
-    resident = memory.predict_resident(part, 4, 1, "never", "gpipe", 0)
+    resident = resident_lib.predict_resident(part, 4, 1, "never", "gpipe", 0)
     size = (8 * 8 + 8) * 4
-    transit = int(memory.BUILD_TRANSIT * 8 * 8 * 4)
+    transit = int(resident_lib.BUILD_TRANSIT * 8 * 8 * 4)
     assert resident[0].build == 2 * size + transit
     assert resident[1].build == size + transit
 
@@ -396,19 +397,19 @@ def test_a_workers_step_functions_cost_per_graph_node():
     dense = memory.call_nodes(part.graph.calls[0])
     assert 0 < dense[0] < dense[1]          # forward, forward and backward
     assert block.nodes >= 2 * dense[1]
-    assert memory.function_nodes(block, "never", 4) == 4 * block.nodes
-    assert memory.function_nodes(block, "always", 4) == \
-        memory.function_nodes(block, "always", 1) == \
+    assert resident_lib.function_nodes(block, "never", 4) == 4 * block.nodes
+    assert resident_lib.function_nodes(block, "always", 4) == \
+        resident_lib.function_nodes(block, "always", 1) == \
         block.forward_nodes + 2 * block.nodes
-    assert memory.function_nodes(block, "except_last", 4) == \
+    assert resident_lib.function_nodes(block, "except_last", 4) == \
         block.nodes + block.forward_nodes + 2 * block.nodes
     for m, mode in ((1, "never"), (4, "never"), (4, "always")):
         step = memory.predict(part, 8, m, mode, optimizer_slots=0,
                               _resident=True)[0]
-        worker = memory.predict_resident(part, 8, m, mode,
+        worker = resident_lib.predict_resident(part, 8, m, mode,
                                          optimizer_slots=0)[0]
-        assert worker.functions == memory.FUNCTION_NODE_BYTES * \
-            memory.function_nodes(block, mode, m) > 0
+        assert worker.functions == resident_lib.FUNCTION_NODE_BYTES * \
+            resident_lib.function_nodes(block, mode, m) > 0
         assert worker.total == step.total + worker.functions
 
 
@@ -523,7 +524,7 @@ def test_a_worker_keeps_the_peak_of_small_activations_resident():
     model = _mlp(width=256, depth=6)
     part = partition.cut(model, 2, balance=[3, 4])
     allocator = memory.predict(part, 64, 4, "never", optimizer_slots=2)
-    resident = memory.predict_resident(part, 64, 4, "never",
+    resident = resident_lib.predict_resident(part, 64, 4, "never",
                                        optimizer_slots=2)
     for a, r in zip(allocator, resident):
         assert r.total > a.total
@@ -534,14 +535,12 @@ def test_a_worker_gives_back_activations_of_heap_return_size():
     # A micro-batch's hidden tensors of 256 KiB (64 rows x 1024): at or
     # above heap "return"'s mmap threshold (128 KiB) they are mapped and
     # unmapped when freed, so the resident peak is the allocator's. (With
-    # the threshold at 1 MiB, they came from arenas whose freed chunks
-    # stayed resident: the Transformer's worker 0 held 100 MiB of them.)
-    from keras_pipe.distributed import heap
-    assert memory.MMAP_THRESHOLD == heap.RETURN_THRESHOLD
+    # the threshold higher, they came from arenas whose freed chunks
+    # stayed resident.)
     model = _mlp(width=1024, depth=6)
     part = partition.cut(model, 2, balance=[3, 4])
     allocator = memory.predict(part, 256, 4, "never", optimizer_slots=2)
-    resident = memory.predict_resident(part, 256, 4, "never",
+    resident = resident_lib.predict_resident(part, 256, 4, "never",
                                        optimizer_slots=2)
     for a, r in zip(allocator, resident):
         assert memory.StageMemory.total.fget(r) == a.total
@@ -736,7 +735,7 @@ def test_a_transposed_weight_only_products_read_is_not_held():
         part = partition.cut(keras.Model(x, TiedOutput(scaled)(h)), 2,
                              balance=[1, 1])
         call = part.graph.calls[1]
-        inner[scaled] = memory._traced_inner(call, part.shapes)
+        inner[scaled] = backward.kept_inside(call, part.shapes)
     assert inner[False] == (0, 0)
     assert inner[True][1] >= table
 

@@ -21,31 +21,29 @@ count as arena blocks: predicted 216.3 / 192.3, measured 260.0, 230.0,
 """
 
 import json
-import os
 import pathlib
-import subprocess
-import sys
 
 import pytest
 import tensorflow as tf
 
+from tests.support import tools
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-TOOL = ROOT / "tools" / "memory_model.py"
 
 
-def _table(tmp_path, *flags):
+def _table(tmp_path, monkeypatch, *flags):
+    # The tool measures in child processes (fresh TF, its allocator
+    # setting): its own part runs here.
     out = tmp_path / "table.json"
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONPATH=str(ROOT))
-    done = subprocess.run(
-        [sys.executable, str(TOOL), "--quick", "--out", str(out), *flags],
-        env=env, capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stderr[-3000:]
+    monkeypatch.setenv("TF_CPP_MIN_LOG_LEVEL", "3")
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))
+    tools.load("memory_model").main(["--quick", "--out", str(out), *flags])
     return json.loads(out.read_text())
 
 
 @pytest.mark.slow
-def test_logical_device_peaks_within_25_percent(tmp_path):
-    results = _table(tmp_path)
+def test_logical_device_peaks_within_25_percent(tmp_path, monkeypatch):
+    results = _table(tmp_path, monkeypatch)
     assert len(results) == 4   # 2 configurations x 2 stages
     for r in results:
         # A real measurement: more than the weights the tool adds back.
@@ -54,8 +52,8 @@ def test_logical_device_peaks_within_25_percent(tmp_path):
 
 
 @pytest.mark.slow
-def test_worker_resident_peaks_within_20_percent(tmp_path):
-    results = _table(tmp_path, "--workers")
+def test_worker_resident_peaks_within_20_percent(tmp_path, monkeypatch):
+    results = _table(tmp_path, monkeypatch, "--workers")
     assert len(results) == 2   # one configuration x 2 workers
     for r in results:
         # Adam: weights, 2 slots and the summed gradients at least.
@@ -68,10 +66,7 @@ def test_worker_resident_peaks_within_20_percent(tmp_path):
 
 
 def test_without_allocator_statistics_the_error_names_the_fix():
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("memory_model", TOOL)
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
+    tool = tools.load("memory_model")
     try:
         tf.config.experimental.get_memory_info("CPU:0")
     except ValueError:
@@ -85,10 +80,7 @@ def test_without_allocator_statistics_the_error_names_the_fix():
 def test_a_repeated_measurement_keeps_the_median_run():
     # issue 30: one run of a worker configuration moved by up to 23%
     # against another; the table keeps the median of the repeats per peak.
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("memory_model", TOOL)
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
+    tool = tools.load("memory_model")
     runs = [[{"stage": 0, "measured": m0, "predicted": 100,
               "error": 100 / m0 - 1},
              {"stage": 1, "measured": m1, "predicted": 50,

@@ -183,3 +183,20 @@ def test_grappler_keeps_the_transposed_form(devices, onednn, tmp_path):
     folded = [n for n in ran if "FoldTransposeIntoMatMul" in n]
     assert not folded, folded
     assert len(snapshots) == 3, snapshots
+
+
+def test_a_worker_device_follows_the_workers_kernels(monkeypatch):
+    """Workers set their kernels themselves (oneDNN on by default): the
+    client decides the transposed form by the device's kernels, not by its
+    own (an AMD client runs TF's own kernels by default)."""
+    monkeypatch.setattr(products._compat, "onednn_enabled", lambda: False)
+    worker = "/job:worker/replica:0/task:1/device:CPU:0"
+    try:
+        for workers in (True, False):
+            products.set_workers_onednn(workers)
+            assert products.onednn(worker) is workers
+            assert products.worth_it(128, 512, worker) is workers
+            assert not products.worth_it(128, 512, "/device:CPU:0")
+            assert not products.transposes([128] * 4)
+    finally:
+        products.set_workers_onednn(True)

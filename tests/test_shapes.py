@@ -40,7 +40,7 @@ def test_unknown_length_is_guessed_with_a_warning_naming_the_input():
             r"keras_pipe.plan of 'lm' guessed each unknown dimension other "
             r"than the batch as 1: input 'token_ids' has shape \(None, None\)"
             r": dimension\(s\) \[1\] unknown.*input_shape=\(None, 128\)")):
-        p = keras_pipe.plan(_token_model(), 2)
+        p = keras_pipe.plan(_token_model(), 2, num_micro_batches=1)
     assert p.stages[0].input_bytes == 1 * 4  # one token: the guess
     with pytest.warns(UserWarning, match=r"balance='flops' of 'lm' guessed"):
         partition.cut(_token_model(), 2, balance="flops")

@@ -10,7 +10,7 @@ import pytest
 from keras import ops
 
 import keras_pipe
-from keras_pipe.verify import BATCH_NORM
+from keras_pipe.verification import BATCH_NORM
 
 pytestmark = pytest.mark.slow  # trains models: the full suite's tier
 
@@ -134,7 +134,7 @@ def test_plain_keras_steps_are_traced_once(devices):
     # verify's reference: Keras' train function, traced once for its steps
     # (the optimizer's slots made inside the first trace made TF trace it
     # again: half of the reference's time on small models).
-    from keras_pipe.verify import _train, _Unsplit  # noqa: PLC0415
+    from keras_pipe.verification import _train, _Unsplit  # noqa: PLC0415
     x, y = _batch()
     TracesCounted.traces = 0
     reference = _Unsplit(_mlp(TracesCounted(name="counted")))
@@ -179,7 +179,7 @@ class BalanceLoss(keras.layers.Layer):
 
 
 def test_added_loss_at_several_micro_batches_is_warned_and_named(devices):
-    from keras_pipe.verify import ADDED_LOSSES  # noqa: PLC0415
+    from keras_pipe.verification import ADDED_LOSSES  # noqa: PLC0415
     x, y = _batch()
     model = _mlp(BalanceLoss(name="balance"))
     with pytest.warns(UserWarning, match=r"stage\(s\) \[0\] add a loss"):
@@ -212,7 +212,7 @@ class FusedAttention(keras.layers.Layer):
 
 
 def test_adam_amplified_rounding_is_named_where_gradients_agree(devices):
-    from keras_pipe.verify import GRADIENT_TOLERANCE, ROUNDING  # noqa: PLC0415
+    from keras_pipe.verification import GRADIENT_TOLERANCE, ROUNDING  # noqa: PLC0415
     rng = np.random.default_rng(1)
     x = rng.normal(size=(16, 8)).astype("float32")
     y = (np.arange(16) % 3).astype("int32")

@@ -592,7 +592,7 @@ def verdict(report):
         return "FLAGGED"
     if any(c.startswith(BATCH_NORM) for c in report.causes):
         return BATCH_NORM_NAMED
-    from keras_pipe.verify import ADDED_LOSSES  # noqa: PLC0415
+    from keras_pipe.verification import ADDED_LOSSES  # noqa: PLC0415
     return ADDED_LOSS_NAMED if ADDED_LOSSES in report.causes else "explained"
 
 

@@ -19,7 +19,7 @@ at the peak.
 
 It found the grouped W call's one scratch buffer and converted stash
 (`memory.weight_call_transient`) and the folded transposed token table
-(`memory._folded_transpose`).
+(`backward._folded_transpose`).
 """
 
 import argparse

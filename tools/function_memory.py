@@ -14,13 +14,13 @@ stage's weights and optimizer slots (what the step's functions cost: TF's
 graphs and executors, the kernels' code paged in), the number of graph
 nodes placed on that worker (the step function's nodes on its device, and
 every function its nodes call, once), and the model's count
-(`memory.function_nodes`). One JSON line.
+(`resident.function_nodes`). One JSON line.
 
 `docs/benchmarks/function_memory.json`: the 4 models of the table x (SGD
 M = 1 never, Adam M = 1 always, SGD M = 2 always, Adam M = 4 never, SGD
 M = 4 never), 5 December 2026 04:58-05:03 UTC; `--fit` over the ResNet's
 and the Transformer's stages and GPT-2's last (87-6445 nodes; `fit`
-says why the others are left out): `memory.FUNCTION_NODE_BYTES`.
+says why the others are left out): `resident.FUNCTION_NODE_BYTES`.
 """
 
 import argparse
@@ -110,7 +110,7 @@ def main():
         import keras
 
         import keras_pipe
-        from keras_pipe.planning import memory, partition
+        from keras_pipe.planning import partition, resident
         pids = [w.pid for w in workers]
         devices = [f"/job:worker/replica:0/task:{t}/device:CPU:0"
                    for t in range(2)]
@@ -126,7 +126,7 @@ def main():
                              input_shape=case["input_shape"],
                              batch_size=case["batch"])
         optimizer, slots = memory_model.optimizer_of(keras, args.optimizer)
-        predicted = memory.predict_resident(part, batch, m, args.remat,
+        predicted = resident.predict_resident(part, batch, m, args.remat,
                                             args.schedule, slots)
         pipe = keras_pipe.PipelineModel.from_model(
             case["model"], num_stages=2, devices=devices,
@@ -146,7 +146,7 @@ def main():
                 "peak": peak[j] - idle[j], "held": held,
                 "functions": after[j] - idle[j] - held, "nodes": nodes[j],
                 "predicted_nodes": predicted[j].functions //
-                memory.FUNCTION_NODE_BYTES})
+                resident.FUNCTION_NODE_BYTES})
         print(json.dumps({"model": args.model, "optimizer": args.optimizer,
                           "num_micro_batches": m, "remat": args.remat,
                           "rows": args.rows, "stages": out}))

@@ -24,7 +24,7 @@ available") unless `tsl::EnableCPUAllocatorStats()` ran, so every child
 runs with `TF_CPU_ALLOCATOR_USE_BFC=true` (the BFC allocator always
 counts). One child process per model.
 
-Workers (`keras_pipe.planning.memory.predict_resident` against resident
+Workers (`keras_pipe.planning.resident.predict_resident` against resident
 memory): per configuration two fresh `python -m keras_pipe.distributed.worker`
 processes (glibc heap as the worker sets it, `keras_pipe.distributed.heap`;
 TF's default allocator) and a client that connects, runs one op on each,
@@ -419,7 +419,7 @@ def _worker_run(common, config, num_stages, env, heap):
 
 def worker_client(name, grid, cluster, pids, known=None):
     """Child: resident peak of each worker per configuration, predicted
-    (`memory.predict_resident`) and measured.
+    (`resident.predict_resident`) and measured.
 
     Measured: the worker's `VmHWM` over building the pipeline, compiling
     and two training steps, minus its resident size when idle after this
@@ -433,7 +433,7 @@ def worker_client(name, grid, cluster, pids, known=None):
     import keras
 
     import keras_pipe
-    from keras_pipe.planning import memory, partition
+    from keras_pipe.planning import partition, resident
     num_stages = len(pids) if known is None else 2
     devices = [f"/job:worker/replica:0/task:{t}/device:CPU:0"
                for t in range(num_stages)]
@@ -448,7 +448,7 @@ def worker_client(name, grid, cluster, pids, known=None):
     results = []
     for optimizer, m, schedule, remat in grid:
         slots = optimizer_of(keras, optimizer)[1]
-        predicted = memory.predict_resident(
+        predicted = resident.predict_resident(
             part, batch, m, remat, schedule, slots)
         if known is None:
             pipe = keras_pipe.PipelineModel.from_model(

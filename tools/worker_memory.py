@@ -127,10 +127,13 @@ def child_client(args):
     keras.utils.set_random_seed(0)
     model = build_model(keras, args.width, args.depth)
     mark("model built (client)")
-    pipe = keras_pipe.PipelineModel.from_model(
-        model, num_stages=2, devices=devices,
-        num_micro_batches=args.num_micro_batches, balance="params",
-        remat=args.remat)
+    if args.defaults:  # the model and the devices alone: planned by fit
+        pipe = keras_pipe.PipelineModel.from_model(model, devices=devices)
+    else:
+        pipe = keras_pipe.PipelineModel.from_model(
+            model, num_stages=2, devices=devices,
+            num_micro_batches=args.num_micro_batches, balance="params",
+            remat=args.remat)
     mark("pipeline built")
     pipe.compile(_optimizer(keras, args.optimizer),
                  keras.losses.SparseCategoricalCrossentropy(from_logits=True))
@@ -142,9 +145,14 @@ def child_client(args):
     mark("fit")
     stages = [[v.shape.num_elements() * 4 for v in s.trainable_variables]
               for s in pipe.stages]
+    chosen = pipe.plan
     return {"phases": phases, "loss": history.history["loss"],
             "params": model.count_params(),
-            "stage_weight_bytes": [sum(s) for s in stages]}
+            "stage_weight_bytes": [sum(s) for s in stages],
+            "chosen": None if chosen is None else {
+                "schedule": chosen.schedule, "num_stages": chosen.num_stages,
+                "num_micro_batches": chosen.num_micro_batches,
+                "remat": list(chosen.remat), "sizes": chosen.sizes}}
 
 
 def _free_port():
@@ -165,7 +173,8 @@ def measure(args):
     common = ["--width", str(args.width), "--depth", str(args.depth),
               "--optimizer", args.optimizer, "--steps", str(args.steps),
               "--num-micro-batches", str(args.num_micro_batches),
-              "--remat", args.remat, "--heap", args.heap]
+              "--remat", args.remat, "--heap", args.heap] + (
+                  ["--defaults"] if args.defaults else [])
     unsplit = _run(["--child", "unsplit"] + common)
     cluster = [f"127.0.0.1:{_free_port()}" for _ in range(2)]
     workers = [subprocess.Popen(
@@ -229,6 +238,8 @@ def table(report):
                  f"{[round(w / peaks['unsplit'], 2) for w in peaks['workers']]}"
                  f" x unsplit")
     lines.append(f"losses: unsplit {u['loss']} pipelined {p['loss']}")
+    if p.get("chosen"):
+        lines.append(f"chosen: {p['chosen']}")
     return "\n".join(lines)
 
 
@@ -244,6 +255,11 @@ def main(argv=None):
                         choices=("reuse", "return", "glibc"),
                         help="every process's heap setting "
                         "(keras_pipe.distributed.heap; default: return)")
+    parser.add_argument("--defaults", action="store_true",
+                        help="the pipeline from the model and the devices "
+                        "alone (from_model(model, devices=...)), planned "
+                        "by its first step; pass --heap reuse for the "
+                        "workers' default heap")
     parser.add_argument("--out", default=None)
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--cluster", default=None, help=argparse.SUPPRESS)

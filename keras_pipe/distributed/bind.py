@@ -5,12 +5,13 @@ host in the cluster spec (hard-coded in TF's `grpc_server_lib.cc`); a worker
 starts one, and so does a client in `keras_pipe.connect`. TF's gRPC runtime
 has no authentication, so anyone reaching such a port runs code in the
 process. `pin(host)` makes TF bind `host` instead: it loads a small C
-library (`_bind.c`, compiled when keras_pipe is installed, checked against
-the SHA-256 recorded at build time) that rewrites the `bind` entries of
-TF's own shared objects (their GOT) to a bind() that turns a wildcard
-address into `host`. Python's sockets and other libraries are left alone.
-Unlike an `LD_PRELOAD` shim it needs no restart of the process, so a
-worker imports TF once and a client pins itself inside `connect`.
+library (`_bind.c`, compiled when keras_pipe is installed, never at run
+time, and checked against the SHA-256 recorded at build time) that rewrites
+the `bind` entries of TF's own shared objects (their GOT) to a bind() that
+turns a wildcard address into `host`. Python's sockets and other libraries
+are left alone. Unlike an `LD_PRELOAD` shim it needs no restart of the
+process, so a worker imports TF once and a client pins itself inside
+`connect`.
 
 `listening_hosts(port)` reads `/proc/net/tcp{,6}` to check the result.
 """
@@ -22,13 +23,10 @@ import importlib.util
 import ipaddress
 import os
 import pathlib
-import shutil
 import socket
 import stat
 import struct
-import subprocess
 import sys
-import tempfile
 
 __all__ = ["WILDCARDS", "check_address", "format_address", "listening_hosts",
            "pin", "shim_path"]
@@ -36,7 +34,6 @@ __all__ = ["WILDCARDS", "check_address", "format_address", "listening_hosts",
 # Addresses meaning "every interface".
 WILDCARDS = ("0.0.0.0", "::")
 _PACKAGE = pathlib.Path(__file__).parent
-_SOURCE = _PACKAGE / "_bind.c"
 _LOADED = {}
 
 
@@ -131,52 +128,18 @@ def _installed_shim():
     return None
 
 
-def _build_into_cache():
-    """Compiles `_bind.c` into the user's cache (source checkouts only)."""
-    source = _SOURCE.read_bytes()
-    digest = hashlib.sha256(source).hexdigest()[:16]
-    cache = pathlib.Path(os.environ.get("XDG_CACHE_HOME")
-                         or pathlib.Path.home() / ".cache") / "keras_pipe"
-    target = cache / f"bind-{digest}.so"
-    if target.exists() and target.with_suffix(".sha256").exists():
-        return target
-    compilers = [c for c in (os.environ.get("CC"), "cc", "gcc") if c]
-    compiler = next((shutil.which(c) for c in compilers if shutil.which(c)),
-                    None)
-    if compiler is None:
-        raise RuntimeError(
-            "keras_pipe was not installed with its compiled bind shim "
-            "(_bind.c), and no C compiler ($CC, cc, gcc) can build it. "
-            "Install keras_pipe with pip (it builds the shim).")
-    cache.mkdir(parents=True, exist_ok=True, mode=0o700)
-    with tempfile.TemporaryDirectory(dir=cache) as tmp:
-        built = pathlib.Path(tmp) / target.name
-        result = subprocess.run(
-            [compiler, "-shared", "-fPIC", "-O2", "-o", str(built),
-             str(_SOURCE), "-ldl"], capture_output=True, text=True)
-        if result.returncode:
-            raise RuntimeError(
-                f"Building the bind shim with {compiler} failed:\n"
-                f"{result.stderr}")
-        record = pathlib.Path(tmp) / "record"
-        record.write_text(_sha256(built) + "\n")
-        os.replace(built, target)  # Atomic: concurrent builds are safe.
-        os.replace(record, target.with_suffix(".sha256"))
-    return target
-
-
 def shim_path():
     """The path of the bind shim, after checking its SHA-256.
 
-    The shim is built by `pip install` (setup.py) next to this module with
-    its hash in `_bind.sha256`; in a source checkout without that build it
-    is compiled once into `$XDG_CACHE_HOME/keras_pipe` (or
-    `~/.cache/keras_pipe`) with the same record.
+    The shim is built when keras_pipe is installed (setup.py), next to
+    this module, with its hash in `_bind.sha256`; nothing is compiled at
+    run time.
 
     Raises:
-        RuntimeError: if the platform is not Linux, the shim cannot be
-            built, or its hash differs from the recorded one (the file was
-            changed after the build), or the file is writable by others.
+        RuntimeError: if the platform is not Linux, the shim was not built
+            (naming the command that builds it), its hash differs from the
+            recorded one (the file was changed after the build), or the
+            file is writable by others.
     """
     if not sys.platform.startswith("linux"):
         raise RuntimeError(
@@ -185,15 +148,21 @@ def shim_path():
     path = _installed_shim()
     record = _PACKAGE / "_bind.sha256"
     if path is None or not record.exists():
-        path = _build_into_cache()
-        record = path.with_suffix(".sha256")
+        raise RuntimeError(
+            "keras_pipe's bind shim (keras_pipe/distributed/_bind*.so and "
+            f"its _bind.sha256, in {str(_PACKAGE)!r}) is not built: it is "
+            "compiled when keras_pipe is installed. Reinstall keras_pipe "
+            "(`pip install keras_pipe`, or `pip install -e .` in a source "
+            "checkout; `python setup.py build_ext --inplace` builds only "
+            "the shim).")
     expected = record.read_text().split()[0]
     actual = _sha256(path)
     if actual != expected:
         raise RuntimeError(
             f"The bind shim {str(path)!r} has SHA-256 {actual}, but "
             f"{str(record)!r} records {expected}: the file was changed after "
-            "it was built. Reinstall keras_pipe (or delete the cached file).")
+            "it was built. Reinstall keras_pipe (`pip install -e .` in a "
+            "source checkout).")
     mode = os.stat(path).st_mode
     if mode & (stat.S_IWGRP | stat.S_IWOTH):
         raise RuntimeError(

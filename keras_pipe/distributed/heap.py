@@ -3,68 +3,41 @@
 TensorFlow allocates CPU tensors with glibc's `malloc`. glibc gives each
 thread that allocates its own arena (up to 8 per core) and serves blocks
 below a moving threshold (up to 32 MiB) from those arenas, where a freed
-block stays resident for reuse. A worker runs ~100 threads (gRPC, inter-
+block stays resident for reuse. A worker runs many threads (gRPC, inter-
 and intra-op pools), and the big blocks of a pipeline stage are
-short-lived: values received at build, each micro-batch's weight
-gradients, tensors in transit. Measured on the MLP of
-`tools/worker_memory.py` (7 x Dense(3584), 2 workers, M=2, SGD): stage 0's
-resident peak was 624 MiB above an idle worker with glibc's defaults, 1.07x
-the unsplit process's, where its weights, summed gradients and one layer's
-gradient make ~400.
+short-lived (values received at build, each micro-batch's weight
+gradients, tensors in transit), so with glibc's defaults a worker's
+resident peak is well above the bytes its tensors use at once.
 
 Three settings (`HEAP_MODES`), chosen with `mallopt` before the process
 starts its threads (the environment variables `MALLOC_ARENA_MAX` and
 `MALLOC_MMAP_THRESHOLD_` do the same, set before the process starts):
 
 * `"reuse"`: at most 2 arenas; a freed block stays resident and serves the
-  next allocation. Resident peaks 348 and 312 MiB on that MLP's two
-  workers.
-* `"return"`: 2 arenas, and blocks of `RETURN_THRESHOLD` (128 KiB) or
-  more are mapped on their own and unmapped when freed: 310 and 252 MiB
-  (with 1 MiB then). Each such allocation then faults its pages in afresh:
-  on the 8 x Dense(1024) benchmark job (batch 512, 2 workers) that is
-  60-100 ms of system CPU per worker per step and 1.15-1.25x the step
-  time of `"reuse"` (`docs/capacity.md`, measured with 1 MiB). And once
-  the process has been idle for `TRIM_AFTER_IDLE` seconds after work, a
-  thread gives the free pages inside the arenas back (`malloc_trim`,
-  `trim_when_idle`).
+  next allocation. Fast.
+* `"return"`: 2 arenas, and blocks of `RETURN_THRESHOLD` or more are
+  mapped on their own and unmapped when freed, so resident memory follows
+  the allocator's bytes in use (what the memory model predicts,
+  `keras_pipe.planning.resident`). Each such allocation faults its pages
+  in afresh: steps are slower. Once the process has been idle for
+  `TRIM_AFTER_IDLE` seconds after work, a thread gives the free pages
+  inside the arenas back (`malloc_trim`, `trim_when_idle`).
 * `"glibc"`: glibc's own settings.
 
-Why 128 KiB (glibc's own starting threshold, which glibc raises as mapped
-blocks are freed and `"return"` pins): with 1 MiB, the blocks between
-(a micro-batch's activations when micro-batches are small: 256-512 KiB
-on the Transformer of `tools/memory_model.py --workers` at M = 4) came from
-the arenas, whose freed chunks, fragmented among long-lived small blocks
-of TF's, stayed resident: after two steps of Adam, M = 4, its worker 0
-held 184 MiB above idle of which `malloc_trim(0)` gave back 100 (glibc's
-`mallinfo2`: 102 MiB free in the arenas), and the resident peak grew from
-step to step (214 MiB after 2 steps, 249-282 after 30). With 128 KiB: 161
-MiB, 4 MiB free in the arenas, steady (166 after 30 steps with 64 KiB). The
-price is more page faults: that configuration's step took 1.31-1.33 s
-against 1.00-1.05 s with 1 MiB (the least of 12 steps, two runs each,
-interleaved, load 3-4 on 2 cores). Measured with `python
-tools/heap_probe.py transformer adam 4 gpipe never` (1 MiB: add `--heap
-glibc --env MALLOC_ARENA_MAX=2 --env MALLOC_MMAP_THRESHOLD_=1048576`).
+Why `RETURN_THRESHOLD` is glibc's own starting threshold (which glibc
+raises as mapped blocks are freed, and `"return"` pins): under a higher
+one, the blocks between (a micro-batch's activations when micro-batches
+are small) come from the arenas, whose freed chunks, fragmented among
+TF's long-lived small blocks, stay resident and grow from step to step.
+The price of a lower one is more page faults.
 
-Why trim as well: the blocks under the threshold stay in the arenas, and
-glibc gives back only the free space at an arena's top, never the free
-pages between blocks in use. A worker that received a ResNet stage's
-initial values (in gRPC's small blocks) held 15.7 MiB free in its arenas
-from the build on, which the steps' own 16 MiB tensors (mapped, above the
-threshold) did not reuse; `malloc_trim(0)` gave back 15 MiB (`python
-tools/heap_probe.py resnet adam 4 gpipe never`, worker 1). Why when idle,
-not on a clock: a trim gives back what transfers left behind, so a trim
-every second lowered a build's peak or not, by when it fell (tried: the
-build peaks of a GPT-2 and a ResNet stage came out 16-22% under the
-memory model's, which counts what a transfer holds).
-Idle, a worker has nothing in transit, and a run of steps is not cut
-into (it leaves a worker idle for milliseconds). Where a worker idles
-depends on its client: on `tools/memory_model.py --workers` the ResNet's
-worker 1 lost its build's 15.7 MiB (Adam, M = 4: -17% against the memory
-model before, -9% / -10% after), while the MLP's worker 0 was not idle
-for 0.5 s between its build and its first step and kept 13-18 MiB into
-it. A trim costs 0.15 ms median (13.6 ms at most over 90 trims during a
-Keras `fit`).
+Why trim as well: blocks under the threshold stay in the arenas, and glibc
+gives back only the free space at an arena's top, never the free pages
+between blocks in use (what a build's transfers leave behind). Why when
+idle, not on a clock: idle, a worker has nothing in transit, so a trim
+gives back what transfers left and never cuts into a run of steps. The
+measurements behind these choices, with their commands, are in
+docs/capacity.md ("The heap: speed against memory").
 """
 
 import ctypes
@@ -77,7 +50,8 @@ __all__ = ["HEAP_MODES", "RETURN_THRESHOLD", "TRIM_AFTER_IDLE", "IdleSpell",
 
 HEAP_MODES = ("reuse", "return", "glibc")
 # `"return"`'s mmap threshold: blocks of this many bytes or more are mapped
-# on their own and unmapped when freed (the module says why this size).
+# on their own and unmapped when freed (the module says why this size). The
+# memory model of a worker's resident memory reads it from here.
 RETURN_THRESHOLD = 128 << 10
 # `"return"`: a worker trims its heap once it has been idle this many
 # seconds after doing work (`trim_when_idle`).

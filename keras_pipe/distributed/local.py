@@ -26,30 +26,46 @@ import time
 from keras_pipe import _validation
 from keras_pipe.distributed import exits
 from keras_pipe.distributed import heap as heap_lib
+from keras_pipe.distributed.worker import ONEDNN_VARIABLE
 
 __all__ = ["local_workers"]
 
 _PR_SET_PDEATHSIG = 1
 
 # Threads of each worker's intra-op pool, all on the worker's one core, by
-# the kernels TF runs (`TF_ENABLE_ONEDNN_OPTS`: the client's setting, passed
-# on to the workers). Micro-batches make small matrix products,
-# and TF's own (Eigen) products cost far more per row below a few hundred
-# rows: on one pinned core (AMD EPYC, 3 December 2026), a 64 x 1024 by
-# (1024 x 1024)^T product, the input gradient of a Dense layer, took 74-97
-# ms of CPU per 512 rows against 16-25 ms at 512 rows; with oneDNN 24-28.
-# The forward and backward pass of 4 x Dense(1024) on 512 rows cut into M
-# micro-batches, CPU ms per step at M = 1 / 8: Eigen with 4 threads 211 /
-# 390 (with 1 thread a micro-batch of 256 rows cost 1.26-1.45x per row of
-# 512, with 4 threads 0.97-1.03x), oneDNN with 1 thread 180 / 260, oneDNN
-# with 4 threads 190 / 355 (`python tools/small_products.py`,
-# `docs/performance.md`).
+# the kernels it runs. A micro-batch makes small matrix products: oneDNN's
+# run fastest on one thread, TF's own (Eigen) cost more per row below a few
+# hundred rows unless several threads share them (docs/performance.md,
+# "Kernels and threads").
 INTRA_OP_THREADS = {"onednn": 1, "eigen": 4}
 
 
 def default_intra_op_threads(onednn):
     """The intra-op pool of a one-core worker that runs oneDNN or not."""
     return INTRA_OP_THREADS["onednn" if onednn else "eigen"]
+
+
+def workers_onednn(onednn=None):
+    """Whether local workers run oneDNN's kernels: `onednn` if given, else
+    what `TF_ENABLE_ONEDNN_OPTS` in this environment says, else True (the
+    fast kernels for small products, whatever TF's default on this CPU)."""
+    if onednn is not None:
+        if not isinstance(onednn, bool):
+            raise TypeError(
+                "onednn must be True, False or None (the environment's "
+                f"{ONEDNN_VARIABLE}, else on). Received: onednn={onednn!r}")
+        return onednn
+    text = os.environ.get(ONEDNN_VARIABLE, "").strip().lower()
+    if not text:
+        return True
+    if text in ("1", "true"):
+        return True
+    if text in ("0", "false"):
+        return False
+    raise ValueError(
+        f"{ONEDNN_VARIABLE}={text!r} in the environment is neither 0 nor 1 "
+        "(TensorFlow reads only those, or true/false). Set it to 1 (oneDNN's "
+        "kernels) or 0 (TF's own), or unset it.")
 
 
 def _die_with_parent():
@@ -115,7 +131,7 @@ def _check_args(num_workers, cores, gpus, intra_op_threads,
 @contextlib.contextmanager
 def local_workers(num_workers=2, cores=None, gpus=None,
                   intra_op_threads=None, inter_op_threads=2,
-                  heap="reuse", timeout=120.0, restart=False):
+                  heap="reuse", timeout=120.0, onednn=None, restart=False):
     """Starts pinned worker processes on this machine and connects to them.
 
     Each worker is a `python -m keras_pipe.distributed.worker` process that listens on
@@ -171,23 +187,22 @@ def local_workers(num_workers=2, cores=None, gpus=None,
             blocks stay resident for reuse), `"return"` (blocks of 128 KiB
             or more go back to the OS when freed, and the rest of the free
             heap once a worker idles 0.5 s: lower resident peaks, for
-            a model sized to a memory budget, at 1.15-1.25x the step time
-            on the MLP benchmark when the threshold was 1 MiB, 1.3x on a
-            Transformer worker at 128 KiB) or `"glibc"`. Defaults to
-            `"reuse"`.
+            a model sized to a memory budget, at the cost of slower steps;
+            docs/capacity.md) or `"glibc"`. Defaults to `"reuse"`.
         timeout: seconds for the workers to start and then to answer.
             Defaults to `120.0`.
+        onednn: whether the workers run oneDNN's kernels, whose small
+            products (a micro-batch's) are the fastest TF has on a CPU;
+            TF itself leaves oneDNN off on some CPUs. This process keeps
+            the kernels TF chose when it was imported: the workers' setting
+            is their own. Defaults to `None`: what `TF_ENABLE_ONEDNN_OPTS`
+            in this environment says if it is set, else on.
         restart: whether a worker process that ends while the block runs
             is started again, with the same task and address (a thread of
             this process watches them). A `fit` given a
             `keras_pipe.BackupAndRestore` then goes on after the loss
             (`keras_pipe.distributed.recovery`). Defaults to `False`.
 
-    The workers get this process's oneDNN setting (`TF_ENABLE_ONEDNN_OPTS`
-    as TF read it at import) and the intra-op pool for those kernels. Set
-    `TF_ENABLE_ONEDNN_OPTS=1` before importing TensorFlow for oneDNN's
-    faster small products on a CPU where it is off by default (this AMD
-    EPYC; `docs/performance.md`).
 
     Returns:
         A context manager whose value is the list of the workers' devices,
@@ -195,12 +210,15 @@ def local_workers(num_workers=2, cores=None, gpus=None,
         "/job:worker/replica:0/task:1/device:CPU:0"]`.
 
     Raises:
-        TypeError: for a count that is not an int, or `cores`/`gpus` that
-            are not lists of ints.
+        TypeError: for a count that is not an int, `cores`/`gpus` that
+            are not lists of ints, or an `onednn` or `restart` that is not
+            a bool.
         ValueError: for a count < 1, more workers than available CPUs,
             `cores`/`gpus` of the wrong length, with an id twice or naming
-            a CPU this process cannot run on, or a `heap` not in
-            `keras_pipe.distributed.heap.HEAP_MODES`.
+            a CPU this process cannot run on, a `heap` not in
+            `keras_pipe.distributed.heap.HEAP_MODES`, or an
+            `onednn=None` with `TF_ENABLE_ONEDNN_OPTS` set to neither 0
+            nor 1.
         RuntimeError: if a worker exits or does not start within `timeout`
             seconds (the message holds the end of its log).
         keras_pipe.distributed.cluster.WorkerUnavailableError: if a started worker does
@@ -212,8 +230,9 @@ def local_workers(num_workers=2, cores=None, gpus=None,
         raise TypeError(f"restart must be True or False. Received: "
                         f"restart={restart!r}")
     heap_lib.check_mode(heap)
-    from keras_pipe import _compat  # imports TF, which this process runs
-    onednn = _compat.onednn_enabled()
+    onednn = workers_onednn(onednn)
+    from keras_pipe.engine import products  # imports TF
+    products.set_workers_onednn(onednn)  # their forward products follow
     if intra_op_threads is None:
         intra_op_threads = default_intra_op_threads(onednn)
     addresses = [f"127.0.0.1:{_free_port()}" for _ in range(num_workers)]
@@ -258,9 +277,7 @@ def _start(task, addresses, cores, gpus, intra, inter, heap, onednn,
     env = dict(os.environ)
     env.pop("TF_CONFIG", None)
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    # This process's setting as TF read it at import, whatever the
-    # environment says now.
-    env["TF_ENABLE_ONEDNN_OPTS"] = "1" if onednn else "0"
+    env[ONEDNN_VARIABLE] = "1" if onednn else "0"
     command = [sys.executable, "-m", "keras_pipe.distributed.worker", "--task",
                str(task), "--cluster", ",".join(addresses),
                "--intra-op-threads", str(intra), "--inter-op-threads",

@@ -2,11 +2,10 @@
 
 A worker serves a client's ops and functions; everything it runs is in
 TF's C++ libraries (`libtensorflow_framework.so.2`, `libtensorflow_cc.so.2`).
-`import tensorflow` loads those and, on top, TF's Python package (~3,700
-modules, keras among them, with their pybind extensions and the C++ state
-they register): 618 MiB resident here, where loading the two libraries
-makes 345 MiB. An idle worker after a client connected and ran one op held
-670 MiB with `import tensorflow`, 394-403 MiB without (`docs/capacity.md`).
+`import tensorflow` loads those and, on top, TF's Python package (thousands
+of modules, keras among them, with their pybind extensions and the C++
+state they register), which nearly doubles what an idle worker holds
+resident (`docs/capacity.md` has the figures).
 
 So a worker loads the libraries with `ctypes` (`load`), encodes its
 `tensorflow.ServerDef` itself (`server_def`: a few fields of protobuf's

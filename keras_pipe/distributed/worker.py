@@ -38,7 +38,16 @@ from keras_pipe.distributed import heap as heap_lib
 from keras_pipe.distributed import runtime
 from keras_pipe.distributed.bind import listening_hosts  # noqa: F401  (public here too)
 
-__all__ = ["serve", "bind_shim_path", "listening_hosts", "main"]
+__all__ = ["ONEDNN_VARIABLE", "serve", "bind_shim_path", "listening_hosts",
+           "main"]
+
+
+# TF reads this variable once, when its runtime loads: "1" runs oneDNN's
+# kernels, "0" TF's own (Eigen). Unset, TF decides by the CPU and leaves
+# oneDNN off on some (AMD CPUs without AVX-512), where a micro-batch's small
+# matrix products then cost several times more. A worker turns oneDNN on
+# unless its environment names a setting: the fast-kernels default.
+ONEDNN_VARIABLE = "TF_ENABLE_ONEDNN_OPTS"
 
 
 def bind_shim_path():
@@ -204,7 +213,8 @@ def serve(cluster, task, job="worker", bind="127.0.0.1",
     listens on `bind` only (see `keras_pipe.distributed.bind.pin`); every argument is
     checked before it starts. It runs on TF's C++ runtime alone
     (`keras_pipe.distributed.runtime`): this function imports no
-    TensorFlow Python module, which saves a worker ~270 MiB resident.
+    TensorFlow Python module, whose resident memory a worker would hold
+    for nothing.
 
     ```python
     server = serve({"worker": ["127.0.0.1:2222", "127.0.0.1:2223"]}, task=0)
@@ -233,10 +243,10 @@ def serve(cluster, task, job="worker", bind="127.0.0.1",
             (`keras_pipe.distributed.heap`): `"reuse"` (2 arenas, freed
             blocks reused: fast), `"return"` (big freed blocks unmapped,
             the arenas' free pages trimmed when the worker is idle: lower
-            resident peaks, for a memory budget, at 1.15-1.25x the step
-            time on the MLP benchmark) or `"glibc"` (untouched; a
-            worker's ~100 threads then keep freed buffers in their own
-            arenas). Defaults to `"reuse"`.
+            resident peaks, for a memory budget, at the cost of slower
+            steps) or `"glibc"` (untouched; a worker's many threads then
+            keep freed buffers in their own arenas). Defaults to
+            `"reuse"`.
 
     Returns:
         The started server, a `keras_pipe.distributed.runtime.Server`
@@ -285,14 +295,11 @@ def thread_spinning(intra_op_threads, num_cpus):
 
     TF's thread pools spin a while for new work before they sleep: that
     pays where each thread has a CPU of its own. With more intra-op
-    threads than CPUs (`keras_pipe.local_workers` runs 4 on one core) a
-    spinning thread takes the core from the thread with work: a
-    Transformer stage's forward and backward pass (4 pre-norm blocks,
-    d=256) cost 1.2-1.6x the CPU time with 4 spinning threads on one core
-    than with 1 thread, and about the same as 1 thread with 4 that do not
-    spin, while the MLP's 4-thread gain on small products stays
-    (docs/performance.md). So: no spinning when the threads outnumber
-    the CPUs.
+    threads than CPUs (`keras_pipe.local_workers` runs 4 on one core
+    with TF's own kernels) a spinning thread takes the core from the
+    thread with work, while threads that sleep at once keep the gain of
+    several threads on small products (docs/performance.md). So: no
+    spinning when the threads outnumber the CPUs.
     """
     return intra_op_threads is None or intra_op_threads <= num_cpus
 
@@ -371,6 +378,8 @@ def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     args = _parser().parse_args(argv)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    # Before TF's runtime loads: TF reads it once.
+    os.environ.setdefault(ONEDNN_VARIABLE, "1")
     try:
         cluster = _parse_cluster(args.cluster, args.job)
         server = serve(cluster, args.task, job=args.job, bind=args.bind,

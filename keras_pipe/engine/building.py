@@ -80,8 +80,13 @@ def known_input_spec(layer):
     return inputs
 
 
-def check_stages(stages, devices, num_micro_batches, remat, schedule="gpipe"):
-    """Checks the arguments; returns (stages, resolved devices)."""
+def check_stages(stages, devices, num_micro_batches, remat, schedule="gpipe",
+                 default_schedule=None):
+    """Checks the arguments; returns (stages, resolved devices, schedule).
+
+    `num_micro_batches` may be None (chosen later); a `schedule` of None
+    is `default_schedule(device indices)`.
+    """
     if isinstance(stages, keras.layers.Layer) or not isinstance(
             stages, (list, tuple)):
         raise TypeError(
@@ -102,8 +107,10 @@ def check_stages(stages, devices, num_micro_batches, remat, schedule="gpipe"):
                     f"stages[{jj}] and stages[{j}] are the same layer "
                     f"{stage.name!r}: a stage can live on one device only. "
                     "Pass a distinct layer for each stage.")
-    _validation.check_positive_int("num_micro_batches", num_micro_batches)
-    schedule_lib.get_schedule(schedule)
+    if num_micro_batches is not None:
+        _validation.check_positive_int("num_micro_batches", num_micro_batches)
+    if schedule is not None:
+        schedule_lib.get_schedule(schedule)
     _validation.check_remat(remat, len(stages))
     if devices is None:
         resolved = placement.default_devices(len(stages))
@@ -111,11 +118,13 @@ def check_stages(stages, devices, num_micro_batches, remat, schedule="gpipe"):
         _validation.check_device_list(devices, len(stages))
         resolved = placement.resolve_devices(devices)
     indices = device_indices(resolved)
+    if schedule is None:
+        schedule = default_schedule(indices)
     schedule_lib.check_placement(schedule, indices)
-    schedule_lib.build_ticks(schedule, num_micro_batches, len(stages),
+    schedule_lib.build_ticks(schedule, num_micro_batches or 1, len(stages),
                              1 + max(indices))
     _check_known_shapes(stages)
-    return list(stages), resolved
+    return list(stages), resolved, schedule
 
 
 def device_indices(devices):

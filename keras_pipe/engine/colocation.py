@@ -2,12 +2,13 @@
 
 Inside `fit`, Keras creates an optimizer's slots, runs its update math, its
 default-strategy "all-reduce", gradient clipping and a loss-scale
-optimizer's checks under no device scope, so TensorFlow would place them
-all on one device and ship every gradient there and back (trap 2 of the
-README). `colocate_optimizer` patches those hooks on the optimizer object
-so that each runs on its variable's device. The Keras code it replaces is
-Keras 3.15.0's, with only the device placement changed; every private
-attribute it touches is reached through `keras_pipe._compat`.
+optimizer's checks under no device scope, so TensorFlow would place them all
+on one device and ship every gradient there and back (the "one-device
+optimizer" trap, docs/design.md). `colocate_optimizer` patches those hooks
+on the optimizer object so that each runs on its variable's device. The
+Keras code it replaces is Keras 3.15.0's, with only the device placement
+changed; every private attribute it touches is reached through
+`keras_pipe._compat`.
 """
 
 import re
@@ -136,13 +137,13 @@ def _compiled_updates(optimizer, update_step, pairs, learning_rate,
                       iterations, device):
     """Keras' `update_step` for every pair on `device`, as one XLA function.
 
-    Un-compiled, Adam's update of 4 1024 x 1024 kernels is about ten
-    memory-bound element-wise passes per variable (28.7 ms on one core of
-    this machine); fused by XLA 12.2 ms. A function that would read a
+    Un-compiled, Adam's update is about ten memory-bound element-wise
+    passes per variable; XLA fuses them. A function that would read a
     resource on another device (an optimizer variable outside the slots,
     such as Nadam's `u_product`, lives on the client) cannot be compiled for
-    `device` (XLA compiles for one device): those updates run un-compiled,
-    with a warning naming the variable and its device.
+    `device` (the "one-device XLA" trap: XLA compiles for one device): those
+    updates run un-compiled, with a warning naming the variable and its
+    device.
     """
     def update():
         with _compat.swapped_iterations(optimizer, iterations):
@@ -170,13 +171,12 @@ def _compiled_updates(optimizer, update_step, pairs, learning_rate,
 def _local_copies(learning_rate, iterations):
     """The optimizer's step scalars, read once onto the current device.
 
-    Keras' `update_step` reads the learning rate and `iterations` (both on
-    the client's device) once per variable: each read was its own transfer
-    to the variable's worker, 2 x 16 gRPC calls per step for 8 Dense
-    layers on 2 workers. Copies made once per device per traced step cut
-    that to 2 per worker. Read before the step's `iterations.assign_add`,
-    as Keras' own reads are (automatic control dependencies keep program
-    order on the variable).
+    Keras' `update_step` reads the learning rate and `iterations` (both on the
+    client's device) once per variable: each read would be its own transfer
+    to the variable's worker, two per variable per step. Copies made once
+    per device per traced step cut that to two per worker. Read before the
+    step's `iterations.assign_add`, as Keras' own reads are (automatic
+    control dependencies keep program order on the variable).
     """
     return tf.identity(learning_rate), tf.identity(iterations)
 

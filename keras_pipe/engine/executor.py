@@ -426,9 +426,7 @@ class Executor:
     # ------------------------------------------------------------- forward
 
     def _remat(self, step, i, j):
-        mode = step.remat[j]
-        return mode == "always" or (
-            mode == "except_last" and i < step.num_micro_batches - 1)
+        return schedule_lib.is_remat(step.remat[j], i, step.num_micro_batches)
 
     def _forward(self, step, i, j, observer):
         """Issues the forward call of micro-batch `i` on stage `j`."""
@@ -476,7 +474,8 @@ class Executor:
                      and not self._remat(step, ii, j)]
             step.kernels[(r, j)] = (
                 products.TransposedKernels(step.params[r][j])
-                if products.transposes(sizes) else None)
+                if products.transposes(sizes, self.runner(step, i, j).device)
+                else None)
         return step.kernels[(r, j)]
 
     def _thread_state(self, step, i, j, runner, new_state):

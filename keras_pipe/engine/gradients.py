@@ -55,13 +55,13 @@ import functools
 import tensorflow as tf
 
 from keras_pipe import _compat
+from keras_pipe.engine import op_types
 
 __all__ = ["add_gradients", "depends_on_batch", "sum_gradients",
            "sum_micro_batches"]
 
-# Ops whose output depends on their inputs' shapes only, or on no input.
-_SHAPE_ONLY = frozenset(["Shape", "ShapeN", "Size", "Rank", "VariableShape",
-                         "TensorListLength", "TensorArraySizeV3"])
+# Ops whose output is no data of the batch: variables and constants (and
+# the shape-only ops of `op_types.SHAPE_ONLY`).
 _NOT_DATA = frozenset(["ReadVariableOp", "VarHandleOp", "Const",
                        "ResourceGather"])
 
@@ -91,7 +91,7 @@ def depends_on_batch(tensor):
             continue
         seen.add(key)
         op = t.op
-        if op.type in _SHAPE_ONLY or op.type in _NOT_DATA:
+        if op.type in op_types.SHAPE_ONLY or op.type in _NOT_DATA:
             continue
         if "Iterator" in op.type or "Random" in op.type:
             return True

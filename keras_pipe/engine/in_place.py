@@ -8,11 +8,9 @@ step reads each weight once (`Stage.read_params`) and every micro-batch's
 forward and backward calls use that read; the optimizer's update of a
 variable needs only its summed gradient, so TF's executor may run it
 before the last call that uses the read (the input gradient of the last
-micro-batch, which does not feed the weight gradient). Measured on the
-MLP stage of `tools/allocation_trace.py mlp sgd 1 gpipe never 0` (16 MiB
-kernels): the step's allocator peak held the kernel's gradient and a
-16 MiB copy made by `AssignSubVariableOp` (139.4 MiB in use); with the
-update waiting, no copy (129.4 MiB: that gradient and the next one).
+micro-batch, which does not feed the weight gradient), and the step's
+peak then holds a copy of the variable (`tools/allocation_trace.py`
+shows it; docs/design.md, "Updates in place").
 
 `update_in_place` adds control edges, after the optimizer built its
 updates, from every op that uses a read of a variable (through views of
@@ -25,13 +23,9 @@ write ops and are not ordered here.
 """
 
 from keras_pipe import _compat
+from keras_pipe.engine.op_types import VIEWS
 
-__all__ = ["VIEWS", "read_users", "update_in_place", "writes"]
-
-# Ops whose output shares its input's buffer: a read passed through one
-# still holds the variable's buffer.
-VIEWS = ("Identity", "IdentityN", "StopGradient", "Reshape", "Squeeze",
-         "ExpandDims", "Snapshot")
+__all__ = ["read_users", "update_in_place", "writes"]
 
 
 def writes(op):

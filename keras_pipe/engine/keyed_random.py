@@ -3,9 +3,10 @@
 A layer's random draw (Dropout, GaussianNoise, ...) inside a stage sees one
 micro-batch, not the whole batch: drawn as Keras draws it, the mask of a
 row would depend on `num_micro_batches`, and a re-materialized stage would
-draw a new mask in the backward pass (trap 3). `keyed_random` makes each
-row's numbers depend only on the seed state at the start of the step and
-the row's place in the global batch. It patches Keras' TF random backend,
+draw a new mask in the backward pass (the "remat re-runs state" trap,
+docs/design.md). `keyed_random` makes each row's numbers depend only on
+the seed state at the start of the step and the row's place in the global
+batch. It patches Keras' TF random backend,
 reached through `keras_pipe._compat`.
 """
 

@@ -170,14 +170,11 @@ def place_variables(layer, device):
 
     An eager op on a worker is only queued there, so without waiting every
     transfer of a stage would be queued at once and a worker would receive
-    them while its first training step ran. Measured with `python
-    tools/worker_memory.py --width 3712 --depth 24` (2 workers, 52.6 MiB
-    kernels): after `from_model` returned, worker 1 held 348-383 MiB of its
-    631 MiB of weights and peaked in the first step at 775-833 MiB above
-    idle; with each variable of `IN_TURN_BYTES` or more waited for
-    (`sync_executors`) before the next is sent, the build ends with every
-    weight in place and the worker peaks at 738-748 MiB. A wait costs a
-    round trip per big variable.
+    them while its first training step ran, on top of the step's own
+    peak. So each variable of `IN_TURN_BYTES` or more is waited for
+    (`sync_executors`) before the next is sent: the build ends with every
+    weight in place (measured by `tools/worker_memory.py`,
+    docs/capacity.md). A wait costs a round trip per big variable.
 
     Returns:
         The number of variables moved.

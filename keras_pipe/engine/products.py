@@ -2,37 +2,27 @@
 
 Why this exists: with TF's oneDNN kernels (`TF_ENABLE_ONEDNN_OPTS=1`, one
 thread), `x @ w` (a Dense layer's forward product, `w` of shape
-`[in, out]`) costs 1.5-1.9x the CPU per row on 256 rows or fewer as on
-512, while the same product with the kernel stored transposed,
-`tf.matmul(x, wt, transpose_b=True)` (torch's `Linear` form), costs about
-what it does on 512 rows (table below). The input and weight gradients,
-`dy @ w^T` and `x^T @ dy`, are fast forms already. Micro-batches make
-exactly those small products, and a stage reads its kernels once per step
-for M forward calls. (Why oneDNN's GEMM is slow there was not traced into
-its code; its small products skip packing their operands, which fits.)
+`[in, out]`) costs more CPU per row on `MAX_ROWS` rows or fewer than on
+more, while the same product with the kernel stored transposed,
+`tf.matmul(x, wt, transpose_b=True)` (torch's `Linear` form), does not
+(measurements: docs/measurements.md, "Transposed kernels"). The input and
+weight gradients, `dy @ w^T` and `x^T @ dy`, are fast forms already.
+Micro-batches make exactly those small products, and a stage reads its
+kernels once per step for M forward calls.
 
 So within a stage's forward call run in place (`Stage.forward`), a
 `MatMul(x, w)` on a 2-D kernel `w` of the stage's params is built as
 `MatMul(x, wt, transpose_b=True)`, with `wt = transpose(w)` computed once
-per step and stage and shared by its micro-batches (a 1024 x 1024
-transpose costs 2-3 ms). `wt` goes through a `Snapshot`: Grappler folds a
-`Transpose` that feeds a `MatMul` back into `x @ w`
+per step and stage and shared by its micro-batches (the transpose is paid
+once, the gain M times: `worth_it`). `wt` goes through a `Snapshot`:
+Grappler folds a `Transpose` that feeds a `MatMul` back into `x @ w`
 (ArithmeticOptimizer's FoldTransposeIntoMatMul). Nothing else changes: TF's
 op callbacks hand the replacement's output to the gradient tapes as the
 original `MatMul(x, w)`'s, so the backward pass keeps its fast forms, and
 the split backward (`keras_pipe.engine.weight_grad`) replays the original
 op; the original op feeds nothing and TF prunes it before the step runs.
-With TF's own kernels (oneDNN off) the transposed form is the slow one
-(12 against 5 ms at 64 rows): nothing is rewritten there.
-
-CPU ms per call on one pinned core, one thread, oneDNN on, 1024 x 1024
-kernel, least of 5 rounds, runs at load average 5-9 (`python
-tools/small_products.py` prints both forms):
-
-| rows | 64 | 128 | 256 | 512 | 1024 |
-|---|---|---|---|---|---|
-| `x @ w` | 4.5 | 8.0 | 14.8-16.1 | 14.5-15.7 | 29.8-31.4 |
-| `x @ transpose(wt)` | 3.3 | 6.2 | 9.6-10.0 | 15.6-20.3 | 28.9-30.4 |
+With TF's own kernels (oneDNN off) the transposed form is the slow one:
+nothing is rewritten there.
 """
 
 import contextlib
@@ -42,33 +32,55 @@ import tensorflow as tf
 from keras_pipe import _compat
 
 __all__ = ["MAX_ROWS", "MIN_COLUMNS", "TransposedKernels", "eligible",
-           "fits", "transposes", "worth_it"]
+           "fits", "onednn", "set_workers_onednn", "transposes", "worth_it"]
 
-# Micro-batches of at most this many rows get the transposed form (at 512
-# rows both forms cost the same).
+# Micro-batches of at most this many rows get the transposed form (above,
+# both forms cost the same).
 MAX_ROWS = 256
-# Kernels narrower than this keep `x @ w` (256 columns: no gain measured,
-# 2.4 against 2.9 ms at 256 rows; 1024 and 4096 columns gain alike).
+# Kernels narrower than this keep `x @ w` (narrower ones gain nothing).
 MIN_COLUMNS = 512
 
 
-def worth_it(rows, total_rows):
+# Whether worker processes run oneDNN's kernels. A worker sets its kernels
+# itself (`keras_pipe.distributed.worker` turns oneDNN on unless its
+# environment says otherwise); `keras_pipe.local_workers` records the
+# setting it starts its workers with.
+_WORKERS_ONEDNN = [True]
+
+
+def set_workers_onednn(onednn):
+    """Records whether this process's worker processes run oneDNN."""
+    _WORKERS_ONEDNN[0] = bool(onednn)
+
+
+def onednn(device=None):
+    """Whether `device` runs oneDNN's kernels: a device of a cluster job
+    (a worker process) as its workers were started, else this process's
+    TF (`keras_pipe._compat.onednn_enabled`)."""
+    if device is not None and tf.DeviceSpec.from_string(device).job not in (
+            None, "localhost"):
+        return _WORKERS_ONEDNN[0]
+    return _compat.onednn_enabled()
+
+
+def worth_it(rows, total_rows, device=None):
     """Whether a stage's forward calls of `rows` rows (of `total_rows` in
-    the step) should use transposed kernels: oneDNN on, small micro-batches,
-    and enough rows to pay for the transposes (a transpose costs about
-    what the transposed form saves on 125 rows)."""
+    the step) on `device` should use transposed kernels: oneDNN on there,
+    small micro-batches, and enough rows in the step (`MAX_ROWS` or more)
+    to pay for the transposes."""
     return (isinstance(rows, int) and isinstance(total_rows, int)
             and rows <= MAX_ROWS and total_rows >= MAX_ROWS
-            and _compat.onednn_enabled())
+            and onednn(device))
 
 
-def transposes(sizes):
-    """Whether a stage's forward calls run in place, of `sizes` rows each
-    (one per micro-batch of the step; ints, or tensors for a batch known
-    only when the step runs), get transposed kernels (`worth_it` of the
-    largest and the sum); the executor's rule and the memory model's."""
+def transposes(sizes, device=None):
+    """Whether a stage's forward calls run in place on `device`, of `sizes`
+    rows each (one per micro-batch of the step; ints, or tensors for a
+    batch known only when the step runs), get transposed kernels
+    (`worth_it` of the largest and the sum); the executor's rule and the
+    memory model's."""
     return (bool(sizes) and all(isinstance(n, int) for n in sizes)
-            and worth_it(max(sizes), sum(sizes)))
+            and worth_it(max(sizes), sum(sizes), device))
 
 
 def fits(rows):

@@ -4,10 +4,9 @@ A stage whose backward pass is split (`keras_pipe.engine.weight_grad`)
 computes its weight gradients in one W call after its last B: every weight
 gradient of the stage is ready to run at once, and TensorFlow's executor
 runs the ready products before the optimizer's updates that free them. A
-worker then holds its weights plus all of its stage's weight gradients
-(2.05x its weights measured on the MLP of `tools/worker_memory.py`), where
-the unsplit process, whose backward pass makes the gradients one after
-another, frees each soon after it is made (1.5x).
+worker then holds its weights plus all of its stage's weight gradients,
+where the unsplit process, whose backward pass makes the gradients one
+after another, frees each soon after it is made.
 
 `apply_in_turn` orders it: on each device, the ops that compute only
 variable `n`'s weight gradient wait (control edges added to the graph

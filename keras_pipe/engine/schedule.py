@@ -14,7 +14,7 @@ Where a schedule has no `"W"` action for `(i, j)`, `"B"` computes the input
 and the weight gradients together. With `"W"` actions, `"B"` computes only
 the input gradient (what the previous stage waits for) and `"W"` the weight
 gradients, which the schedule may defer to fill the bubbles (zero-bubble
-pipelining, Qi et al., ICLR 2024).
+pipelining, Qi et al., "Zero Bubble Pipeline Parallelism").
 
 GPipe with 3 micro-batches on 2 stages (``format_schedule(gpipe(3, 2))``)::
 
@@ -32,11 +32,28 @@ from keras_pipe import _validation
 __all__ = ["Action", "bubble_fraction", "build_ticks", "check_placement",
            "check_ticks", "defer_weight_runs", "format_schedule",
            "get_schedule", "gpipe", "idle_fraction", "interleaved_1f1b",
-           "list_schedule", "one_f_one_b", "register_schedule",
+           "is_remat", "list_schedule", "one_f_one_b", "register_schedule",
            "schedule_names", "stage_placement", "ticks_from_orders", "zb_h1",
            "zb_h2", "zbv"]
 
 KINDS = ("F", "B", "W")
+
+
+def is_remat(mode, i, num_micro_batches):
+    """Whether remat `mode` recomputes micro-batch `i`'s forward pass in its
+    backward pass: every one under `"always"`, all but the last under
+    `"except_last"`, none under `"never"`.
+
+    The one rule the executor runs and the memory model and simulator
+    predict with.
+
+    ```python
+    >>> [is_remat("except_last", i, 3) for i in range(3)]
+    [True, True, False]
+    ```
+    """
+    return mode == "always" or (
+        mode == "except_last" and i < num_micro_batches - 1)
 
 
 @dataclasses.dataclass(frozen=True, order=True)
@@ -462,7 +479,7 @@ def zb_h1(num_micro_batches, num_stages, num_devices=None):
     runs as soon as it can and `"W"` (weight gradients) fills slots that
     would be idle, with at most 2 pending per stage. Activation memory is
     1F1B's (`K - j` micro-batches in flight on stage `j`); the bubble is
-    about a third of 1F1B's (Qi et al., 2024).
+    about a third of 1F1B's (Qi et al.).
 
     Args and raises: as `gpipe`.
     """

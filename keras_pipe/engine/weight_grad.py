@@ -1,36 +1,30 @@
 """Split backward: input gradients now, weight gradients later.
 
-Zero-bubble schedules (Qi et al., ICLR 2024) cut a stage's backward pass in
-two actions: B, the gradient w.r.t. the stage's inputs, which the previous
-stage waits for, and W, the gradients w.r.t. the stage's weights, which
-nobody waits for and which the schedule may run late, in a bubble. And once
-W runs late it may run for several micro-batches at once: the kernel
-gradient of a Dense layer summed over micro-batches, sum_i X_i^T dY_i, is
-one product concat(X)^T concat(dY), so micro-batching no longer multiplies
-the number of full-size weight-gradient matrices.
+Zero-bubble schedules (Qi et al., "Zero Bubble Pipeline Parallelism") cut a
+stage's backward pass in two actions: B, the gradient w.r.t. the stage's
+inputs, which the previous stage waits for, and W, the gradients w.r.t. the
+stage's weights, which nobody waits for and which the schedule may run late,
+in a bubble. And once W runs late it may run for several micro-batches at
+once: the kernel gradient of a Dense layer summed over micro-batches, sum_i
+X_i^T dY_i, is one product concat(X)^T concat(dY), so micro-batching no
+longer multiplies the number of full-size weight-gradient matrices.
 
 Why per op and not per layer: a stage is any Keras layer run as the pure
 function `(inputs, params, state) -> (outputs, new_state, losses)` of
-`keras_pipe.engine.stage`; knowing each layer's backward pass would mean a table of
-layers. The traced ops of the stage say all that is needed. Inside the
-traced B function, each tensor the stage computes is
-
-    P  derived from the params (and constants) only,
-    C  derived from constants only,
-    X  everything else (it depends on the inputs, the state, a random op).
-
-An X op with a float P input is a *mixing op*: the gradient reaches the
-params only through mixing ops (or through a P tensor that is itself an
-output or a loss). B runs the stage under a `tf.GradientTape`, takes the
-gradient w.r.t. the float inputs *and* the float outputs of every mixing op
-in one `tape.gradient` (the weight-gradient ops it also builds feed no output
-of the function and are pruned when it runs), and returns as the stash, per
-mixing op, its X inputs and the gradients of its outputs. W replays the
-P chain from the params (the same ops, through `tf.raw_ops`), replays each
-mixing op on its stashed X inputs under a tape and calls `tape.gradient`
-once with the stashed gradients as `output_gradients`: the same ops on the
-same values as the fused backward pass, so the same gradients, up to the
-order of float additions.
+`keras_pipe.engine.stage`; knowing each layer's backward pass would mean a
+table of layers. The traced ops of the stage say all that is needed:
+`split_plan` sorts them into P (from the params), C (from constants) and X
+(the rest), and finds the *mixing ops*, X ops with a float P input, through
+which alone the gradient reaches the params. B runs the stage under a
+`tf.GradientTape`, takes the gradient w.r.t. the float inputs *and* the
+float outputs of every mixing op in one `tape.gradient` (the weight-gradient
+ops it also builds feed no output of the function and are pruned when it
+runs), and returns as the stash, per mixing op, its X inputs and the
+gradients of its outputs. W replays the P chain from the params (the same
+ops, through `tf.raw_ops`), replays each mixing op on its stashed X inputs
+under a tape and calls `tape.gradient` once with the stashed gradients as
+`output_gradients`: the same ops on the same values as the fused backward
+pass, so the same gradients, up to the order of float additions.
 
 A mixing op takes the micro-batches concatenated (one op for all) where
 that is exact: its X inputs have the batch axis first (static size unknown
@@ -60,13 +54,12 @@ all gradients and its stash holds the weight gradients, which W sums. Never
 wrong, only not split.
 """
 
-import dataclasses
-import inspect
-
 import keras
 import tensorflow as tf
 
 from keras_pipe.engine import gradients as gradients_lib
+from keras_pipe.engine import op_replay
+from keras_pipe.engine.split_plan import SplitPlan, make_plan, structure
 from keras_pipe.engine.tensors import (
     exact_spec,
     float_leaves,
@@ -76,51 +69,6 @@ from keras_pipe.engine.tensors import (
 )
 
 __all__ = ["SplitBackward", "SplitPlan", "Stash"]
-
-_CALLS = frozenset([
-    "While", "StatelessWhile", "If", "StatelessIf", "Case", "StatelessCase",
-    "PartitionedCall", "StatefulPartitionedCall", "SymbolicGradient",
-    "RemoteCall"])
-_ELEMENTWISE = frozenset([
-    "AddV2", "Add", "Sub", "Mul", "RealDiv", "Maximum", "Minimum",
-    "SquaredDifference", "DivNoNan", "MulNoNan"])
-
-
-@dataclasses.dataclass
-class _Mixing:
-    """A mixing op and where its X inputs and output gradients are stashed."""
-
-    op: object
-    x_slots: dict       # input index -> stash slot
-    grad_slots: dict    # output index -> stash slot
-    concat: bool
-    zeros: tuple = ()   # X inputs W feeds as zeros (additive ops)
-    outputs: list = None  # what B differentiates: op.outputs, or its
-    #                       stand-in's (`keras_pipe.engine.products`)
-
-
-@dataclasses.dataclass
-class SplitPlan:
-    """How B and W of one traced signature divide the backward pass."""
-
-    splittable: bool
-    reason: str = ""
-    params: list = dataclasses.field(default_factory=list)  # placeholders
-    replay: list = dataclasses.field(default_factory=list)  # P and C ops
-    mixing: list = dataclasses.field(default_factory=list)  # _Mixing
-    direct: list = dataclasses.field(default_factory=list)  # (P tensor, slot)
-    param_slots: list = dataclasses.field(default_factory=list)  # fused
-    stash_specs: list = dataclasses.field(default_factory=list)
-
-    def describe(self):
-        """One line: mixing ops, how many concatenated, or the reason."""
-        if not self.splittable:
-            return f"not splittable: {self.reason}"
-        concat = sorted({m.op.type for m in self.mixing if m.concat})
-        single = sorted({m.op.type for m in self.mixing if not m.concat})
-        return (f"{len(self.mixing)} mixing ops; concatenated: {concat}; "
-                f"per micro-batch: {single}; direct P outputs/losses: "
-                f"{len(self.direct)}")
 
 
 class Stash(list):
@@ -256,10 +204,10 @@ class SplitBackward:
         flat_inputs = keras.tree.flatten(inputs)
         if not ys:
             return [None] * len(flat_inputs), Stash([], None)
-        plan = _make_plan(ops, inputs, params, ys, stand_ins)
+        plan = make_plan(ops, inputs, params, ys, stand_ins)
         grads, stash = _input_gradients(plan, tape, float_leaves(inputs),
                                         params, ys, grad_ys)
-        key = ("recorded",) + _structure(plan)
+        key = ("recorded",) + structure(plan)
         # Micro-batches of the same structure share one plan: W replays
         # the first one's ops on every stash of that key.
         self._plans.setdefault(key, plan)
@@ -329,7 +277,7 @@ class SplitBackward:
             ys, grad_ys = pairs(
                 keras.tree.flatten(outputs) + list(losses),
                 [next(seeds) if g else None for g in given])
-            plan = _make_plan(ops, inputs, params, ys)
+            plan = make_plan(ops, inputs, params, ys)
             self._plans[key] = plan
             return _input_gradients(plan, tape, float_inputs, params, ys,
                                     grad_ys)
@@ -388,21 +336,6 @@ class SplitBackward:
         return function
 
 
-def _structure(plan):
-    """What W's trace depends on: ops, their attributes, stash layout."""
-    def attrs(op):
-        return tuple(sorted((k, v.SerializeToString())
-                            for k, v in op.node_def.attr.items()))
-
-    return (plan.splittable, tuple(plan.param_slots),
-            tuple((m.op.type, attrs(m.op), tuple(sorted(m.x_slots.items())),
-                   tuple(sorted(m.grad_slots.items())), m.concat, m.zeros)
-                  for m in plan.mixing),
-            tuple((op.type, attrs(op)) for op in plan.replay),
-            tuple(slot for _, slot in plan.direct),
-            repr(plan.stash_specs))
-
-
 def _input_gradients(plan, tape, float_inputs, params, ys, grad_ys):
     """B's body: input gradients and the stash, from the forward's tape."""
     if not plan.splittable:
@@ -432,74 +365,6 @@ def _fused_input(plan, tape, float_inputs, params, ys, grad_ys):
             slot += 1
     plan.stash_specs = [_relaxed_type_spec(g) for g in stash]
     return grads[:n], stash
-
-
-def _make_plan(ops, inputs, params, ys, stand_ins=None):
-    """Classifies the stage's ops into P, C and X; finds the mixing ops.
-
-    An op of `stand_ins` (`{op: the op it replaced}`) is left out: the op
-    it replaced, which nothing runs, is classified in its place, with the
-    stand-in's outputs as the ones B differentiates.
-    """
-    stand_ins = stand_ins or {}
-    replaced = {original: new for new, original in stand_ins.items()}
-    ops = [op for op in ops if op not in stand_ins]
-    for leaf in keras.tree.flatten(inputs):
-        if isinstance(leaf, (tf.SparseTensor, tf.RaggedTensor)):
-            return SplitPlan(False, "sparse or ragged inputs")
-    param_refs = {p.ref() for p in params}
-    kind = {}
-
-    def kind_of(t):
-        return kind.get(t.ref(), "P" if t.ref() in param_refs else "X")
-
-    mixing_ops = []
-    for op in ops:
-        kinds = {kind_of(t) for t in op.inputs}
-        if not op.inputs:
-            k = "C" if op.type == "Const" else "X"
-        elif _is_stateful(op) or "X" in kinds:
-            k = "X"
-        else:
-            k = "P" if "P" in kinds else "C"
-        for t in op.outputs:
-            kind[t.ref()] = k
-        if k == "X" and any(kind_of(t) == "P" and t.dtype.is_floating
-                            for t in op.inputs):
-            mixing_ops.append(op)
-    problems = []
-    for op in mixing_ops:
-        problems += _unreplayable(op, f"mixing op {op.name!r}",
-                                  check_state=True)
-    direct = [y for y in ys if kind_of(y) == "P"]
-    # The P and C ops that W replays: the ancestors of what it needs.
-    needed = [t for op in mixing_ops for t in op.inputs
-              if kind_of(t) in "PC"] + direct
-    wanted, stack = set(), list(needed)
-    while stack:
-        t = stack.pop()
-        if t.ref() in param_refs or t.op in wanted:
-            continue
-        wanted.add(t.op)
-        stack.extend(t.op.inputs)
-    replay = [op for op in ops if op in wanted]
-    for op in replay:
-        problems += _unreplayable(op, f"op {op.name!r} on the params",
-                                  check_state=False)
-    if problems:
-        return SplitPlan(False, "; ".join(problems))
-    mixing = []
-    for op in mixing_ops:
-        xs = [i for i, t in enumerate(op.inputs) if kind_of(t) == "X"]
-        zeros = tuple(xs) if _additive(op, xs) else ()
-        mixing.append(_Mixing(
-            op, {i: None for i in xs if i not in zeros},
-            {k: None for k, t in enumerate(op.outputs)
-             if t.dtype.is_floating},
-            _concatenable(op, kind_of), zeros,
-            list(replaced.get(op, op).outputs)))
-    return SplitPlan(True, params=list(params), replay=replay, mixing=mixing,
-                     direct=[(y, None) for y in direct])
 
 
 def _fill_stash(plan, output_grads, ys, grad_ys):
@@ -586,14 +451,14 @@ def _replayed_gradients(plan, params, stashes, shared=()):
         tape.watch(list(params))
         values = {ph.ref(): p for ph, p in zip(plan.params, params)}
         for op in plan.replay:
-            outs = _replay(op, [values[t.ref()] for t in op.inputs])
+            outs = op_replay.replay(op, [values[t.ref()] for t in op.inputs])
             values.update((t.ref(), v) for t, v in zip(op.outputs, outs))
         ys, grad_ys = [], []
         concatenated = _Concatenated(stashes)
         for m in plan.mixing:
             if any(m is o for o in own):
                 for stash, (m_ys, m_grads) in zip(stashes, own_ys):
-                    outs = _replay(m.op, [
+                    outs = op_replay.replay(m.op, [
                         stash[m.x_slots[i]] if i in m.x_slots
                         else values[t.ref()]
                         for i, t in enumerate(m.op.inputs)])
@@ -610,7 +475,7 @@ def _replayed_gradients(plan, params, stashes, shared=()):
                           tf.zeros_like(stash[m.grad_slots[0]])
                           if i in m.zeros else values[t.ref()]
                           for i, t in enumerate(m.op.inputs)]
-                outs = _replay_mixing(m.op, inputs)
+                outs = op_replay.replay_mixing(m.op, inputs)
                 for k, slot in m.grad_slots.items():
                     ys.append(outs[k])
                     grad_ys.append(stash[slot])
@@ -652,162 +517,6 @@ class _Concatenated:
         return self._values[slot]
 
 
-def _additive(op, xs):
-    """Whether the op's P gradient needs only X's shape, which dY has.
-
-    `x + p`, `x - p`, `bias_add(x, p)`: the gradient of p reduces dY, so W
-    runs the op on zeros shaped like dY and the stash skips x.
-    """
-    if op.type not in ("AddV2", "Add", "Sub", "BiasAdd") or len(xs) != 1:
-        return False
-    x, y = op.inputs[xs[0]], op.outputs[0]
-    p = op.inputs[1 - xs[0]]
-    return (x.dtype == y.dtype and p.shape.is_fully_defined() and
-            x.shape.rank is not None and x.shape[1:].is_fully_defined() and
-            x.shape.as_list() == y.shape.as_list())
-
-
-def _concatenable(op, kind_of):
-    """Whether the op on concatenated micro-batches gives the summed grads."""
-    xs = [i for i, t in enumerate(op.inputs) if kind_of(t) == "X"]
-    if not xs or any(op.inputs[i].shape.rank in (None, 0) or
-                     op.inputs[i].shape[0] is not None for i in xs):
-        return False
-    if any(t.dtype.is_floating and (t.shape.rank in (None, 0) or
-                                    t.shape[0] is not None)
-           for t in op.outputs):
-        return False
-    t = op.type
-    if t == "MatMul":
-        return xs == [0] and not op.get_attr("transpose_a")
-    if t in ("BatchMatMulV2", "BatchMatMulV3"):
-        return (xs == [0] and op.inputs[1].shape.rank == 2 and
-                (op.inputs[0].shape.rank > 2 or not op.get_attr("adj_x")))
-    if t in ("BiasAdd", "Conv2D", "Conv3D", "DepthwiseConv2dNative"):
-        return xs == [0]
-    if t in _ELEMENTWISE:
-        if len(xs) != 1 or len(op.inputs) != 2:
-            return False
-        x, p = op.inputs[xs[0]], op.inputs[1 - xs[0]]
-        if p.shape.rank is None or op.outputs[0].shape.rank != x.shape.rank:
-            return False
-        return p.shape.rank < x.shape.rank or p.shape[0] == 1
-    if t == "Einsum":
-        if len(op.inputs) != 2 or len(xs) != 1:
-            return False
-        lhs, out = op.get_attr("equation").decode().replace(" ", "").split(
-            "->")
-        labels = lhs.split(",")
-        x, p = labels[xs[0]], labels[1 - xs[0]]
-        return (x[:1].isalpha() and x[0] not in p and out[:1] == x[0])
-    if t == "GatherV2":
-        axis = tf.get_static_value(op.inputs[2])
-        return (xs == [1] and axis is not None and int(axis) == 0 and
-                op.get_attr("batch_dims") == 0)
-    return False
-
-
-def _unreplayable(op, label, check_state):
-    """Why W cannot replay `op` (a custom gradient, a call, ...), or []."""
-    if "_gradient_op_type" in op.node_def.attr:
-        return [f"{label} has a custom gradient ({op.type})"]
-    if op.type in _CALLS:
-        return [f"{label} is control flow or a function call ({op.type})"]
-    if check_state and _is_stateful(op):
-        return [f"{label} is stateful ({op.type})"]
-    return _replay_problems(op)
-
-
-def _replay_problems(op):
-    """Why `_replay` cannot rebuild `op` ([] if it can)."""
-    if op.type == "Const":
-        return []
-    if getattr(tf.raw_ops, op.type, None) is None:
-        return [f"op {op.name!r} ({op.type}) has no tf.raw_ops wrapper"]
-    if _wrapper_names(op) is None:
-        return [f"op {op.name!r} ({op.type}): the arguments of "
-                f"tf.raw_ops.{op.type} do not match its op_def"]
-    return []
-
-
-def _wrapper_names(op):
-    """`tf.raw_ops` argument names for the op's input args and attrs.
-
-    The generated wrapper takes the input args in op_def order, then the
-    attrs not inferred from inputs, those without a default first, then
-    `name`; it may rename both (Sum's `reduction_indices` is `axis`,
-    Squeeze's `squeeze_dims` is `axis`). Returns None if the counts differ.
-    """
-    names = list(inspect.signature(getattr(tf.raw_ops, op.type)).parameters)
-    op_def = op.op_def
-    inferred = {getattr(arg, field) for arg in op_def.input_arg
-                for field in ("type_attr", "number_attr", "type_list_attr")}
-    attrs = [a for a in op_def.attr if a.name not in inferred]
-    attrs = ([a for a in attrs if not a.HasField("default_value")] +
-             [a for a in attrs if a.HasField("default_value")])
-    if names[-1:] != ["name"] or (
-            len(names) != len(op_def.input_arg) + len(attrs) + 1):
-        return None
-    num_inputs = len(op_def.input_arg)
-    return (list(zip(op_def.input_arg, names[:num_inputs])),
-            list(zip(attrs, names[num_inputs:-1])))
-
-
-def _replay(op, inputs):
-    """Builds the op again on `inputs`; returns its outputs."""
-    if op.type == "Const":
-        return [tf.constant(tf.make_ndarray(op.get_attr("value")),
-                            dtype=op.outputs[0].dtype)]
-    input_names, attr_names = _wrapper_names(op)
-    inputs, kwargs = iter(inputs), {}
-    for arg, name in input_names:
-        if arg.number_attr:
-            count = op.get_attr(arg.number_attr)
-        elif arg.type_list_attr:
-            count = len(op.get_attr(arg.type_list_attr))
-        else:
-            kwargs[name] = next(inputs)
-            continue
-        kwargs[name] = [next(inputs) for _ in range(count)]
-    for attr, name in attr_names:
-        kwargs[name] = op.get_attr(attr.name)
-    return tf.nest.flatten(getattr(tf.raw_ops, op.type)(**kwargs))
-
-
-def _replay_mixing(op, inputs):
-    """`_replay` for W's mixing ops, a `BiasAdd` as a broadcast `AddV2`.
-
-    Why: with oneDNN (`TF_ENABLE_ONEDNN_OPTS=1`, the default on Intel CPUs)
-    TF's graph rewrite merges a `Conv2DBackpropFilter` and a `BiasAddGrad`
-    into one node; in a W that replays a convolution and its bias over
-    several micro-batches the merged node closes a cycle, and the step
-    fails with "N nodes in a cycle". The gradient of `x + b` with respect to
-    `b` is the same sum over every axis but the channels' (as `BiasAddGrad`
-    computes it, up to the order of float additions), and leaves nothing
-    to merge.
-    """
-    if op.type != "BiasAdd":
-        return _replay(op, inputs)
-    x, bias = inputs
-    if op.get_attr("data_format").decode().startswith("NC"):
-        bias = tf.reshape(bias, [-1] + [1] * (x.shape.rank - 2))
-    return [tf.add(x, bias)]
-
-
-def _is_stateful(op):
-    return op.op_def.is_stateful
-
-
-
-
-
-
-
-
-
-
-
-
 def _relaxed_type_spec(t):
     """The spec W is traced with for stashed `t` (its traced static shape)."""
     if isinstance(t, tf.IndexedSlices):
@@ -816,3 +525,4 @@ def _relaxed_type_spec(t):
                            if t.dense_shape is not None else None),
             t.values.dtype, t.indices.dtype)
     return tf.TensorSpec(t.shape, t.dtype)
+

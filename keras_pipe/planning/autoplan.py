@@ -260,9 +260,7 @@ def _step_costs(step, measured, batch_size):
     # their stashed inputs (`keras_pipe.engine.weight_grad`) under a tape,
     # but a weight gradient of a product reads its inputs and output
     # gradient only: the replayed forward feeds no output of the traced
-    # call and TF prunes it (a 1024 x 1024 kernel's W at 512 rows: 15.2-
-    # 17.0 ms replayed, 15.2-16.7 the gradient alone, 28.7-29.8 with the
-    # forward product kept). So "W" costs the weight gradients alone.
+    # call and TF prunes it. So "W" costs the weight gradients alone.
     backward_input = per_stage(costs.backward_input)
     weight = per_stage(costs.weight)
     return simulator.Costs(
@@ -573,12 +571,17 @@ def search(model, devices=None, num_devices=None, batch_size=None,
     ms = sorted({min(_validation.check_positive_int("micro_batch_choices",
                                                    m), batch_size)
                  for m in micro_batch_choices})
-    measured.prepare(-(-batch_size // m) for m in ms)
-    distinct = list(dict.fromkeys(devices or []))
-    if calibrate and measure and len(distinct) > 1 and (
-            profiling.has_step_probe()):
-        _calibrate(model, measured, distinct, ms, batch_size, budgets,
-                   optimizer_slots, allowed, input_shape, sample_inputs)
+    try:
+        measured.prepare(-(-batch_size // m) for m in ms)
+        distinct = list(dict.fromkeys(devices or []))
+        if calibrate and measure and len(distinct) > 1 and (
+                profiling.has_step_probe()):
+            _calibrate(model, measured, distinct, ms, batch_size, budgets,
+                       optimizer_slots, allowed, input_shape, sample_inputs)
+    finally:
+        # The timing loops hold copies of the layers' weights on the
+        # device they timed: gone before the pipeline's own weights come.
+        profiling.release_loops()
     for name, stage_devices in layouts(num_devices):
         if schedules is not None and name not in schedules:
             continue

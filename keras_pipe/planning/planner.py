@@ -10,18 +10,22 @@ the devices to calibrate them (`calibrate=False` does not).
 
 import dataclasses
 import math
-
-import tensorflow as tf
+import warnings
 
 from keras_pipe import _validation
 from keras_pipe.engine import schedule as schedule_lib
-from keras_pipe.planning import autoplan
+from keras_pipe.planning import autoplan, choices
 from keras_pipe.planning import budget as budget_lib
+from keras_pipe.planning import memory as memory_lib
 from keras_pipe.planning import partition as partition_lib
 from keras_pipe.planning.balance import cost as cost_lib
 from keras_pipe.planning.balance import shapes as shapes_lib
 
 __all__ = ["Plan", "StagePlan", "plan"]
+
+# `keras_pipe.planning.profiling.flops_costs`' warning, which a plan left
+# to the planner on logical devices does not raise (`choices.measured`).
+_FLOPS_WARNING = "keras_pipe is costing the model from FLOPs"
 
 
 @dataclasses.dataclass
@@ -151,19 +155,11 @@ def _stage_weights(calls):
     return weights
 
 
-def _weight_bytes(weights, optimizer_slots):
-    total = 0
-    for v in weights:
-        size = math.prod(v.shape) * tf.as_dtype(v.dtype).size
-        total += size * ((2 + optimizer_slots) if v.trainable else 1)
-    return total
-
-
-def plan(model, num_stages=None, num_micro_batches=1, balance="params",
-         remat="except_last", batch_size=None, devices=None,
+def plan(model, num_stages=None, num_micro_batches=None, balance=None,
+         remat=None, batch_size=None, devices=None,
          optimizer_slots=2, flops_per_second=None, memory_budget=None,
-         schedule="gpipe", input_shape=None, sample_inputs=None,
-         micro_batch_choices=(1, 2, 4, 8), measure=True, loss=None,
+         schedule=None, input_shape=None, sample_inputs=None,
+         micro_batch_choices=(1, 2, 4, 8), measure=None, loss=None,
          calibrate=True):
     """Plans the pipeline `PipelineModel.from_model` would build, without it.
 
@@ -183,11 +179,13 @@ def plan(model, num_stages=None, num_micro_batches=1, balance="params",
         model: a built `keras.Sequential` or Functional `keras.Model`.
         num_stages: `K`, number of stages. Defaults to `None`: one stage per
             device of `devices`.
-        num_micro_batches: `M`, micro-batches per mini-batch. Defaults to
-            `1`. Chosen by the planner with `memory_budget`.
-        balance: as in `PipelineModel.from_model`. Defaults to `"params"`.
+        num_micro_batches: `M`, micro-batches per mini-batch. Chosen by the
+            planner with `memory_budget`. Defaults to `None`: chosen
+            (`keras_pipe.planning.choices`).
+        balance: as in `PipelineModel.from_model`. Defaults to `None`:
+            chosen with the others, else `"params"`.
         remat: the remat mode the memory estimate assumes. Defaults to
-            `"except_last"`.
+            `None`: chosen with the others, else `"except_last"`.
         batch_size: mini-batch size; sizes are for micro-batches of
             `ceil(batch_size / M)` rows. Defaults to `None` (one row).
         devices: stage devices; `balance="time"` measures on the first.
@@ -213,7 +211,11 @@ def plan(model, num_stages=None, num_micro_batches=1, balance="params",
             `num_micro_batches` and `remat` are then ignored, `batch_size`
             is required, and the plan reports the schedule, each stage's
             device, the predicted step time, the peak memory per device
-            and the runner-ups. Defaults to `"gpipe"`.
+            and the runner-ups. Defaults to `None`: `"auto"` when
+            `num_micro_batches`, `balance`, `remat` and `memory_budget`
+            are not given either (what `from_model` then builds), else
+            the fastest exact schedule for one stage per device
+            (`"gpipe"` with `memory_budget`).
         input_shape: the input shapes to cost, batch axis first (its size
             is ignored: sizes are per micro-batch): one shape such as
             `(None, 128)`, a list with one per input, or a dict by input
@@ -228,7 +230,11 @@ def plan(model, num_stages=None, num_micro_batches=1, balance="params",
             call and a transfer on `devices` (cached,
             `keras_pipe.planning.profiling`); `False` costs from FLOPs at
             `flops_per_second` (2e10 if not given), with a warning.
-            Defaults to `True`.
+            Defaults to `None`: `True` when `schedule="auto"` is given;
+            when every choice is left to the planner, measured on worker
+            processes and GPUs, costed from FLOPs (without a warning) on
+            logical CPU devices of this process
+            (`keras_pipe.planning.choices.measured`).
         loss: with `schedule="auto"`, the loss the pipeline will be
             compiled with: its loss head (on the last stage, per
             micro-batch or once for the batch) is timed and simulated.
@@ -251,6 +257,67 @@ def plan(model, num_stages=None, num_micro_batches=1, balance="params",
             `optimizer_slots` that is not an int >= 0 or a
             `flops_per_second` that is not a number > 0.
     """
+    _check_arguments(optimizer_slots, flops_per_second, devices, num_stages)
+    chosen = choices.resolve(num_micro_batches, schedule, remat, balance,
+                             memory_budget, devices, num_stages, batch_size,
+                             measure)
+    if chosen.schedule != "auto":
+        schedule_lib.get_schedule(chosen.schedule)
+        if loss is not None:
+            raise ValueError(
+                'loss= costs the loss head for schedule="auto" only; here it '
+                "would be ignored. Drop it, or pass schedule=\"auto\". "
+                f"Received: loss={loss!r}, schedule={chosen.schedule!r}")
+    batch_size = chosen.batch_size
+    flops = {"flops_per_second": flops_per_second} if flops_per_second else {}
+    ranked = None
+    if chosen.schedule == "auto":
+        ranked = _search(model, devices, num_stages, memory_budget,
+                         micro_batch_choices, optimizer_slots, chosen, flops,
+                         input_shape, sample_inputs, loss, calibrate)
+        best, memory_budget = ranked[0], None
+        chosen = dataclasses.replace(
+            chosen, schedule=best.schedule, balance=list(best.sizes),
+            num_micro_batches=best.num_micro_batches, remat=list(best.remat))
+        num_stages = best.num_stages
+        if devices is not None:
+            devices = autoplan.expand_devices(devices, best.stage_devices)
+    num_stages = num_stages or len(devices)
+    budget = None
+    if memory_budget is not None:
+        budget = budget_lib.search(
+            model, num_stages, memory_budget, batch_size,
+            schedule=chosen.schedule, optimizer_slots=optimizer_slots,
+            **flops)
+        chosen = dataclasses.replace(
+            chosen, balance=budget.sizes,
+            num_micro_batches=budget.num_micro_batches, remat=budget.remat)
+    part = partition_lib.cut(model, num_stages, chosen.balance, devices,
+                             chosen.num_micro_batches, chosen.remat,
+                             batch_size, input_shape, sample_inputs)
+    micro = partition_lib.micro_batch_size(batch_size,
+                                           chosen.num_micro_batches)
+    stages = _stage_plans(part, chosen, micro, optimizer_slots, budget,
+                          input_shape, sample_inputs, batch_size)
+    m, k = chosen.num_micro_batches, num_stages
+    bubble = schedule_lib.bubble_fraction(m, k)
+    result = Plan(model.name, k, m, micro, chosen.balance, chosen.remat,
+                  stages, list(part.sizes), list(part.tied), bubble,
+                  _step_time(stages, chosen, k, budget, flops_per_second),
+                  _suggestion(m, k), budget, part.graph.opaque,
+                  schedule=chosen.schedule if isinstance(chosen.schedule, str)
+                  else getattr(chosen.schedule, "__name__",
+                               str(chosen.schedule)),
+                  devices=list(devices) if devices is not None else None,
+                  stage_devices=None)
+    if ranked is not None:
+        _add_search(result, ranked)
+    return result
+
+
+def _check_arguments(optimizer_slots, flops_per_second, devices,
+                     num_stages):
+    """`plan`'s checks of the arguments the choices do not cover."""
     if isinstance(optimizer_slots, bool) or not isinstance(optimizer_slots,
                                                            int):
         raise TypeError(
@@ -259,65 +326,49 @@ def plan(model, num_stages=None, num_micro_batches=1, balance="params",
     _validation.check_non_negative_number("optimizer_slots", optimizer_slots)
     if flops_per_second is not None:
         _validation.check_positive_number("flops_per_second", flops_per_second)
-    if schedule != "auto":
-        schedule_lib.get_schedule(schedule)
-        if loss is not None:
-            raise ValueError(
-                'loss= costs the loss head for schedule="auto" only; here it '
-                "would be ignored. Drop it, or pass schedule=\"auto\". "
-                f"Received: loss={loss!r}, schedule={schedule!r}")
     if devices is not None and (isinstance(devices, str) or not isinstance(
             devices, (list, tuple))):
         raise TypeError(
             "devices must be a list of device strings, one per stage, e.g. "
             f"['/GPU:0', '/GPU:1']. Received: devices={devices!r}")
-    auto = None
-    if schedule == "auto":
-        ranked = autoplan.search(
+    if num_stages is None and devices is None:
+        raise ValueError(
+            "plan needs num_stages or devices (one stage per device). "
+            "Received: num_stages=None, devices=None")
+
+
+def _search(model, devices, num_stages, memory_budget, micro_batch_choices,
+            optimizer_slots, chosen, flops, input_shape, sample_inputs, loss,
+            calibrate):
+    """`schedule="auto"`: every configuration, fastest first."""
+    with warnings.catch_warnings():
+        if chosen.implicit and not chosen.measure:  # documented: logical
+            warnings.filterwarnings("ignore", _FLOPS_WARNING)
+        return autoplan.search(
             model, devices=devices,
             num_devices=None if devices else num_stages,
-            batch_size=batch_size, memory_budget=memory_budget,
+            batch_size=chosen.batch_size, memory_budget=memory_budget,
             micro_batch_choices=micro_batch_choices,
-            optimizer_slots=optimizer_slots, measure=measure,
-            **({"flops_per_second": flops_per_second}
-               if flops_per_second else {}),
+            optimizer_slots=optimizer_slots, measure=chosen.measure,
             input_shape=input_shape, sample_inputs=sample_inputs,
-            loss=loss, calibrate=calibrate)
-        auto, memory_budget = ranked, None
-        best = ranked[0]
-        schedule, num_stages = best.schedule, best.num_stages
-        balance, num_micro_batches, remat = (
-            list(best.sizes), best.num_micro_batches, list(best.remat))
-        if devices is not None:
-            devices = autoplan.expand_devices(devices, best.stage_devices)
-    if num_stages is None:
-        if devices is None:
-            raise ValueError(
-                "plan needs num_stages or devices (one stage per device). "
-                "Received: num_stages=None, devices=None")
-        num_stages = len(devices)
-    choice = None
-    if memory_budget is not None:
-        choice = budget_lib.search(
-            model, num_stages, memory_budget, batch_size, schedule=schedule,
-            optimizer_slots=optimizer_slots,
-            **({"flops_per_second": flops_per_second}
-               if flops_per_second else {}))
-        balance, num_micro_batches, remat = (
-            choice.sizes, choice.num_micro_batches, choice.remat)
-    part = partition_lib.cut(model, num_stages, balance, devices,
-                             num_micro_batches, remat, batch_size,
-                             input_shape, sample_inputs)
-    graph = part.graph
-    shapes = part.shapes
+            loss=loss, calibrate=calibrate, **flops)
+
+
+def _stage_plans(part, chosen, micro, optimizer_slots, budget, input_shape,
+                 sample_inputs, batch_size):
+    """One `StagePlan` per stage of the cut `part`; peaks from the memory
+    model (`keras_pipe.planning.memory.predict`)."""
+    graph, shapes = part.graph, part.shapes
     if shapes is None:
         shapes = shapes_lib.infer_shapes(graph, input_shape, sample_inputs,
                                          what="keras_pipe.plan")
-    micro = partition_lib.micro_batch_size(batch_size, num_micro_batches)
     call_flops = cost_lib.flops(graph, micro, shapes)
-    call_bytes = cost_lib.activation_bytes(graph, micro, shapes)
-    times = part.costs if balance == "time" else None
-    m, k = num_micro_batches, num_stages
+    times = part.costs if chosen.balance == "time" else None
+    m = chosen.num_micro_batches
+    peaks = budget.peaks if budget is not None else memory_lib.predict(
+        part, batch_size or m, m, chosen.remat,
+        chosen.schedule if budget is None else "gpipe", optimizer_slots,
+        input_shape)
     stages, start = [], 0
     for j, size in enumerate(part.sizes):
         calls = part.stage_calls(j)
@@ -327,71 +378,72 @@ def plan(model, num_stages=None, num_micro_batches=1, balance="params",
                        for x in part.stage_inputs(j))
         out_bytes = sum(cost_lib.tensor_bytes(x, micro, shapes)
                         for x in part.stage_outputs(j))
-        activations = sum(call_bytes[i] for i in span)
-        mode = remat[j] if isinstance(remat, (list, tuple)) else remat
-        if mode == "never":
-            kept = m * (in_bytes + activations)
-        else:
-            kept = m * in_bytes + activations
         weights = _stage_weights(calls)
         stages.append(StagePlan(
             index=j, layers=[c.name for c in calls],
             params=sum(math.prod(v.shape) for v in weights),
             flops=float(sum(call_flops[i] for i in span)),
             input_bytes=in_bytes, output_bytes=out_bytes,
-            peak_memory_bytes=(
-                choice.peaks[j].total if choice is not None else
-                _weight_bytes(weights, optimizer_slots) + kept),
+            peak_memory_bytes=peaks[j].total,
             time=None if times is None else sum(times[i] for i in span),
             cost=None if part.costs is None else float(
                 sum(part.costs[i] for i in span))))
-    factor = _remat_factor(remat, m)
-    step_time = None
-    if times is not None:
-        step_time = (m + k - 1) * max(s.time for s in stages) * factor
-    elif flops_per_second:
-        step_time = ((m + k - 1) * max(s.flops for s in stages) * factor
-                     / flops_per_second)
-    bubble = schedule_lib.bubble_fraction(m, k)
-    suggestion = None
+    return stages
+
+
+def _step_time(stages, chosen, num_stages, budget, flops_per_second):
+    """GPipe's step estimate from the slowest stage, or None."""
+    if budget is not None:
+        return budget.step_time
+    m = chosen.num_micro_batches
+    factor = _remat_factor(chosen.remat, m)
+    if chosen.balance == "time":
+        return (m + num_stages - 1) * max(s.time for s in stages) * factor
+    if flops_per_second:
+        return ((m + num_stages - 1) * max(s.flops for s in stages) * factor
+                / flops_per_second)
+    return None
+
+
+def _suggestion(m, k):
+    """GPipe's advice on `M` for `k` stages, or None."""
     if k > 1 and m < 4 * k:
-        suggestion = (
-            f"num_micro_batches={m} < 4 x num_stages = {4 * k}: the "
-            f"pipeline idles {bubble:.0%} of a step. GPipe suggests "
-            f"num_micro_batches >= {4 * k}, which idles "
-            f"{schedule_lib.bubble_fraction(4 * k, k):.0%}.")
-    if choice is not None:
-        step_time = choice.step_time
-    result = Plan(model.name, k, m, micro, balance, remat, stages,
-                  list(part.sizes), list(part.tied), bubble, step_time,
-                  suggestion, choice, graph.opaque,
-                  schedule=schedule if isinstance(schedule, str) else getattr(
-                      schedule, "__name__", str(schedule)),
-                  devices=list(devices) if devices is not None else None,
-                  stage_devices=None)
-    if auto is not None:
-        best = auto[0]
-        for stage, peak in zip(stages, best.stage_peak_memory):
-            stage.peak_memory_bytes = peak
-        result.step_time = best.step_time
-        result.stage_devices = list(best.stage_devices)
-        result.peak_memory = list(best.peak_memory)
-        result.idle = list(best.idle)
-        result.runner_ups = auto[1:]
-        result.suggestion = None
-    return result
+        return (f"num_micro_batches={m} < 4 x num_stages = {4 * k}: the "
+                f"pipeline idles {schedule_lib.bubble_fraction(m, k):.0%} of "
+                f"a step. GPipe suggests num_micro_batches >= {4 * k}, which "
+                f"idles {schedule_lib.bubble_fraction(4 * k, k):.0%}.")
+    return None
+
+
+def _add_search(result, ranked):
+    """What `schedule="auto"` predicted for its pick, and the runner-ups."""
+    best = ranked[0]
+    for stage, peak in zip(result.stages, best.stage_peak_memory):
+        stage.peak_memory_bytes = peak
+    result.step_time = best.step_time
+    result.stage_devices = list(best.stage_devices)
+    result.peak_memory = list(best.peak_memory)
+    result.idle = list(best.idle)
+    result.runner_ups = ranked[1:]
+    result.suggestion = None
 
 
 def stages_from_model(model, num_stages, devices, num_micro_batches, remat,
                       balance, memory_budget, batch_size, input_shape,
-                      sample_inputs, schedule, loss=None):
+                      sample_inputs, schedule, loss=None,
+                      optimizer_slots=choices.DEFAULT_OPTIMIZER_SLOTS):
     """The stages and `PipelineModel` arguments of `from_model`.
+
+    Every choice left `None` is made as `plan` makes it
+    (`keras_pipe.planning.choices`), except `num_micro_batches` without a
+    `batch_size`, left `None` for the pipeline to choose from the first
+    batch it sees. `loss` and `optimizer_slots` are what a plan costs.
 
     Returns:
         `(stages, arguments, chosen)`: the cut stages, the keyword
         arguments of `PipelineModel` (`devices`, `num_micro_batches`,
-        `remat`, `schedule`) and, for `schedule="auto"`, the `Plan` chosen
-        (else None).
+        `remat`, `schedule`) and, when the planner chose the schedule, the
+        `Plan` chosen (else None).
     """
     if num_stages is None:
         if not devices:
@@ -399,28 +451,37 @@ def stages_from_model(model, num_stages, devices, num_micro_batches, remat,
                 "from_model needs num_stages, or devices (one per "
                 "stage). Received: num_stages=None, devices=None")
         num_stages = len(devices)
-    chosen = None
-    if loss is not None and schedule != "auto":
+    resolved = choices.resolve(num_micro_batches, schedule, remat, balance,
+                               memory_budget, devices, num_stages,
+                               batch_size, batch_size_known=False)
+    if loss is not None and resolved.schedule != "auto":
         raise ValueError(
             'from_model(loss=...) costs the loss head for schedule="auto" '
             "only; here it would be ignored. Drop it (compile with the loss), "
             f'or pass schedule="auto". Received: loss={loss!r}, '
             f"schedule={schedule!r}")
-    if schedule == "auto":
+    chosen = None
+    if resolved.schedule == "auto":
         chosen = plan(model, num_stages=num_stages, devices=devices,
                       batch_size=batch_size, memory_budget=memory_budget,
-                      schedule="auto", input_shape=input_shape,
-                      sample_inputs=sample_inputs, loss=loss)
+                      schedule=schedule, input_shape=input_shape,
+                      sample_inputs=sample_inputs, loss=loss,
+                      optimizer_slots=optimizer_slots)
         num_stages, devices = chosen.num_stages, chosen.devices
         num_micro_batches, remat = chosen.num_micro_batches, chosen.remat
-        balance, schedule, memory_budget = (chosen.sizes, chosen.schedule,
-                                            None)
-    if memory_budget is not None:
+        balance, schedule = chosen.sizes, chosen.schedule
+    elif memory_budget is not None:
         balance, num_micro_batches, remat = budget_lib.pipeline_arguments(
-            model, num_stages, memory_budget, batch_size, schedule=schedule)
+            model, num_stages, memory_budget, batch_size,
+            schedule=resolved.schedule)
+        schedule = resolved.schedule
+    else:
+        balance, num_micro_batches, remat, schedule = (
+            resolved.balance, resolved.num_micro_batches, resolved.remat,
+            resolved.schedule)
     stages = partition_lib.split_model(
         model, num_stages, balance=balance, devices=devices,
-        num_micro_batches=num_micro_batches, remat=remat,
+        num_micro_batches=num_micro_batches or 1, remat=remat,
         batch_size=batch_size, input_shape=input_shape,
         sample_inputs=sample_inputs)
     arguments = dict(devices=devices, num_micro_batches=num_micro_batches,

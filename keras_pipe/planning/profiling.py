@@ -1,9 +1,9 @@
 """Measured costs of a model's layer calls, stage calls and transfers.
 
 Why measure: what FLOPs say is not what a device does. On a CPU the same
-products cost 1.35-1.53x more per row at 8 micro-batches than at one, a
-transfer between two workers costs about a millisecond whatever its size,
-and a stage call has a fixed cost of its own; a planner that ranks
+products cost more per row on small micro-batches than on large ones, a
+transfer between two workers has a latency whatever its size, and a stage
+call has a fixed cost of its own; a planner that ranks
 schedules and micro-batch counts by FLOPs ranks them wrongly. So each
 layer call is timed on the target device, for each micro-batch size the
 planner considers: its forward pass, its input gradient, its weight
@@ -20,7 +20,10 @@ Where nothing can be measured (`measure=False`), costs come from FLOPs at
 
 import contextlib
 import dataclasses
+import gc
 import hashlib
+import importlib
+import importlib.util
 import json
 import os
 import pathlib
@@ -36,9 +39,8 @@ from keras_pipe.planning.balance import cost as cost_lib
 
 __all__ = ["CallCosts", "Link", "Overhead", "UpdateRate", "cache_path",
            "call_costs", "cached", "flops_costs", "flops_update_rate",
-           "has_step_probe", "link", "loss_seconds", "loss_target",
-           "model_step_seconds", "set_overhead_probe", "set_step_probe",
-           "smooth", "step_overhead", "stage_call_seconds", "update_rate",
+           "has_step_probe", "link", "loss_seconds", "loss_target", "release_loops",
+           "model_step_seconds", "smooth", "step_overhead", "update_rate",
            "update_seconds"]
 
 _VERSION = 3  # 3: a link timed per hop of a chain (was: moved vs moved)
@@ -321,6 +323,14 @@ def _loops(call, training, device):
     return _LOOPS[key][1]
 
 
+def release_loops():
+    """Lets the `_loops` made so far go, with the copies of the layers'
+    weights they hold on the devices they time (a search makes them
+    once, for every row count, and releases them when it is done)."""
+    _LOOPS.clear()
+    gc.collect()
+
+
 def _per_run(run, inputs, repeats, target, device=None):
     """Seconds of one run of a `_loop` `run` on a shared machine.
 
@@ -547,41 +557,6 @@ def flops_costs(graph, rows, flops_per_second=2e10, shapes=None):
                      False)
 
 
-def stage_call_seconds(device=None, repeats=20, cache=True):
-    """The fixed cost of one stage call inside a step, on `device`.
-
-    Times a `tf.function` chaining 32 calls of a nested `tf.function` of
-    one tiny op (each call waits for the last, as the executor chains a
-    device's calls) against one that chains 2; the difference per call.
-    """
-    key = _key("stage_call", _device_name(device))
-    if cache:
-        hit = _load().get(key)
-        if hit is not None:
-            return hit
-    with tf.device(device) if device else contextlib.nullcontext():
-        @tf.function
-        def inner(x):
-            return x * 1.0001
-
-        def chain(n):
-            @tf.function
-            def run(x):
-                y = x
-                for _ in range(n):
-                    with tf.control_dependencies([y]):
-                        y = inner(y)
-                return y
-            return run
-
-        x = tf.ones([8])
-        long, short = (_timed(chain(n), [x], repeats) for n in (32, 2))
-    seconds = max((long - short) / 30, 0.0)
-    if cache:
-        _store(key, seconds)
-    return seconds
-
-
 def _hop_chain(devices, num_bytes):
     """`(function, input)`: `num_bytes` of float32 passed along `devices`
     (one `+ 1` on each), then reduced on the last; its input lives on the
@@ -706,59 +681,44 @@ def update_seconds(graph, rate):
     return result
 
 
-_OVERHEAD_PROBE = []
+# The probes train a pipeline, which only the level above the Keras model
+# can build: they live in `keras_pipe.calibration` (which imports this
+# module) and are looked up by name when first needed, so planning imports
+# nothing above it.
+_PROBES = "keras_pipe.calibration"
 
 
-def set_overhead_probe(probe):
-    """Sets `probe(devices) -> Overhead`, the measurement of a step's fixed
-    costs on `devices`.
-
-    It runs training steps of a pipeline that computes next to nothing,
-    which this package (below the Keras model) cannot build: `keras_pipe`
-    sets it when imported (`keras_pipe.calibration`).
-    """
-    _OVERHEAD_PROBE[:] = [probe]
+def _step_probe(name):
+    """The function `name` of the probes' module (`_PROBES`)."""
+    return getattr(importlib.import_module(_PROBES), name)
 
 
 def step_overhead(devices, cache=True):
     """The fixed costs of a step on `devices` (an `Overhead`), measured
-    once per devices and cached; without a probe set, a stage call's cost
-    (`stage_call_seconds`) and no step cost."""
-    if not _OVERHEAD_PROBE:
-        return Overhead(0.0, stage_call_seconds(
-            devices[0] if devices else None, cache=cache), False)
-    probe = _OVERHEAD_PROBE[0]
+    once per devices by training a pipeline that computes next to nothing
+    (`keras_pipe.calibration.measure`), and cached."""
+    probe = _step_probe("measure")
     return Overhead(**cached(
         ("overhead", [_device_name(d) for d in devices or [None]]),
         lambda: dataclasses.asdict(probe(list(devices or []))), cache))
 
 
-_STEP_PROBE = []
-
-
-def set_step_probe(probe):
-    """Sets `probe(model, devices, sizes, num_micro_batches, remat,
-    batch_size, shapes, input_shape, sample_inputs, loss, optimizer_slots,
-    schedule) -> seconds`, the measured training step of a pipeline of `model`
-    (`keras_pipe.calibration.step_seconds`), which this package cannot
-    build: `keras_pipe` sets it when imported."""
-    _STEP_PROBE[:] = [probe]
-
-
 def has_step_probe():
-    """Whether a step probe is set (`set_step_probe`)."""
-    return bool(_STEP_PROBE)
+    """Whether the measured training step of a pipeline is available
+    (`keras_pipe.calibration.step_seconds`, `model_step_seconds`)."""
+    return importlib.util.find_spec(_PROBES) is not None
 
 
 def model_step_seconds(model, graph, shapes, devices, sizes,
                        num_micro_batches, remat, batch_size,
                        input_shape=None, sample_inputs=None, loss=None,
                        optimizer_slots=2, schedule="gpipe", cache=True):
-    """The step probe's measured step (seconds), cached: keyed by the
+    """The measured training step of a pipeline of `model` (seconds,
+    `keras_pipe.calibration.step_seconds`), cached: keyed by the
     model's calls and shapes, the schedule, the devices of the stages, the
     cut, `M`, the remat modes, the batch, the loss and the optimizer's
     slots."""
-    probe = _STEP_PROBE[0]
+    probe = _step_probe("step_seconds")
     remat = [remat] * len(sizes) if isinstance(remat, str) else list(remat)
     loss_key = (keras.saving.serialize_keras_object(keras.losses.get(loss))
                 if isinstance(loss, str) or callable(loss) else None)

@@ -179,11 +179,6 @@ class Simulation:
         return "\n".join(lines)
 
 
-def _remat(mode, i, num_micro_batches):
-    return mode == "always" or (mode == "except_last"
-                                and i < num_micro_batches - 1)
-
-
 def calls(ticks, stage_devices, remat, num_micro_batches=None):
     """The calls the executor issues for `ticks`, per device, in order.
 
@@ -203,7 +198,8 @@ def calls(ticks, stage_devices, remat, num_micro_batches=None):
     split = {(a.i, a.j) for a in actions if a.kind == "W"}
     actions = schedule_lib.defer_weight_runs(
         actions, lambda a: stage_devices[a.j],
-        lambda a: (a.i, a.j) not in split and not _remat(remat[a.j], a.i, m),
+        lambda a: (a.i, a.j) not in split
+        and not schedule_lib.is_remat(remat[a.j], a.i, m),
         len(stage_devices))
     split = {(a.i, a.j) for a in actions if a.kind == "W"}
     last_forward = max(n for n, a in enumerate(actions) if a.kind == "F")
@@ -251,7 +247,7 @@ def _duration(call, costs, remat, m, stage_devices):
         work = costs.weight[j] * len(call.i) + costs.weight_call[j]
     else:
         work = (costs.backward_input[j] if call.split else costs.backward[j])
-        if _remat(remat[j], call.i[0], m):
+        if schedule_lib.is_remat(remat[j], call.i[0], m):
             work += costs.recompute[j]
     return costs.call + work + costs.receive * receives(call,
                                                         stage_devices)

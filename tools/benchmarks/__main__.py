@@ -4,6 +4,7 @@
 from tools.benchmarks import (  # noqa: F401
     build,
     cli,
+    defaults,
     fidelity,
     memory,
     overhead,

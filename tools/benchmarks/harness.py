@@ -516,13 +516,21 @@ def _env(shim=None):
     return env
 
 
-def run_child(name, params, timeout, shim=None, log=print):
-    """Runs `--child name` in a fresh process; returns its JSON or an error."""
+def run_child(name, params, timeout, shim=None, log=print, env=None):
+    """Runs `--child name` in a fresh process; returns its JSON or an error.
+
+    `env`: variables to set in the child's environment (None: unset)."""
     start = time.perf_counter()
+    child_env = _env(shim)
+    for key, value in (env or {}).items():
+        if value is None:
+            child_env.pop(key, None)
+        else:
+            child_env[key] = value
     try:
         proc = subprocess.run(
             [*COMMAND, "--child", name, "--params",
-             json.dumps(params)], env=_env(shim), capture_output=True,
+             json.dumps(params)], env=child_env, capture_output=True,
             text=True, timeout=timeout, cwd=ROOT)
     except subprocess.TimeoutExpired:
         return {"error": f"{name}: no answer within {timeout} s"}

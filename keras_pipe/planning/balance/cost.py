@@ -26,7 +26,7 @@ from keras_pipe import _validation
 from keras_pipe.planning.balance.blockpartition import block_partition
 
 __all__ = ["parameter_counts", "flops", "activation_bytes", "memory", "time",
-           "tensor_bytes"]
+           "tensor_bytes", "variable_bytes"]
 
 _NORMALIZATION = (keras.layers.BatchNormalization,
                   keras.layers.LayerNormalization,
@@ -75,6 +75,11 @@ def _first_use(graph, attribute):
 
 def _size(variable):
     return math.prod(variable.shape)
+
+
+def variable_bytes(variable):
+    """Bytes of a variable's value."""
+    return _size(variable) * tf.as_dtype(variable.dtype).size
 
 
 def parameter_counts(graph):
@@ -195,7 +200,7 @@ def _memory(graph, batch_size, num_micro_batches, call_modes,
         kept = num_micro_batches if mode == "never" else 1
         weights = 0
         for v in own:
-            size = _size(v) * tf.as_dtype(v.dtype).size
+            size = variable_bytes(v)
             weights += size * ((2 + optimizer_slots) if v.trainable else 1)
         result.append(weights + kept * out)
     return result

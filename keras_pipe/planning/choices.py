@@ -1,0 +1,310 @@
+"""The choices a user leaves to the pipeline, and when they are made.
+
+A pipeline has four choices besides its devices: `num_micro_batches`,
+`schedule`, `remat` and (for a cut model) `balance`. Each left as `None` is
+made by keras_pipe:
+
+* `from_model(model, devices=...)` with none of them given plans all four
+  together (`schedule="auto"`: `keras_pipe.planning.autoplan`) for the batch
+  size it will train with: `batch_size=` if given, else the first batch
+  size `fit`, `evaluate` or `predict` is called with
+  (`batch_size_of`); costs are measured on the devices when they run in
+  processes of their own (`measured`), and costed from FLOPs on logical
+  devices of this process, which share one thread pool and so cannot
+  give the speed a measurement would predict.
+* Otherwise each choice left `None` takes its fixed default:
+  `default_micro_batches` (two per stage, no more than the batch's rows),
+  `default_schedule` (the fastest exact schedule the placement allows),
+  remat `"except_last"`, balance `"params"`.
+
+`keras_pipe.plan` and `PipelineModel.from_model` resolve their arguments
+here, so the same call chooses the same configuration (the measured costs
+are cached: `keras_pipe.planning.profiling`).
+"""
+
+import dataclasses
+import warnings
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+__all__ = ["DEFAULT_BATCH_SIZE", "DEFAULT_OPTIMIZER_SLOTS", "DEFAULT_REMAT",
+           "DEFAULT_BALANCE", "optimizer_slots",
+           "Resolved", "batch_size_of", "default_micro_batches",
+           "default_schedule", "leaves_all", "measured", "resolve"]
+
+# Keras' own default batch size for array data (`Model.fit`).
+DEFAULT_BATCH_SIZE = 32
+DEFAULT_REMAT = "except_last"
+DEFAULT_BALANCE = "params"
+
+# Fastest first: the zero-bubble schedules run the weight gradients in the
+# bubbles GPipe and 1F1B leave idle; every schedule gives the same
+# gradients. The first whose placement the stages' devices allow is taken.
+_FASTEST_EXACT = ("zb_h2", "zbv", "interleaved_1f1b", "gpipe")
+
+
+def leaves_all(num_micro_batches, schedule, remat, balance):
+    """Whether the caller left every choice to the planner."""
+    return (num_micro_batches is None and schedule is None and remat is None
+            and balance is None)
+
+
+def default_micro_batches(batch_size, num_stages):
+    """`M` for a pipeline of `num_stages` stages that nobody chose: two
+    micro-batches per stage (GPipe's bubble `(K-1)/(M+K-1)` then idles at
+    most a third of a step), no more than the batch's rows."""
+    m = 2 * num_stages
+    if batch_size is not None:
+        m = max(1, min(m, int(batch_size)))
+    return m
+
+
+def default_schedule(stage_devices):
+    """The fastest exact schedule the stages' placement allows (per stage,
+    its device's index)."""
+    from keras_pipe.engine import schedule as schedule_lib  # noqa: PLC0415
+    for name in _FASTEST_EXACT:
+        try:
+            schedule_lib.check_placement(name, stage_devices)
+        except ValueError:
+            continue
+        return name
+    return "gpipe"
+
+
+def measured(devices):
+    """Whether a plan for `devices` is costed from measurements: some device
+    is a GPU or belongs to a cluster job (a worker process). Logical CPU
+    devices of this process share its thread pool: their plan is costed
+    from FLOPs."""
+    for device in devices or ():
+        spec = tf.DeviceSpec.from_string(device)
+        if (spec.device_type or "").upper() == "GPU" or spec.job not in (
+                None, "localhost"):
+            return True
+    return False
+
+
+# What a plan assumes when no optimizer is compiled yet (Adam's).
+DEFAULT_OPTIMIZER_SLOTS = 2
+
+
+def optimizer_slots(optimizer):
+    """The variables `optimizer` keeps per trained weight (SGD 0, SGD with
+    momentum 1, Adam 2, ...): a fresh copy of it built for one and for two
+    weights, counted."""
+    counts = []
+    for n in (1, 2):
+        fresh = type(optimizer).from_config(optimizer.get_config())
+        fresh.build([keras.Variable(np.zeros((1,), "float32"))
+                     for _ in range(n)])
+        counts.append(len(fresh.variables))
+    return counts[1] - counts[0]
+
+
+_ARGUMENT = {"fit": 2, "evaluate": 2, "predict": 1}
+
+
+def batch_size_of(method, args, kwargs):
+    """The batch size a `fit` / `evaluate` / `predict` (or `*_on_batch`)
+    call runs with.
+
+    Its `batch_size` argument (an `*_on_batch` call: its rows); else a
+    dataset's or `PyDataset`'s batch (from its spec, else its first
+    batch); else Keras' default for array data, no more than their rows.
+    A Python generator cannot be looked into without consuming it:
+    `DEFAULT_BATCH_SIZE`, with a warning.
+    """
+    x = kwargs.get("x", args[0] if args else None)
+    if method.endswith("_on_batch"):  # the whole of x is the batch
+        return _leading(x) or DEFAULT_BATCH_SIZE
+    position = _ARGUMENT[method]
+    given = kwargs.get("batch_size", args[position]
+                       if len(args) > position else None)
+    if given is not None:
+        return int(given)
+    if isinstance(x, tf.data.Dataset):
+        return _leading(x.element_spec) or _leading(next(iter(x.take(1))))
+    if isinstance(x, keras.utils.PyDataset):
+        return _leading(x[0])
+    rows = _leading(x)
+    if rows is not None:
+        return min(rows, DEFAULT_BATCH_SIZE)
+    warnings.warn(
+        f"keras_pipe cannot see the batch size of {method}'s data "
+        f"({type(x).__name__}) without consuming it; the pipeline's choices "
+        f"are made for batch_size={DEFAULT_BATCH_SIZE}. Pass batch_size= "
+        "to from_model to plan for the real one.", stacklevel=3)
+    return DEFAULT_BATCH_SIZE
+
+
+def _leading(structure):
+    """The size of the first axis of the first array or spec in
+    `structure`, or None if it has none or it is unknown."""
+    if isinstance(structure, tuple) and len(structure) in (2, 3) and \
+            not hasattr(structure, "_fields"):
+        structure = structure[0]  # (x, y[, sample_weight]): x's rows
+    leaves = keras.tree.flatten(structure)
+    if not leaves:
+        return None
+    shape = getattr(leaves[0], "shape", None)
+    if shape is None:  # a Python list of numbers
+        shape = np.shape(structure) if isinstance(structure, list) else ()
+    if len(shape) == 0 or shape[0] is None:
+        return None
+    return int(shape[0])
+
+
+class Deferred:
+    """`from_model`'s arguments, kept until the batch size is known;
+    checked now, before anything is built."""
+
+    def __init__(self, model, devices, options, stages_for):
+        from keras_pipe import _validation  # noqa: PLC0415
+        from keras_pipe.engine import placement  # noqa: PLC0415
+        from keras_pipe.planning import graph as graph_lib  # noqa: PLC0415
+        from keras_pipe.planning.balance import shapes  # noqa: PLC0415
+        num_stages = options.get("num_stages")
+        if num_stages is None and not devices:
+            raise ValueError(
+                "from_model needs num_stages, or devices (one per "
+                "stage). Received: num_stages=None, devices=None")
+        if num_stages is not None:
+            _validation.check_positive_int("num_stages", num_stages)
+        # A built Sequential or Functional, with sizes that fit it.
+        shapes.check_given(graph_lib.read_graph(model),
+                           options.get("input_shape"),
+                           options.get("sample_inputs"))
+        if devices is not None:
+            _validation.check_device_list(devices)
+            placement.resolve_devices(devices)
+        # `stages_for(batch_size, loss, optimizer_slots)`: `(stages,
+        # PipelineModel arguments, plan)`, as `planner.stages_from_model`
+        # returns them.
+        self.stages_for = stages_for
+
+
+# What a pipeline built from a `Deferred` has only once it is planned.
+_PLANNED_STATE = frozenset({
+    "_stage_layers", "_given_devices", "_resolved_devices",
+    "_num_micro_batches", "_remat", "_remat_modes", "_schedule", "_runners",
+    "_executor", "plan"})
+
+
+class FirstBatchChoices:
+    """`PipelineModel`'s choices made when it first sees a batch.
+
+    A mixin before `keras.Model`: `fit`, `evaluate` and `predict` call
+    `see_batch` first. A pipeline from `from_model` with every choice left
+    to the planner is planned then (anything that needs its stages
+    earlier, such as `summary`, plans it for `DEFAULT_BATCH_SIZE`); a
+    pipeline whose `num_micro_batches` was not given gets
+    `default_micro_batches` of that batch size.
+    """
+
+    def __getattr__(self, name):
+        # Reached only for attributes not set: a pipeline still to plan.
+        if name in _PLANNED_STATE and \
+                self.__dict__.get("_deferred") is not None:
+            self._plan_for(None)
+            return getattr(self, name)
+        raise AttributeError(
+            f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    def see_batch(self, method, args, kwargs):
+        """Records the batch size of a `fit` / `evaluate` / `predict` call
+        (`batch_size_of`) if none was seen, and plans with it."""
+        if self.__dict__.get("_batch_size_seen") is None and (
+                self.__dict__.get("_deferred") is not None
+                or self.__dict__.get("_num_micro_batches") is None):
+            self._batch_size_seen = batch_size_of(method, args, kwargs)
+        if self.__dict__.get("_deferred") is not None:
+            self._plan_for(self._batch_size_seen)
+
+    def _plan_for(self, batch_size):
+        """Plans the deferred pipeline for `batch_size` (None: the one seen,
+        else `DEFAULT_BATCH_SIZE`) and sets its stages."""
+        deferred = self.__dict__["_deferred"]
+        batch_size = (batch_size or self.__dict__.get("_batch_size_seen")
+                      or DEFAULT_BATCH_SIZE)
+        # Compiled by now, usually: the plan costs that loss head and
+        # those optimizer slots.
+        optimizer = getattr(self, "optimizer", None)
+        stages, arguments, chosen = deferred.stages_for(
+            batch_size, getattr(self, "loss", None),
+            DEFAULT_OPTIMIZER_SLOTS if optimizer is None
+            else optimizer_slots(optimizer))
+        self._deferred = None
+        self._set_stages(stages, **arguments)
+        self.plan = chosen
+
+    def chosen_micro_batches(self):
+        """`M`: as given, else `default_micro_batches` of the batch size
+        first seen (fixed from then on)."""
+        if self._num_micro_batches is None:
+            self._num_micro_batches = default_micro_batches(
+                self.__dict__.get("_batch_size_seen") or DEFAULT_BATCH_SIZE,
+                len(self._stage_layers))
+        return self._num_micro_batches
+
+
+@dataclasses.dataclass
+class Resolved:
+    """A call's choices, each given or made (`resolve`).
+
+    Attributes:
+        implicit: True when the caller gave no choice (planned by
+            `schedule="auto"`).
+        schedule: the schedule's name, or `"auto"`.
+        num_micro_batches: `M`, or None (auto, or chosen from the first
+            batch when no batch size is known).
+        remat, balance: as given or their defaults (None under auto).
+        measure: whether auto measures costs (None: not planning).
+        batch_size: as given; Keras' default when planning without one.
+    """
+
+    implicit: bool
+    schedule: str
+    num_micro_batches: object
+    remat: object
+    balance: object
+    measure: object
+    batch_size: object
+
+
+def resolve(num_micro_batches, schedule, remat, balance, memory_budget,
+            devices, num_stages, batch_size, measure=None,
+            batch_size_known=True):
+    """Makes the choices left `None`, by this module's rules.
+
+    `batch_size_known=False` (`from_model` before any batch) leaves `M`
+    None for the pipeline to choose from its first batch; `plan` costs
+    Keras' default batch instead.
+    """
+    from keras_pipe.engine import building  # noqa: PLC0415
+    implicit = memory_budget is None and leaves_all(
+        num_micro_batches, schedule, remat, balance)
+    if implicit or schedule == "auto":
+        if batch_size is None and implicit:
+            batch_size = DEFAULT_BATCH_SIZE
+        return Resolved(
+            implicit=implicit, schedule="auto", num_micro_batches=None,
+            remat=None, balance=None, batch_size=batch_size,
+            measure=(measured(devices) if implicit else True)
+            if measure is None else measure)
+    if schedule is None:
+        schedule = "gpipe" if memory_budget is not None else \
+            default_schedule(building.device_indices(devices) if devices
+                             else list(range(num_stages or 1)))
+    if num_micro_batches is None and (batch_size is not None
+                                      or batch_size_known):
+        num_micro_batches = default_micro_batches(
+            batch_size, num_stages or len(devices or [None]))
+    return Resolved(
+        implicit=False, schedule=schedule,
+        num_micro_batches=num_micro_batches,
+        remat=DEFAULT_REMAT if remat is None else remat,
+        balance=DEFAULT_BALANCE if balance is None else balance,
+        measure=True if measure is None else measure, batch_size=batch_size)
