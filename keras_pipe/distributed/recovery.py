@@ -136,10 +136,14 @@ def _with_callbacks(args, kwargs, callbacks):
 
 
 def _backup_of(callbacks):
-    """The `keras_pipe.BackupAndRestore` with a batch `save_freq`, or None."""
-    from keras_pipe.callbacks import BackupAndRestore
+    """The `keras_pipe.BackupAndRestore` with a batch `save_freq`, or None.
+
+    Known by what it adds to Keras' (`save_if_missing`, the exact resume):
+    this package does not import the callbacks above it.
+    """
     for callback in callbacks:
-        if isinstance(callback, BackupAndRestore) and isinstance(
+        if isinstance(callback, keras.callbacks.BackupAndRestore) and hasattr(
+                callback, "save_if_missing") and isinstance(
                 callback.save_freq, int):
             return callback
     return None
