@@ -18,7 +18,6 @@ import pytest
 import tensorflow as tf
 
 import keras_pipe
-from keras_pipe import model as model_lib
 from keras_pipe.engine import in_place
 
 
@@ -45,7 +44,7 @@ def _update_ops(devices, monkeypatch, optimizer, **kwargs):
         seen["ops"] = list(update_ops)
         return original(update_ops)
 
-    monkeypatch.setattr(model_lib.in_place, "update_in_place", spy)
+    monkeypatch.setattr(in_place, "update_in_place", spy)
     pipe, x, y = _pipe(devices, optimizer, **kwargs)
     assert np.isfinite(pipe.train_on_batch(x, y))
     return pipe, seen["ops"]

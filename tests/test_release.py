@@ -15,8 +15,8 @@ import pytest
 import tensorflow as tf
 
 import keras_pipe
-from keras_pipe import model as model_lib
 from keras_pipe.engine import release
+from keras_pipe.engine import release as release_lib
 
 
 def _mlp(width=32, depth=4):
@@ -36,7 +36,7 @@ def _trained(devices, monkeypatch, optimizer, remat="never", m=2):
             weight_ops=dict(weight_ops), variables=list(variables))
         return seen["gated"]
 
-    monkeypatch.setattr(model_lib.release, "apply_in_turn", spy)
+    monkeypatch.setattr(release_lib, "apply_in_turn", spy)
     pipe = keras_pipe.PipelineModel.from_model(
         _mlp(), num_stages=2, devices=devices[:2], num_micro_batches=m,
         balance="params", remat=remat)

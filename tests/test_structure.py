@@ -141,7 +141,8 @@ def test_private_use_finder_finds_one():
 
 @pytest.mark.parametrize("core", ["keras_pipe.engine.executor",
                                   "keras_pipe.engine.stage",
-                                  "keras_pipe.engine.schedule", "keras_pipe.model"])
+                                  "keras_pipe.engine.schedule",
+                                  "keras_pipe.model.pipeline"])
 def test_core_does_not_import_the_timeline(core):
     assert "keras_pipe.timeline" not in _graph()[core]
 

@@ -1,25 +1,24 @@
-"""The choices a user leaves to the pipeline, and when they are made.
+"""The rules for the choices a user leaves to the pipeline.
 
 A pipeline has four choices besides its devices: `num_micro_batches`,
 `schedule`, `remat` and (for a cut model) `balance`. Each left as `None` is
-made by keras_pipe:
+made by these rules (`resolve`):
 
-* `from_model(model, devices=...)` with none of them given plans all four
-  together (`schedule="auto"`: `keras_pipe.planning.autoplan`) for the batch
-  size it will train with: `batch_size=` if given, else the first batch
-  size `fit`, `evaluate` or `predict` is called with
-  (`batch_size_of`); costs are measured on the devices when they run in
-  processes of their own (`measured`), and costed from FLOPs on logical
-  devices of this process, which share one thread pool and so cannot
-  give the speed a measurement would predict.
+* With none of them given (and no `memory_budget`), all four are planned
+  together (`schedule="auto"`: `keras_pipe.planning.autoplan`) for a batch
+  size, costed from measurements when the devices run in processes of
+  their own or are GPUs (`measured`), and from FLOPs on logical devices of
+  this process, which share one thread pool and so cannot give the speed
+  a measurement would predict.
 * Otherwise each choice left `None` takes its fixed default:
   `default_micro_batches` (two per stage, no more than the batch's rows),
   `default_schedule` (the fastest exact schedule the placement allows),
   remat `"except_last"`, balance `"params"`.
 
-`keras_pipe.plan` and `PipelineModel.from_model` resolve their arguments
-here, so the same call chooses the same configuration (the measured costs
-are cached: `keras_pipe.planning.profiling`).
+`keras_pipe.plan` and `PipelineModel.from_model` both resolve their
+arguments here, so the same call chooses the same configuration (measured
+costs are cached: `keras_pipe.planning.profiling`). When a pipeline makes
+its choices (the first batch it sees) is `keras_pipe.model.first_batch`'s.
 """
 
 import dataclasses
@@ -155,99 +154,6 @@ def _leading(structure):
     if len(shape) == 0 or shape[0] is None:
         return None
     return int(shape[0])
-
-
-class Deferred:
-    """`from_model`'s arguments, kept until the batch size is known;
-    checked now, before anything is built."""
-
-    def __init__(self, model, devices, options, stages_for):
-        from keras_pipe import _validation  # noqa: PLC0415
-        from keras_pipe.engine import placement  # noqa: PLC0415
-        from keras_pipe.planning import graph as graph_lib  # noqa: PLC0415
-        from keras_pipe.planning.balance import shapes  # noqa: PLC0415
-        num_stages = options.get("num_stages")
-        if num_stages is None and not devices:
-            raise ValueError(
-                "from_model needs num_stages, or devices (one per "
-                "stage). Received: num_stages=None, devices=None")
-        if num_stages is not None:
-            _validation.check_positive_int("num_stages", num_stages)
-        # A built Sequential or Functional, with sizes that fit it.
-        shapes.check_given(graph_lib.read_graph(model),
-                           options.get("input_shape"),
-                           options.get("sample_inputs"))
-        if devices is not None:
-            _validation.check_device_list(devices)
-            placement.resolve_devices(devices)
-        # `stages_for(batch_size, loss, optimizer_slots)`: `(stages,
-        # PipelineModel arguments, plan)`, as `planner.stages_from_model`
-        # returns them.
-        self.stages_for = stages_for
-
-
-# What a pipeline built from a `Deferred` has only once it is planned.
-_PLANNED_STATE = frozenset({
-    "_stage_layers", "_given_devices", "_resolved_devices",
-    "_num_micro_batches", "_remat", "_remat_modes", "_schedule", "_runners",
-    "_executor", "plan"})
-
-
-class FirstBatchChoices:
-    """`PipelineModel`'s choices made when it first sees a batch.
-
-    A mixin before `keras.Model`: `fit`, `evaluate` and `predict` call
-    `see_batch` first. A pipeline from `from_model` with every choice left
-    to the planner is planned then (anything that needs its stages
-    earlier, such as `summary`, plans it for `DEFAULT_BATCH_SIZE`); a
-    pipeline whose `num_micro_batches` was not given gets
-    `default_micro_batches` of that batch size.
-    """
-
-    def __getattr__(self, name):
-        # Reached only for attributes not set: a pipeline still to plan.
-        if name in _PLANNED_STATE and \
-                self.__dict__.get("_deferred") is not None:
-            self._plan_for(None)
-            return getattr(self, name)
-        raise AttributeError(
-            f"{type(self).__name__!r} object has no attribute {name!r}")
-
-    def see_batch(self, method, args, kwargs):
-        """Records the batch size of a `fit` / `evaluate` / `predict` call
-        (`batch_size_of`) if none was seen, and plans with it."""
-        if self.__dict__.get("_batch_size_seen") is None and (
-                self.__dict__.get("_deferred") is not None
-                or self.__dict__.get("_num_micro_batches") is None):
-            self._batch_size_seen = batch_size_of(method, args, kwargs)
-        if self.__dict__.get("_deferred") is not None:
-            self._plan_for(self._batch_size_seen)
-
-    def _plan_for(self, batch_size):
-        """Plans the deferred pipeline for `batch_size` (None: the one seen,
-        else `DEFAULT_BATCH_SIZE`) and sets its stages."""
-        deferred = self.__dict__["_deferred"]
-        batch_size = (batch_size or self.__dict__.get("_batch_size_seen")
-                      or DEFAULT_BATCH_SIZE)
-        # Compiled by now, usually: the plan costs that loss head and
-        # those optimizer slots.
-        optimizer = getattr(self, "optimizer", None)
-        stages, arguments, chosen = deferred.stages_for(
-            batch_size, getattr(self, "loss", None),
-            DEFAULT_OPTIMIZER_SLOTS if optimizer is None
-            else optimizer_slots(optimizer))
-        self._deferred = None
-        self._set_stages(stages, **arguments)
-        self.plan = chosen
-
-    def chosen_micro_batches(self):
-        """`M`: as given, else `default_micro_batches` of the batch size
-        first seen (fixed from then on)."""
-        if self._num_micro_batches is None:
-            self._num_micro_batches = default_micro_batches(
-                self.__dict__.get("_batch_size_seen") or DEFAULT_BATCH_SIZE,
-                len(self._stage_layers))
-        return self._num_micro_batches
 
 
 @dataclasses.dataclass

@@ -3,15 +3,17 @@
 import keras
 import tensorflow as tf
 
-from keras_pipe import _compat, _validation, placed_data, reporting
-from keras_pipe.distributed import cluster, recovery
+from keras_pipe import _validation, reporting
 from keras_pipe.engine import building, in_place, placement, release
 from keras_pipe.engine import executor as executor_lib
 from keras_pipe.engine import losses as losses_lib
 from keras_pipe.engine import replicas as replicas_lib
 from keras_pipe.engine.schedule import schedule_names
 from keras_pipe.engine.stage import Stage
-from keras_pipe.planning import choices
+from keras_pipe.model import first_batch
+from keras_pipe.model.building import BuiltFirst
+from keras_pipe.model.calls import Calls
+from keras_pipe.planning import choices, planner
 from keras_pipe.saving import files as saving
 from keras_pipe.saving import model_io
 
@@ -24,23 +26,20 @@ _not_autograph = tf.autograph.experimental.do_not_convert
 
 
 @keras.saving.register_keras_serializable(package="keras_pipe")
-class PipelineModel(choices.FirstBatchChoices, model_io.SavingMethods,
-                    keras.Model):
+class PipelineModel(first_batch.FirstBatchChoices, model_io.SavingMethods,
+                    BuiltFirst, Calls, keras.Model):
     """A Keras model cut into stages that run as a GPipe pipeline.
 
     Each stage lives on its own device. A mini-batch is cut into
-    `num_micro_batches` micro-batches that flow through the stages back to
-    back, following `keras_pipe.schedule.gpipe`, inside one `tf.function`
-    training step; gradients are summed over micro-batches and the
-    optimizer steps once per mini-batch, so training is the same as
-    training the unsplit model on one device for every layer without batch
-    coupling. BatchNormalization is the exception: while training, each
-    micro-batch is normalized with its own statistics (as in GPipe), and
-    its moving statistics are updated once per micro-batch
-    (`keras_pipe.layers.DeferredBatchNormalization` updates them once per
-    mini-batch, from the whole mini-batch); with `num_micro_batches=1` it
-    is exact too. Stage insides are recomputed in the backward pass
-    (`remat`) without re-running their state updates.
+    `num_micro_batches` micro-batches that flow through the stages under a
+    schedule inside one `tf.function` training step; gradients are summed
+    over micro-batches and the optimizer steps once per mini-batch: the
+    unsplit model's training for every layer without batch coupling
+    (BatchNormalization normalizes each micro-batch with its own
+    statistics, as in GPipe; `keras_pipe.layers.DeferredBatchNormalization`
+    updates the moving ones once per mini-batch). Stage insides are
+    recomputed in the backward pass (`remat`) without re-running their
+    state updates.
 
     ```python
     devices = keras_pipe.logical_cpu_devices(2)   # first thing, no GPUs
@@ -70,15 +69,11 @@ class PipelineModel(choices.FirstBatchChoices, model_io.SavingMethods,
             follows at once) or `"never"`; or a list of these, one per
             stage. Defaults to `"except_last"`.
         schedule: the name of a registered schedule
-            (`keras_pipe.schedule.schedule_names()`): `"gpipe"` (all
-            forward passes, then all backward passes), `"1f1b"`
-            (PipeDream-flush: each stage holds the activations of at most
-            `K` micro-batches), the zero-bubble `"zb_h1"` / `"zb_h2"`, or
-            `"interleaved_1f1b"` / `"zbv"` with several stages per device;
-            or one registered with `keras_pipe.schedule.register_schedule`.
-            Every schedule gives the same gradients; all but GPipe need a
-            loss that is a sum over rows, as every Keras loss is.
-            `from_model(..., schedule="auto")` chooses one. Defaults to
+            (`keras_pipe.schedule.schedule_names()`: `"gpipe"`, `"1f1b"`,
+            the zero-bubble `"zb_h1"` / `"zb_h2"`, `"interleaved_1f1b"` /
+            `"zbv"` with several stages per device, or your own). Every
+            schedule gives the same gradients; all but GPipe need a loss
+            that is a sum over rows, as every Keras loss is. Defaults to
             `None`: the fastest exact schedule the devices' order allows
             (`"zb_h2"` for one stage per device).
         **kwargs: `keras.Model` arguments (`name`, `dtype`, `trainable`).
@@ -95,7 +90,7 @@ class PipelineModel(choices.FirstBatchChoices, model_io.SavingMethods,
 
     def __init__(self, stages, devices=None, num_micro_batches=None,
                  remat="except_last", schedule=None, **kwargs):
-        if isinstance(stages, choices.Deferred):  # see `from_model`
+        if isinstance(stages, first_batch.Deferred):  # see `from_model`
             super().__init__(**kwargs)
             self._deferred = stages
             return
@@ -210,8 +205,6 @@ class PipelineModel(choices.FirstBatchChoices, model_io.SavingMethods,
             TypeError, ValueError: see `keras_pipe.planning.partition.split_model`
                 and `PipelineModel`.
         """
-        # Imported here: the Keras glue needs planning for this call only.
-        from keras_pipe.planning import planner  # noqa: PLC0415
         options = dict(num_stages=num_stages,
                        num_micro_batches=num_micro_batches, remat=remat,
                        balance=balance, memory_budget=memory_budget,
@@ -221,13 +214,7 @@ class PipelineModel(choices.FirstBatchChoices, model_io.SavingMethods,
                 choices.leaves_all(num_micro_batches, options["schedule"],
                                    remat, balance):
             # Planned for the batch size the pipeline first sees.
-            def stages_for(size, compiled_loss, optimizer_slots):
-                return planner.stages_from_model(
-                    model, devices=devices, batch_size=size,
-                    optimizer_slots=optimizer_slots, **dict(
-                        options, loss=options["loss"] or compiled_loss))
-
-            return cls(choices.Deferred(model, devices, options, stages_for),
+            return cls(first_batch.Deferred(model, devices, options),
                        **kwargs)
         stages, arguments, chosen = planner.stages_from_model(
             model, devices=devices, batch_size=batch_size, **options)
@@ -311,54 +298,6 @@ class PipelineModel(choices.FirstBatchChoices, model_io.SavingMethods,
         reporting.print_layer_table(args, kwargs, self._stage_layers,
                                     self._resolved_devices)
 
-    # ------------------------------------------------------------------ build
-
-    def build(self, input_shape):
-        """Builds every stage under its device, from float32 input shapes.
-
-        `fit`, `evaluate` and `predict` build from the first batch instead,
-        with its real dtypes.
-        """
-        self._build_from_spec(building.to_spec(input_shape))
-
-    def _build_from_spec(self, spec):
-        self._remember_input_spec(spec)
-        try:
-            building.build_stages(self._stage_layers, self._resolved_devices,
-                                  spec)
-        except tf.errors.OpError as error:  # A worker lost (out of memory?)
-            cluster.raise_if_lost(self._resolved_devices, "build", error)
-            raise
-        self.built = True
-        self._build_optimizer()
-
-    def _build_optimizer(self):
-        """Creates the optimizer's slots now, each on its variable's device
-        (created in the traced step, they make TF trace it twice)."""
-        optimizer = getattr(self, "optimizer", None)
-        if self.built and optimizer is not None and not optimizer.built:
-            with _compat.eager_scope():
-                optimizer.build(self.trainable_variables)
-
-    def _remember_input_spec(self, inputs):
-        """Keeps the first input spec seen, for `to_model` and `export`
-        (a subclassed first stage has no `Input` to read it from)."""
-        if getattr(self, "_seen_input_spec", None) is None:
-            self._seen_input_spec = building.spec_of(inputs)
-
-    def _ensure_built(self, x):
-        """Builds from a batch (Keras' TF trainer builds on first trace)."""
-        if not self.built:
-            self._build_from_spec(keras.tree.map_structure(
-                lambda t: keras.KerasTensor((None,) + tuple(t.shape[1:]),
-                                            dtype=t.dtype.name), x))
-
-    def compute_output_spec(self, inputs, training=False):
-        spec = inputs
-        for stage in self._stage_layers:
-            spec = stage.compute_output_spec(spec)
-        return spec
-
     # --------------------------------------------------------------- compile
 
     def compile(self, *args, jit_compile="auto", run_eagerly=False,
@@ -437,95 +376,6 @@ class PipelineModel(choices.FirstBatchChoices, model_io.SavingMethods,
             weight_loss=tf.add_n(weight_losses) if weight_losses else None,
             observer=observer, weight_ops=weight_ops)
 
-    def _build_compile_loss(self, x, y):
-        """Builds the compiled loss (its metrics) outside stateless scopes."""
-        compile_loss, _ = _compat.compiled_state(self)
-        if compile_loss is not None and not compile_loss.built:
-            self._build_compiled([compile_loss], keras.tree.map_structure(
-                lambda t: keras.KerasTensor(t.shape, t.dtype.name), x), y)
-
-    def _build_compiled(self, states, x, y):
-        """Builds those of `states` (Keras' compiled loss and metrics) not
-        built yet, for inputs shaped as the KerasTensors `x` and targets
-        `y`, outside stateless scopes."""
-        states = [state for state in states
-                  if state is not None and not state.built]
-        if states:
-            y_pred = self.compute_output_spec(x)
-            with _compat.eager_scope():
-                for state in states:
-                    state.build(y, y_pred)
-
-    # ------------------------------------------- built before the first trace
-    # A `tf.function` whose first trace made variables is traced again, as a
-    # function that makes none; one trace of a pipeline's step costs seconds
-    # to minutes. Keras' TF trainer builds the model and the compiled loss
-    # and metrics before the first step only under a distribution strategy
-    # (from a batch drawn from the data); here they are built from the
-    # element spec of the iterator the step is given, which reads no batch.
-
-    def make_train_function(self, force=False):
-        """Keras' train function, which first builds what the step would
-        create from the spec of its iterator's elements."""
-        return self._made_built_first(
-            "train_function", super().make_train_function, force)
-
-    def make_test_function(self, force=False):
-        """Keras' test function, built first as the train function."""
-        return self._made_built_first(
-            "test_function", super().make_test_function, force)
-
-    def _made_built_first(self, name, make, force, wrap=None):
-        """The function `self.<name>` that Keras' `make(force=True)` sets,
-        wrapped by `wrap` (default `_built_first`; made once unless
-        `force`)."""
-        if getattr(self, name) is not None and not force:
-            return getattr(self, name)
-        make(force=True)
-        setattr(self, name, (wrap or self._built_first)(getattr(self, name)))
-        return getattr(self, name)
-
-    def make_predict_function(self, force=False):
-        """Keras' predict function, which first builds the stages from the
-        spec of its first batch if they are unbuilt."""
-
-        def wrap(predict):
-            def built_first(data):
-                if not self.built:
-                    self._build_from_data_spec(tf.nest.map_structure(
-                        tf.type_spec_from_value, data[0]))
-                return predict(data)
-            return built_first
-
-        return self._made_built_first(
-            "predict_function", super().make_predict_function, force, wrap)
-
-    def _built_first(self, function):
-        """`function(iterator)` that first builds from the element spec of
-        the iterator of its first call (`_build_from_data_spec`)."""
-        pending = [True]
-
-        def built_first(iterator):
-            element_spec = getattr(iterator, "element_spec", None)
-            if pending and element_spec is not None:
-                self._build_from_data_spec(element_spec)
-            pending.clear()
-            return function(iterator)
-
-        return built_first
-
-    def _build_from_data_spec(self, element_spec):
-        """Builds the stages, the compiled loss and the compiled metrics
-        from the spec of a step's data (`building.data_spec`)."""
-        data = building.data_spec(element_spec)
-        if data is None:
-            return  # Built by the step, from its first batch.
-        x, y, _ = keras.utils.unpack_x_y_sample_weight(data)
-        if not self.built:
-            self._build_from_spec(x)
-        if y is not None:  # Without targets (`predict`), left to the step.
-            self._build_compiled(_compat.compiled_state(self), x, y)
-
     @_not_autograph
     def train_step(self, data):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
@@ -598,84 +448,3 @@ class PipelineModel(choices.FirstBatchChoices, model_io.SavingMethods,
             self._runners, devices)
         self.train_function = self.test_function = None
         self.predict_function = None
-
-    # A worker lost mid-call ends it with an error naming the task
-    # (`cluster.run`); a plain call when every stage is local.
-
-    # Array data of `fit` and `evaluate` are batched on `data_device` when
-    # one is set (`keras_pipe.placed_data`); the error diagnosis replays
-    # the call's own arguments.
-
-    def fit(self, *args, **kwargs):
-        _validation.check_data("fit", args, kwargs)
-        # TensorBoard(write_graph=True) gets the model config as Keras
-        # writes it for a Functional model (`keras_pipe.reporting`).
-        self.see_batch("fit", args, kwargs)
-        args, kwargs = reporting.with_config_writers_in(args, kwargs)
-        # With a BackupAndRestore, a lost worker costs the steps since
-        # the last backup, not the call (`recovery`).
-        return recovery.fit(self, self._resolved_devices, self._placed_fit,
-                            args, kwargs)
-
-    def _placed_fit(self, *args, **kwargs):
-        args, kwargs = placed_data.placed_call(
-            "fit", self, self.data_device, args, kwargs)
-        return super().fit(*args, **kwargs)
-
-    def evaluate(self, *args, **kwargs):
-        _validation.check_data("evaluate", args, kwargs)
-        self.see_batch("evaluate", args, kwargs)
-        return cluster.run(self._resolved_devices, "evaluate",
-                           self._placed_evaluate, *args, **kwargs)
-
-    def _placed_evaluate(self, *args, **kwargs):
-        args, kwargs = placed_data.placed_call(
-            "evaluate", self, self.data_device, args, kwargs)
-        return super().evaluate(*args, **kwargs)
-
-    @property
-    def data_device(self):
-        """Where `fit` and `evaluate` batch array data (numpy arrays,
-        tensors; not datasets or generators), or None for this process.
-
-        Defaults to None: this process, as Keras does. `"auto"` batches
-        them on the first stage's device if it is on a remote worker
-        (`keras_pipe.placed_data`), a device string on that device: each
-        batch is then cut there instead of being sent from this process at
-        every step, and the arrays are copied there once per call (that
-        worker holds them while the call runs, which the memory model and
-        `memory_budget` do not count: opt in only for arrays small next to
-        that worker's memory). It saves this process the CPU of sending
-        each batch (docs/performance.md).
-        """
-        chosen = getattr(self, "_data_device", None)
-        if chosen != "auto":
-            return chosen
-        first = self._resolved_devices[0]
-        return first if cluster.is_remote(first) else None
-
-    @data_device.setter
-    def data_device(self, device):
-        if device is not None and not isinstance(device, str):
-            raise TypeError(
-                "data_device must be a device string, 'auto' or None. "
-                f"Received: data_device={device!r}")
-        self._data_device = device
-
-    def train_on_batch(self, *args, **kwargs):
-        self.see_batch("train_on_batch", args, kwargs)
-        return super().train_on_batch(*args, **kwargs)
-
-    def test_on_batch(self, *args, **kwargs):
-        self.see_batch("test_on_batch", args, kwargs)
-        return super().test_on_batch(*args, **kwargs)
-
-    def predict_on_batch(self, *args, **kwargs):
-        self.see_batch("predict_on_batch", args, kwargs)
-        return super().predict_on_batch(*args, **kwargs)
-
-    def predict(self, *args, **kwargs):
-        _validation.check_data("predict", args, kwargs)
-        self.see_batch("predict", args, kwargs)
-        return cluster.run(self._resolved_devices, "predict",
-                           super().predict, *args, **kwargs)
