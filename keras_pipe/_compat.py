@@ -225,6 +225,31 @@ def reinitialize_variable(variable, value):
     variable._initialize(value)
 
 
+def rekey_optimizer(optimizer, keys):
+    """Points the optimizer's tables at re-created variables.
+
+    Keras keys a variable's place in its optimizer by the id of the
+    `tf.Variable` behind it (`_var_key`); `reinitialize_variable` makes a
+    new one. `keys` maps each old key to the new one.
+    """
+    inner = getattr(optimizer, "inner_optimizer", None)  # LossScaleOptimizer
+    if inner is not None:
+        rekey_optimizer(inner, keys)
+    optimizer._trainable_variables_indices = {
+        keys.get(key, key): index for key, index in
+        optimizer._trainable_variables_indices.items()}
+    excluded = getattr(optimizer, "_exclude_from_weight_decay", None)
+    if excluded:
+        optimizer._exclude_from_weight_decay = {keys.get(k, k)
+                                                for k in excluded}
+    optimizer._exclude_from_weight_decay_cache = {}
+
+
+def variable_key(optimizer, variable):
+    """The key of `variable` in `optimizer`'s tables (`rekey_optimizer`)."""
+    return optimizer._var_key(variable)
+
+
 @contextlib.contextmanager
 def replaced_losses(compile_loss, make):
     """Replaces each loss of a `CompileLoss` by `make(n, loss)` meanwhile.

@@ -13,6 +13,13 @@ data they would have used is drawn and dropped, and training goes on from
 the next one. With a data order that depends on the epoch only (a fixed
 dataset, `shuffle=False`, or a shuffle with a fixed seed), the resumed fit
 ends with the same weights as an uninterrupted one.
+
+The position holds the running totals of the metrics too (the loss's mean,
+accuracy, ...), put back after the skipped batches, so the resumed epoch's
+logs are those of an uninterrupted run, not of its last batches only.
+Neither depends on the cut: a backup taken with `K` stages resumes on
+another number of stages or devices (weights and optimizer slots are saved
+by layer, in the order of the model's variables).
 """
 
 import json
@@ -36,7 +43,12 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
     """`keras.callbacks.BackupAndRestore` with an exact mid-epoch resume.
 
     Works with any Keras model; a `PipelineModel` saves its seed generator
-    states too, so Dropout draws the same masks after the restart.
+    states too, so Dropout draws the same masks after the restart. With
+    stages on remote workers and `save_freq` a number of batches, a worker
+    lost during `fit` costs the batches since the last backup, not the
+    call: once the worker is back at its address (`local_workers(...,
+    restart=True)`, or its host's supervisor), the same `fit` call restores
+    the backup and goes on (`keras_pipe.distributed.recovery`).
 
     ```python
     backup = keras_pipe.BackupAndRestore("/ckpt/backup", save_freq=100)
@@ -68,6 +80,24 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
         self._skip = 0
         self._resume_steps = 0
         self._train_function = None
+        self.saves = 0  # backups written by this callback object
+        self.saved_iterations = None  # optimizer steps of the last one
+        self._metrics_to_restore = None
+
+    @property
+    def weights_path(self):
+        """The backup's weights file (`<backup_dir>/latest.weights.h5`)."""
+        return self._weights_path
+
+    @property
+    def resumed_steps(self):
+        """Batches of the current epoch that the restore skipped."""
+        return self._resume_steps
+
+    def save_if_missing(self):
+        """Writes a backup now if none exists (the start of a run)."""
+        if not os.path.exists(self._weights_path):
+            self._save_model()
 
     # ------------------------------------------------------------- restore
 
@@ -78,6 +108,8 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
                 checksums.verify(f, repr(self._weights_path))
         super()._load_model()
         self._skip = 0
+        self._batches_seen_since_last_saving = 0
+        self._metrics_to_restore = None
         if not os.path.exists(self._weights_path):
             return
         with h5py.File(self._weights_path, "r") as f:
@@ -99,6 +131,8 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
         _compat.set_initial_epoch(self.model, epoch)
         self._current_epoch = epoch
         self._skip = steps
+        if steps:
+            self._metrics_to_restore = position.get("metrics")
 
     def on_train_begin(self, logs=None):
         super().on_train_begin(logs)
@@ -118,9 +152,26 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
             self._skip -= min(steps, self._skip)
             if not self._skip:
                 self.model.train_function = original
-            return {}  # No metric has seen these batches.
+                self._restore_metrics(iterator)
+            return {}  # The metrics hold these batches only if restored.
 
         self.model.train_function = skipping
+
+    def _restore_metrics(self, iterator):
+        """Puts the metrics' running totals of the backup back."""
+        saved, self._metrics_to_restore = self._metrics_to_restore, None
+        # A PipelineModel builds its compiled metrics at its first step,
+        # which has not run in a new process: built here from the data's
+        # spec, as that step would.
+        build = getattr(self.model, "_build_from_data_spec", None)
+        spec = getattr(iterator, "element_spec", None)
+        if build is not None and spec is not None:
+            build(spec)
+        variables = self.model.metrics_variables
+        if saved is None or len(saved) != len(variables):
+            return
+        for variable, value in zip(variables, saved):
+            variable.assign(value)
 
     def on_train_end(self, logs=None):
         if self._train_function is not None:
@@ -156,6 +207,8 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
             "steps": self._steps_done,
             "iterations": (int(optimizer.iterations.numpy())
                            if optimizer is not None else None),
+            "metrics": [v.numpy().tolist()
+                        for v in self.model.metrics_variables],
         }
 
         # Made in memory, with checksums: a full disk is a clean OSError.
@@ -173,3 +226,5 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
                            "batch": self._last_batch_seen}, f)
 
         saving.write_atomically(self._training_metadata_path, write_metadata)
+        self.saves += 1
+        self.saved_iterations = position["iterations"]

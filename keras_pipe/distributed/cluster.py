@@ -38,10 +38,15 @@ import tensorflow as tf
 from keras_pipe import _compat, _validation
 from keras_pipe.distributed import bind as bind_lib
 from keras_pipe.distributed import diagnosis, exits
+from keras_pipe.distributed.probes import KeptProbe as _KeptProbe
+from keras_pipe.distributed.probes import gone as _gone
+from keras_pipe.distributed.probes import probe
+from keras_pipe.distributed.probes import unreachable as _unreachable
+from keras_pipe.distributed.probes import why_down as _why_down
 
 __all__ = ["WorkerRestartedError", "WorkerUnavailableError", "check_addresses",
-           "cluster_spec",
-           "connect", "is_remote", "probe", "run", "raise_if_lost"]
+           "cluster_spec", "connect", "describe_tasks", "is_remote", "probe",
+           "reconnect", "remote_tasks", "run", "raise_if_lost"]
 
 
 class WorkerUnavailableError(ConnectionError):
@@ -152,141 +157,7 @@ def _tasks(spec):
             for job in spec.jobs for t in spec.task_indices(job)}
 
 
-def probe(address, timeout=1.0):
-    """Whether a gRPC server answers at `address` within `timeout` seconds.
-
-    A TCP connect alone is not enough: the kernel accepts connections for
-    a stopped (hung) process. This waits for the HTTP/2 handshake.
-    """
-    import grpc  # A TensorFlow dependency.
-
-    channel = grpc.insecure_channel(address)
-    try:
-        grpc.channel_ready_future(channel).result(timeout=timeout)
-        return True
-    except grpc.FutureTimeoutError:
-        return False
-    finally:
-        channel.close()
-
-
-# No server implements it: a live gRPC server answers UNIMPLEMENTED at once.
-_PING = "/keras_pipe.Watch/Ping"
-
-
-class _KeptProbe:
-    """`probe` over one kept channel per address: cheap enough to repeat.
-
-    A new channel per probe costs the client ~7 ms of CPU and the worker
-    ~2 ms (TCP connect, HTTP/2 handshake, grpc's own polling thread); once
-    a second per worker that is 2-3% of a busy client's CPU next to the
-    stages it shares cores with. Here each probe is one call of a method
-    no server implements on a channel kept open: a live server answers
-    UNIMPLEMENTED (~0.5 ms of client CPU, ~0.25 ms of the worker's), a
-    stopped (hung) one lets the deadline pass, a dead one fails to connect.
-    After a failure the channel is dropped, so the next probe connects
-    afresh instead of waiting out grpc's reconnection backoff.
-
-    A deadline that passes does not tell a hung worker from a busy one: a
-    worker pinned to one core of a loaded host missed 2 probes of 1 s in
-    a row while it trained (5 of 18 configurations of a benchmark run at
-    load average 10-20 were cancelled that way). So `_Watch` gives a
-    silent task `silence` seconds, and a refused one `misses` probes.
-    """
-
-    def __init__(self):
-        self.channels = {}
-
-    def __call__(self, address, timeout):
-        """`"ok"` (it answered), `"silent"` (no answer within `timeout`:
-        stopped, or too busy on a loaded host) or `"down"` (no server:
-        the connection failed)."""
-        import grpc  # A TensorFlow dependency.
-
-        channel = self.channels.get(address)
-        if channel is None:
-            channel = self.channels[address] = grpc.insecure_channel(address)
-        try:
-            channel.unary_unary(_PING)(b"", timeout=timeout)
-        except grpc.RpcError as error:
-            if error.code() == grpc.StatusCode.UNIMPLEMENTED:
-                return "ok"
-            self.channels.pop(address).close()
-            if error.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
-                return "silent"
-            return "down"
-        return "ok"
-
-    def close(self):
-        for channel in self.channels.values():
-            channel.close()
-        self.channels.clear()
-
-
-def _unreachable(tasks, timeout):
-    """The subset of `tasks` that does not answer before `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    pending = dict(tasks)
-    while pending:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            break
-        results = {}
-        threads = [threading.Thread(
-            # The threads are joined inside this iteration.
-            target=lambda n=name, a=address: results.__setitem__(  # noqa: B023
-                n, probe(a, min(left, 1.0))), daemon=True)  # noqa: B023
-            for name, address in pending.items()]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-        pending = {n: a for n, a in pending.items() if not results.get(n)}
-        if pending:
-            time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
-    return pending
-
-
-def _tcp_state(address):
-    """`"accepts"` (the kernel takes a TCP connection: the process lives,
-    perhaps stopped or busy), `"refused"` (nothing listens) or another
-    reason a connection could not be made."""
-    host, _, port = address.rpartition(":")
-    try:
-        with socket.create_connection((host.strip("[]"), int(port)),
-                                      timeout=1.0):
-            return "accepts"
-    except ConnectionRefusedError:
-        return "refused"
-    except (OSError, ValueError) as exc:
-        return f"no connection: {exc}"
-
-
-def _gone(tasks):
-    """The subset of `tasks` that takes no TCP connection: its process (or
-    host) is gone. A live worker too busy to answer a gRPC probe in time
-    (one pinned core of a loaded host) still accepts a connection: it is
-    not gone, and the error of the call it ran is the one to report."""
-    return {n: a for n, a in tasks.items() if _tcp_state(a) != "accepts"}
-
-
-_TCP_MEANING = {
-    "accepts": "accepts TCP connections but gives no gRPC answer: hung, or "
-               "not a TF server",
-    "refused": "connection refused: nothing listens on that port"}
-
-
-def _why_down(tasks):
-    """What a TCP connect to each task shows, e.g. 'task:1: connection refused'."""
-    reasons = []
-    for name, address in tasks.items():
-        state = _tcp_state(address)
-        reasons.append(f"{name.rsplit('/', 1)[-1]}: "
-                       f"{_TCP_MEANING.get(state, state)}")
-    return "; ".join(reasons)
-
-
-def _describe_tasks(tasks):
+def describe_tasks(tasks):
     return ", ".join(f"{name} at {address}" for name, address in tasks.items())
 
 
@@ -372,7 +243,7 @@ def connect(cluster=None, timeout=30.0, job_name="localhost",
     down = _unreachable(tasks, timeout)
     if down:
         raise WorkerUnavailableError(
-            f"Cannot reach {_describe_tasks(down)} within {timeout:g} s "
+            f"Cannot reach {describe_tasks(down)} within {timeout:g} s "
             f"({_why_down(down)}). "
             "Start the worker (python -m keras_pipe.distributed.worker --task N "
             "--cluster ...), check its address, or raise `timeout`.", down)
@@ -382,6 +253,8 @@ def connect(cluster=None, timeout=30.0, job_name="localhost",
         _compat.disable_thread_spinning()
     _pin_client(bind)
     tf.config.experimental_connect_to_cluster(full_spec, job_name=job_name)
+    _CONNECTED.update(bind=bind, inter_op_threads=inter_op_threads,
+                      thread_spinning=thread_spinning)
     _check_client_listener(full_spec, job_name, bind)
     listing = {}
     thread = threading.Thread(
@@ -393,10 +266,30 @@ def connect(cluster=None, timeout=30.0, job_name="localhost",
     if "names" not in listing:
         down = _unreachable(tasks, 1.0) or tasks
         raise WorkerUnavailableError(
-            f"Connected, but listing the devices of {_describe_tasks(down)} "
+            f"Connected, but listing the devices of {describe_tasks(down)} "
             f"did not finish within {timeout:g} s.", down)
     return {name: [d for d in listing["names"]
                    if d.startswith(name + "/")] for name in tasks}
+
+
+# The settings of the last `connect`, for `reconnect`.
+_CONNECTED = {}
+
+
+def reconnect(timeout=30.0):
+    """Connects again to the cluster of the last `connect`, with its settings.
+
+    The client keeps its address (`_with_local_job`), so workers started
+    again at their addresses reach it. Every worker gets a new context:
+    what the client placed there before is no longer reachable.
+
+    Returns:
+        What `connect` returns.
+    """
+    server_def = _compat.get_server_def()
+    spec = {job.name: dict(job.tasks) for job in server_def.cluster.job}
+    return connect(spec, timeout=timeout, job_name=server_def.job_name,
+                   **_CONNECTED)
 
 
 def _set_inter_op_threads(threads):
@@ -499,10 +392,10 @@ def _with_local_job(spec, job_name, bind="127.0.0.1"):
 
 def is_remote(device):
     """Whether `device` lives in a cluster task other than this process."""
-    return bool(_remote_tasks([device]))
+    return bool(remote_tasks([device]))
 
 
-def _remote_tasks(devices):
+def remote_tasks(devices):
     """`{task: address}` of the cluster tasks that `devices` live on."""
     server_def = _compat.get_server_def()
     if server_def is None:
@@ -532,7 +425,8 @@ class _Watch:
         self.tasks = tasks
         self.interval = interval
         self.misses = misses
-        self.silence = silence
+        # Seconds, or a function that returns them (read at each probe).
+        self.silence = silence if callable(silence) else lambda: silence
         self.lost = {}
         self.lost_at = None
         self.manager = _compat.cancellation.CancellationManager()
@@ -554,7 +448,7 @@ class _Watch:
                     elif state == "down":
                         refused[name] += 1
                     if (refused[name] >= self.misses
-                            or now - answered[name] >= self.silence):
+                            or now - answered[name] >= self.silence()):
                         self.lost[name] = address
                 if self.lost:
                     self.lost_at = time.monotonic()
@@ -601,8 +495,9 @@ def run(devices, action, function, *args, interval=1.0, misses=2,
             `1.0`.
         misses: refused probes in a row that mark a task lost. Defaults
             to `2`.
-        silence: seconds without an answer that mark a task lost.
-            Defaults to `None`: `HUNG_AFTER` (30 s).
+        silence: seconds without an answer that mark a task lost, or a
+            function that returns them (read at each probe). Defaults to
+            `None`: `HUNG_AFTER` (30 s).
         grace: seconds a cancelled call gets to return. Defaults to `5.0`.
 
     Returns:
@@ -616,7 +511,7 @@ def run(devices, action, function, *args, interval=1.0, misses=2,
         WorkerUnavailableError: naming each lost task and its address.
         WorkerRestartedError: naming each restarted task and its address.
     """
-    tasks = _remote_tasks(devices)
+    tasks = remote_tasks(devices)
     if _Watch.active:
         return function(*args, **kwargs)
     if not tasks:
@@ -663,7 +558,7 @@ def run(devices, action, function, *args, interval=1.0, misses=2,
         # After an error, a task is lost if the watchdog saw it so or it
         # takes no connection; not for missing a probe (busy, loaded).
         lost = dict(watchdog.lost) or (
-            _gone(tasks) if done.is_set()
+            _gone_within(tasks, error, interval * misses) if done.is_set()
             else _unreachable(tasks, interval * misses))
         if lost:
             detail = (_first_line(error) if error is not None else
@@ -676,7 +571,7 @@ def run(devices, action, function, *args, interval=1.0, misses=2,
         restarted = _restarted(error, tasks)
         if restarted:
             raise WorkerRestartedError(
-                f"{_describe_tasks(restarted)} was restarted after "
+                f"{describe_tasks(restarted)} was restarted after "
                 f"keras_pipe.connect(), and the model's variables there are "
                 f"gone ({action} cannot run). Call keras_pipe.connect() "
                 f"again if not done yet, then {_REBUILD} "
@@ -686,6 +581,22 @@ def run(devices, action, function, *args, interval=1.0, misses=2,
     if error is not None:
         raise error
     return outcome["value"]
+
+
+def _gone_within(tasks, error, seconds):
+    """The tasks whose process this client saw end (`exits`) or that take
+    no connection (`_gone`), looked at for up to `seconds` after a lost
+    connection (`UnavailableError`): TF can report the reset before the
+    dying process has closed its port."""
+    deadline = time.monotonic() + (
+        seconds if isinstance(error, tf.errors.UnavailableError) else 0.0)
+    while True:
+        gone = {name: address for name, address in tasks.items()
+                if exits.why_ended(name, wait=0.0) is not None}
+        gone = gone or _gone(tasks)
+        if gone or time.monotonic() >= deadline:
+            return gone
+        time.sleep(0.2)
 
 
 def _task_of(device):
@@ -718,7 +629,7 @@ def raise_if_lost(devices, action, error):
     a worker that dies, e.g. out of memory, is `UnavailableError: Socket
     closed` naming no task). Returns if every task still answers.
     """
-    tasks = _remote_tasks(devices)
+    tasks = remote_tasks(devices)
     if not tasks or not isinstance(error, tf.errors.OpError):
         return
     lost = {n: a for n, a in tasks.items()
@@ -778,7 +689,10 @@ _REBUILD = (
     "lived on the lost worker) and restore its weights: with "
     "keras_pipe.BackupAndRestore in fit's callbacks, the same fit() call "
     "resumes at the exact batch of the last backup; or load_weights() from "
-    "a checkpoint.")
+    "a checkpoint. With a BackupAndRestore(save_freq=<batches>) and "
+    "workers started again at their addresses (local_workers(..., "
+    "restart=True), or a supervisor on their hosts), fit goes on by itself "
+    "(keras_pipe.distributed.recovery).")
 
 
 def _first_line(error):

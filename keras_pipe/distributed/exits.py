@@ -7,16 +7,23 @@ raises `UnavailableError: Socket closed`, naming no task. `local_workers`
 started the process, so it can tell: it records each worker's process and
 log here, and `keras_pipe.distributed.cluster` asks `why_ended` when a task
 is lost, to name the cause (memory) next to the task and its stages.
-Nothing here imports TensorFlow.
+A worker that `local_workers(..., restart=True)` starts again after it
+ended is recorded too (`restarted`): its old process is then the one whose
+end explains the loss. Nothing here imports TensorFlow.
 """
 
 import re
 import subprocess
 
-__all__ = ["started", "stopped", "process", "why_ended"]
+__all__ = ["started", "stopped", "supervise", "is_supervised", "restarted",
+           "recovered", "process", "why_ended"]
 
 # task name ("/job:worker/replica:0/task:1") -> (Popen, log path)
 _STARTED = {}
+# task name -> (Popen, log path) of its process that ended and was replaced
+_ENDED = {}
+# tasks whose process is started again when it ends
+_SUPERVISED = set()
 _MEMORY = re.compile(r"bad_alloc|resource ?exhausted|out of memory|\bOOM\b|"
                      r"MemoryError|Cannot allocate memory", re.IGNORECASE)
 
@@ -29,6 +36,28 @@ def started(task, proc, log_path):
 def stopped(task):
     """Forgets `task` (its process was stopped on purpose)."""
     _STARTED.pop(task, None)
+    _ENDED.pop(task, None)
+    _SUPERVISED.discard(task)
+
+
+def supervise(task):
+    """Records that a process of `task` that ends is started again."""
+    _SUPERVISED.add(task)
+
+
+def is_supervised(task):
+    """Whether a process of `task` that ends is started again."""
+    return task in _SUPERVISED
+
+
+def restarted(task, proc, log_path):
+    """Records that `proc` of `task` ended and a new process replaces it."""
+    _ENDED[task] = (proc, log_path)
+
+
+def recovered(task):
+    """Forgets the ended process of `task`: the run went on without it."""
+    _ENDED.pop(task, None)
 
 
 def process(task):
@@ -57,10 +86,19 @@ def why_ended(task, wait=2.0):
     if entry is None:
         return None
     proc, log_path = entry
+    if task in _ENDED and proc.poll() is None:
+        old, old_log = _ENDED[task]
+        return (f"{_describe(old, old_log, old.returncode)}; it was started "
+                f"again as pid {proc.pid}")
     try:
         code = proc.wait(timeout=wait)
     except subprocess.TimeoutExpired:
         return None
+    return _describe(proc, log_path, code)
+
+
+def _describe(proc, log_path, code):
+    """Why `proc`, which ended with `code`, ended, as a phrase."""
     lines = _log_lines(log_path)
     memory = [line for line in lines if _MEMORY.search(line)]
     if code == -9:

@@ -20,6 +20,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 from keras_pipe import _validation
@@ -130,7 +131,7 @@ def _check_args(num_workers, cores, gpus, intra_op_threads,
 @contextlib.contextmanager
 def local_workers(num_workers=2, cores=None, gpus=None,
                   intra_op_threads=None, inter_op_threads=2,
-                  heap="reuse", timeout=120.0, onednn=None):
+                  heap="reuse", timeout=120.0, onednn=None, restart=False):
     """Starts pinned worker processes on this machine and connects to them.
 
     Each worker is a `python -m keras_pipe.distributed.worker` process that listens on
@@ -196,6 +197,11 @@ def local_workers(num_workers=2, cores=None, gpus=None,
             the kernels TF chose when it was imported: the workers' setting
             is their own. Defaults to `None`: what `TF_ENABLE_ONEDNN_OPTS`
             in this environment says if it is set, else on.
+        restart: whether a worker process that ends while the block runs
+            is started again, with the same task and address (a thread of
+            this process watches them). A `fit` given a
+            `keras_pipe.BackupAndRestore` then goes on after the loss
+            (`keras_pipe.distributed.recovery`). Defaults to `False`.
 
 
     Returns:
@@ -205,7 +211,8 @@ def local_workers(num_workers=2, cores=None, gpus=None,
 
     Raises:
         TypeError: for a count that is not an int, `cores`/`gpus` that
-            are not lists of ints, or an `onednn` that is not a bool.
+            are not lists of ints, or an `onednn` or `restart` that is not
+            a bool.
         ValueError: for a count < 1, more workers than available CPUs,
             `cores`/`gpus` of the wrong length, with an id twice or naming
             a CPU this process cannot run on, a `heap` not in
@@ -219,6 +226,9 @@ def local_workers(num_workers=2, cores=None, gpus=None,
     """
     cores, gpus = _check_args(num_workers, cores, gpus, intra_op_threads,
                               inter_op_threads, timeout)
+    if not isinstance(restart, bool):
+        raise TypeError(f"restart must be True or False. Received: "
+                        f"restart={restart!r}")
     heap_lib.check_mode(heap)
     onednn = workers_onednn(onednn)
     from keras_pipe.engine import products  # imports TF
@@ -228,12 +238,18 @@ def local_workers(num_workers=2, cores=None, gpus=None,
     addresses = [f"127.0.0.1:{_free_port()}" for _ in range(num_workers)]
     logdir = tempfile.TemporaryDirectory(prefix="keras_pipe_workers_")
     procs = []
+    supervisor = None
     try:
         for task in range(num_workers):
             procs.append(_start(task, addresses, cores, gpus,
                                 intra_op_threads, inter_op_threads, heap,
                                 onednn, pathlib.Path(logdir.name)))
         _wait_serving(procs, pathlib.Path(logdir.name), timeout)
+        if restart:
+            supervisor = _Supervisor(procs, pathlib.Path(logdir.name), (
+                lambda task: _start(task, addresses, cores, gpus,
+                                    intra_op_threads, inter_op_threads, heap,
+                                    onednn, pathlib.Path(logdir.name))))
         from keras_pipe.distributed.cluster import connect  # imports TF
         listing = connect({"worker": addresses}, timeout=timeout,
                           inter_op_threads=inter_op_threads)
@@ -249,6 +265,8 @@ def local_workers(num_workers=2, cores=None, gpus=None,
             devices.append(wanted)
         yield devices
     finally:
+        if supervisor is not None:
+            supervisor.stop()
         _stop(procs)
         logdir.cleanup()
 
@@ -297,6 +315,63 @@ def _wait_serving(procs, logdir, timeout):
                     f"keras_pipe worker task {task} {what}. Its log:\n"
                     f"{path.read_text()[-2000:]}")
             time.sleep(0.1)
+
+
+class _Supervisor:
+    """Starts again, at the same task and address, a worker that ended.
+
+    A thread polls the worker processes; one that has ended (killed, out
+    of memory, crashed) is started again by `start(task)` and replaces its
+    entry in `procs`. Its log is kept as `worker<task>.<n>.log` and its
+    exit recorded (`exits.restarted`), so that the error of the call it
+    broke can still say why it ended. The thread started the new process,
+    so the process ends with that thread (parent-death signal): `stop`
+    ends the thread, and the caller then stops the workers.
+    """
+
+    POLL = 0.2  # seconds between two looks at the processes
+    # Seconds between two starts of one worker: one that cannot start
+    # (it exits at once) is tried again at this pace, not in a busy loop.
+    RESTART_AFTER = 1.0
+
+    def __init__(self, procs, logdir, start):
+        self.procs = procs
+        self.logdir = logdir
+        self.start = start
+        self.restarts = [0] * len(procs)
+        self.started = [time.monotonic()] * len(procs)
+        self.finished = threading.Event()
+        self.lock = threading.Lock()
+        self.thread = threading.Thread(target=self._run, daemon=True,
+                                       name="keras_pipe-supervisor")
+        for task in range(len(procs)):
+            exits.supervise(f"/job:worker/replica:0/task:{task}")
+        self.thread.start()
+
+    def _run(self):
+        while not self.finished.wait(self.POLL):
+            for task, proc in enumerate(self.procs):
+                with self.lock:
+                    if self.finished.is_set() or proc.poll() is None or (
+                            time.monotonic() - self.started[task]
+                            < self.RESTART_AFTER):
+                        continue
+                    self.restarts[task] += 1
+                    log = self.logdir / f"worker{task}.log"
+                    kept = self.logdir / (f"worker{task}."
+                                          f"{self.restarts[task]}.log")
+                    if log.exists():
+                        os.replace(log, kept)
+                    exits.restarted(f"/job:worker/replica:0/task:{task}",
+                                    proc, kept)
+                    self.procs[task] = self.start(task)
+                    self.started[task] = time.monotonic()
+
+    def stop(self):
+        """Ends the thread; no worker is started after this returns."""
+        with self.lock:
+            self.finished.set()
+        self.thread.join()
 
 
 def _stop(procs):

@@ -2,15 +2,16 @@
 
 Each call first lets the pipeline make the choices left to it from the
 call's batch size (`FirstBatchChoices.see_batch`). A worker lost mid-call
-ends it with an error naming the task (`cluster.run`); a plain call when
-every stage is local. Array data of `fit` and `evaluate` are batched on
+ends it with an error naming the task (`cluster.run`), or costs `fit` the
+steps since its last backup (`keras_pipe.distributed.recovery`); a plain
+call when every stage is local. Array data of `fit` and `evaluate` are batched on
 `data_device` when one is set (`keras_pipe.placed_data`); the error
 diagnosis replays the call's own arguments.
 """
 
 
 from keras_pipe import _validation, placed_data, reporting
-from keras_pipe.distributed import cluster
+from keras_pipe.distributed import cluster, recovery
 
 __all__ = ["Calls"]
 
@@ -25,8 +26,10 @@ class Calls:
         # writes it for a Functional model (`keras_pipe.reporting`).
         self.see_batch("fit", args, kwargs)
         args, kwargs = reporting.with_config_writers_in(args, kwargs)
-        return cluster.run(self._resolved_devices, "fit", self._placed_fit,
-                           *args, **kwargs)
+        # With a BackupAndRestore, a lost worker costs the steps since
+        # the last backup, not the call (`recovery`).
+        return recovery.fit(self, self._resolved_devices, self._placed_fit,
+                            args, kwargs)
 
     def _placed_fit(self, *args, **kwargs):
         args, kwargs = placed_data.placed_call(
