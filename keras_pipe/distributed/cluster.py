@@ -209,9 +209,9 @@ def connect(cluster=None, timeout=30.0, job_name="localhost",
         thread_spinning: whether idle threads of TF's pools in this
             client and in the contexts the workers run its functions in
             spin before they sleep (TF's default). Without spinning the
-            client spent 0.3-2.4 ms less CPU per step of the MLP
-            benchmark and the workers no more (docs/performance.md). Set
-            before TF runs any op in this process. Defaults to `False`.
+            client spends less CPU per step and the workers no more
+            (docs/performance.md). Set before TF runs any op in this
+            process. Defaults to `False`.
 
     Returns:
         `{task name: [device names]}` for every task of the cluster, task
@@ -646,8 +646,8 @@ def _wait(done, watchdog, grace):
     """Waits for `done`; returns early `grace` s after a task was lost.
 
     In 1 s slices until a loss (a Ctrl-C still ends the wait at once), then
-    0.1 s: 0.1 s slices throughout cost the client 0.3-0.5 ms of CPU per
-    step of the MLP benchmark (docs/performance.md), 1 s slices under 0.1.
+    0.1 s: short slices throughout would cost the client CPU at every step
+    (docs/performance.md).
     """
     while not done.wait(1.0 if watchdog.lost_at is None else 0.1):
         if (watchdog.lost_at is not None
@@ -665,7 +665,8 @@ def _stop_caller(caller, done, watchdog, grace, interrupt):
     """Ends the call running in `caller` at its next step; then returns.
 
     Python delivers a signal (Ctrl-C) to the main thread only: without this
-    the step loop in `caller` ran on after `fit` had raised (trap 12). The
+    the step loop in `caller` ran on after `fit` had raised (the
+    "main-thread interrupt" trap). The
     interrupt is re-raised in `caller` as soon as it runs Python code again,
     so the step in progress (one TF call) finishes and no further step
     starts: the model keeps the weights of its last completed step, as a

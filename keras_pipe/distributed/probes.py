@@ -42,13 +42,13 @@ _PING = "/keras_pipe.Watch/Ping"
 class KeptProbe:
     """`probe` over one kept channel per address: cheap enough to repeat.
 
-    A new channel per probe costs the client ~7 ms of CPU and the worker
-    ~2 ms (TCP connect, HTTP/2 handshake, grpc's own polling thread); once
-    a second per worker that is 2-3% of a busy client's CPU next to the
-    stages it shares cores with. Here each probe is one call of a method
-    no server implements on a channel kept open: a live server answers
-    UNIMPLEMENTED (~0.5 ms of client CPU, ~0.25 ms of the worker's), a
-    stopped (hung) one lets the deadline pass, a dead one fails to connect.
+    A new channel per probe costs the client and the worker a TCP connect,
+    an HTTP/2 handshake and grpc's own polling thread: once a second per
+    worker, a noticeable share of a busy client's CPU next to the stages
+    it shares cores with. Here each probe is one call of a method no
+    server implements on a channel kept open: a live server answers
+    UNIMPLEMENTED (a small fraction of a new channel's cost), a stopped
+    (hung) one lets the deadline pass, a dead one fails to connect.
     After a failure the channel is dropped, so the next probe connects
     afresh instead of waiting out grpc's reconnection backoff.
 
