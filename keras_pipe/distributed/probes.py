@@ -53,10 +53,9 @@ class KeptProbe:
     afresh instead of waiting out grpc's reconnection backoff.
 
     A deadline that passes does not tell a hung worker from a busy one: a
-    worker pinned to one core of a loaded host missed 2 probes of 1 s in
-    a row while it trained (5 of 18 configurations of a benchmark run at
-    load average 10-20 were cancelled that way). So `_Watch` gives a
-    silent task `silence` seconds, and a refused one `misses` probes.
+    worker pinned to one core of a loaded host can miss several probes in
+    a row while it trains. So `_Watch` gives a silent task `silence`
+    seconds, and a refused one `misses` probes.
     """
 
     def __init__(self):
