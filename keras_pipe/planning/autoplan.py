@@ -445,8 +445,9 @@ def _calibrate(model, measured, devices, ms, batch_size, budgets,
                 f"the planner's costs ({type(exc).__name__}: "
                 f"{str(exc)[:200]}); the planner goes on without what it "
                 f"fits ({fitted!r}), so its step times may miss what a step "
-                "adds to the layer costs (20-50% on some models). Pass "
-                "calibrate=False to skip the calibration.", stacklevel=3)
+                "adds to the layer costs (tens of percent on some "
+                "models). Pass calibrate=False to skip the calibration.",
+                stacklevel=3)
             continue
         trained.append((step, seconds, fitted))
 
@@ -529,7 +530,7 @@ def search(model, devices=None, num_devices=None, batch_size=None,
             largest `M`, to fit the cost of receiving an input from
             another device and of a weight-gradient call
             (`calibration_points`, `keras_pipe.calibration.step_seconds`;
-            cached like the costs). A step runs its calls 20-50% longer than the
+            cached like the costs). A step runs its calls longer than the
             profile's loop on some models. `False` skips it (the clone
             and its pipeline hold a second copy of the weights). Defaults
             to `True`.
