@@ -3,7 +3,7 @@
 import keras
 import tensorflow as tf
 
-from keras_pipe import _compat, _validation, placed_data, reporting
+from keras_pipe import _compat, _validation, inference, placed_data, reporting
 from keras_pipe.distributed import cluster
 from keras_pipe.engine import building, in_place, placement, release
 from keras_pipe.engine import executor as executor_lib
@@ -23,7 +23,8 @@ _not_autograph = tf.autograph.experimental.do_not_convert
 
 
 @keras.saving.register_keras_serializable(package="keras_pipe")
-class PipelineModel(model_io.SavingMethods, keras.Model):
+class PipelineModel(model_io.SavingMethods, inference.InferenceMethods,
+                    keras.Model):
     """A Keras model cut into stages that run as a GPipe pipeline.
 
     Each stage lives on its own device. A mini-batch is cut into
@@ -427,7 +428,7 @@ class PipelineModel(model_io.SavingMethods, keras.Model):
     def make_test_function(self, force=False):
         """Keras' test function, built first as the train function."""
         return self._made_built_first(
-            "test_function", super().make_test_function, force)
+            "test_function", self._make_test_batches, force)
 
     def _made_built_first(self, name, make, force, wrap=None):
         """The function `self.<name>` that Keras' `make(force=True)` sets,
@@ -452,7 +453,7 @@ class PipelineModel(model_io.SavingMethods, keras.Model):
             return built_first
 
         return self._made_built_first(
-            "predict_function", super().make_predict_function, force, wrap)
+            "predict_function", self._make_predict_batches, force, wrap)
 
     def _built_first(self, function):
         """`function(iterator)` that first builds from the element spec of
@@ -581,7 +582,7 @@ class PipelineModel(model_io.SavingMethods, keras.Model):
     def _placed_evaluate(self, *args, **kwargs):
         args, kwargs = placed_data.placed_call(
             "evaluate", self, self.data_device, args, kwargs)
-        return super().evaluate(*args, **kwargs)
+        return self._inference_call(super().evaluate, *args, **kwargs)
 
     @property
     def data_device(self):
@@ -616,4 +617,5 @@ class PipelineModel(model_io.SavingMethods, keras.Model):
     def predict(self, *args, **kwargs):
         _validation.check_data("predict", args, kwargs)
         return cluster.run(self._resolved_devices, "predict",
-                           super().predict, *args, **kwargs)
+                           self._inference_call, super().predict, *args,
+                           **kwargs)

@@ -5,6 +5,7 @@ from tools.benchmarks import (  # noqa: F401
     build,
     cli,
     fidelity,
+    inference,
     memory,
     overhead,
     peer,

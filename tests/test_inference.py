@@ -1,0 +1,121 @@
+"""Pipelined inference: predict, evaluate and validation equal the unsplit
+model's, one stream of micro-batches per step function call."""
+
+import keras
+import numpy as np
+import pytest
+
+import keras_pipe
+
+# The schedule families and the device of each stage (2 or 4 stages).
+LAYOUTS = {"gpipe": (0, 1), "1f1b": (0, 1), "zb_h1": (0, 1),
+           "interleaved_1f1b": (0, 1, 0, 1), "zbv": (0, 1, 1, 0)}
+
+
+def _layers(num_layers=4):
+    return [keras.layers.Dense(16, activation="relu")
+            for _ in range(num_layers - 1)] + [keras.layers.Dense(3)]
+
+
+def _pair(devices, schedule="gpipe", num_micro_batches=2, **compile_args):
+    """An unsplit model and a pipeline sharing its layers, both compiled."""
+    layers = _layers()
+    plain = keras.Sequential([keras.Input((8,))] + layers)
+    order = LAYOUTS[schedule]
+    per = len(layers) // len(order)
+    stages = [keras.Sequential(layers[j * per:(j + 1) * per])
+              for j in range(len(order))]
+    pipe = keras_pipe.PipelineModel(
+        stages, devices=[devices[d] for d in order],
+        num_micro_batches=num_micro_batches, schedule=schedule)
+    pipe.build((None, 8))
+    for model in (plain, pipe):
+        model.compile("sgd", "mse", metrics=["mae"], **compile_args)
+    return plain, pipe
+
+
+def _data(rows=37):
+    rng = np.random.default_rng(0)
+    return (rng.normal(size=(rows, 8)).astype("float32"),
+            rng.normal(size=(rows, 3)).astype("float32"))
+
+
+@pytest.mark.parametrize("schedule", sorted(LAYOUTS))
+def test_predict_and_evaluate_equal_unsplit(devices, schedule):
+    plain, pipe = _pair(devices, schedule)
+    x, y = _data()
+    np.testing.assert_allclose(pipe.predict(x, batch_size=8, verbose=0),
+                               plain.predict(x, batch_size=8, verbose=0),
+                               atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(
+        pipe.evaluate(x, y, batch_size=8, verbose=0),
+        plain.evaluate(x, y, batch_size=8, verbose=0), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("micro_batches,steps", [(3, 1), (4, 3), (1, 2),
+                                                 ("auto", "auto")])
+def test_settings_and_uneven_batches(devices, micro_batches, steps):
+    # 37 rows in batches of 10: a last batch of 7, not divisible by M.
+    plain, pipe = _pair(devices)
+    pipe.inference_micro_batches = micro_batches
+    pipe.inference_steps_per_execution = steps
+    x, y = _data()
+    np.testing.assert_allclose(pipe.predict(x, batch_size=10, verbose=0),
+                               plain.predict(x, batch_size=10, verbose=0),
+                               atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(
+        pipe.evaluate(x, y, batch_size=10, verbose=0),
+        plain.evaluate(x, y, batch_size=10, verbose=0), atol=1e-5, rtol=1e-5)
+
+
+def test_compiled_steps_per_execution(devices):
+    plain, pipe = _pair(devices, steps_per_execution=3)
+    x, y = _data()
+    pipe.inference_micro_batches = 2
+    assert pipe._inference_counts() == (2, 3)
+    np.testing.assert_allclose(pipe.predict(x, batch_size=4, verbose=0),
+                               plain.predict(x, batch_size=4, verbose=0),
+                               atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(
+        pipe.evaluate(x, y, batch_size=4, verbose=0),
+        plain.evaluate(x, y, batch_size=4, verbose=0), atol=1e-5, rtol=1e-5)
+
+
+def test_one_call_runs_several_batches(devices):
+    """Callbacks see one batch end per call of S batches."""
+    _, pipe = _pair(devices)
+    pipe.inference_steps_per_execution = 3
+    ends = []
+    callback = keras.callbacks.LambdaCallback(
+        on_predict_batch_end=lambda batch, logs: ends.append(
+            logs["outputs"].shape[0]))
+    pipe.predict(_data()[0], batch_size=4, verbose=0, callbacks=[callback])
+    # 37 rows: 9 batches of 4 and one of 1, 3 batches per call.
+    assert ends == [12, 12, 12, 1]
+
+
+def test_validation_in_fit(devices):
+    plain, _ = _pair(devices)
+    twin = keras.models.clone_model(plain)
+    twin.set_weights(plain.get_weights())
+    pipe = keras_pipe.PipelineModel.from_model(
+        twin, num_stages=2, devices=devices[:2], num_micro_batches=2)
+    pipe.compile("sgd", "mse", metrics=["mae"])
+    pipe.inference_steps_per_execution = 2
+    x, y = _data()
+    xv, yv = _data(19)
+    logs = [model.fit(x, y, batch_size=8, epochs=2, verbose=0, shuffle=False,
+                      validation_data=(xv, yv),
+                      validation_batch_size=4).history
+            for model in (plain, pipe)]
+    for key in ("loss", "val_loss", "val_mae"):
+        np.testing.assert_allclose(logs[1][key], logs[0][key], atol=1e-5,
+                                   rtol=1e-5)
+
+
+@pytest.mark.parametrize("name,value", [
+    ("inference_micro_batches", 0), ("inference_steps_per_execution", "x")])
+def test_bad_settings(devices, name, value):
+    _, pipe = _pair(devices)
+    with pytest.raises((TypeError, ValueError), match=name):
+        setattr(pipe, name, value)

@@ -1,0 +1,165 @@
+"""Part inference: pipelined `predict` and `evaluate` against one core.
+
+For each job of `peer_jobs` (the MLP and the Transformer): plain Keras
+`predict` and `evaluate` of the whole model in a process pinned to one core
+(default thread pools, default environment), then keras_pipe's on 2
+`keras_pipe.local_workers` (K = 2 stages, GPipe's cut), for each
+`(inference_micro_batches, inference_steps_per_execution)`, then the one
+core again. A time is one warm call's wall time over its batches (each
+call after a first, warming call with the same data), the median of the
+rounds. The pipeline's process also runs the unsplit model and reports the
+largest difference of the outputs.
+
+    python -m tools.benchmarks.inference [--jobs mlp,transformer]
+        [--batches 16] [--rounds 3] [--configs auto,1:1,2:1,4:1,2:4]
+"""
+
+import argparse
+import json
+import os
+import time
+
+from tools.benchmarks import peer_jobs
+from tools.benchmarks.harness import (
+    child,
+    fmt,
+    format_table,
+    median,
+    run_child,
+)
+
+
+def _unsplit(keras, job):
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([layer for unit in peer_jobs.keras_units(
+        keras, job) for layer in unit])
+    model.build((None, *peer_jobs.input_shape(job)))
+    model.compile("sgd", peer_jobs.keras_loss(keras, job))
+    return model
+
+
+def _timed(call, rounds, batches):
+    """Seconds per batch of `rounds` warm calls (after one warming call)."""
+    call()
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        call()
+        times.append((time.perf_counter() - start) / batches)
+    return times
+
+
+def _measure(model, x, y, job, rounds, batches):
+    b = job["batch"]
+    return {
+        "predict": _timed(lambda: model.predict(x, batch_size=b, verbose=0),
+                          rounds, batches),
+        "evaluate": _timed(lambda: model.evaluate(x, y, batch_size=b,
+                                                  verbose=0),
+                           rounds, batches)}
+
+
+@child("inference_baseline")
+def child_inference_baseline(p):
+    """The unsplit model in this process (pinned by the parent), Keras'
+    default thread pools."""
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    import keras
+    import numpy as np
+    job = p["job"]
+    x, y = peer_jobs.data(np, job, p["batches"] * job["batch"])
+    model = _unsplit(keras, job)
+    return dict(_measure(model, x, y, job, p["rounds"], p["batches"]),
+                affinity=sorted(os.sched_getaffinity(0)))
+
+
+@child("inference_pipeline")
+def child_inference_pipeline(p):
+    """keras_pipe on 2 local workers, each config in turn per round."""
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    import keras
+    import numpy as np
+
+    import keras_pipe
+    job = p["job"]
+    x, y = peer_jobs.data(np, job, p["batches"] * job["batch"])
+    out = {}
+    with keras_pipe.local_workers(num_workers=2) as devices:
+        plain = _unsplit(keras, job)
+        expected = plain.predict(x[:2 * job["batch"]], verbose=0,
+                                 batch_size=job["batch"])
+        for config in p["configs"]:
+            m, s = ("auto", "auto") if config == "auto" else (
+                int(v) for v in config.split(":"))
+            model = peer_jobs.keras_pipeline(keras, keras_pipe, job,
+                                             "gpipe:1", devices)
+            model.compile("sgd", peer_jobs.keras_loss(keras, job))
+            model.inference_micro_batches = m
+            model.inference_steps_per_execution = s
+            got = model.predict(x[:2 * job["batch"]], verbose=0,
+                                batch_size=job["batch"])
+            out[config] = dict(
+                _measure(model, x, y, job, p["rounds"], p["batches"]),
+                counts=list(model._inference_counts()),
+                max_difference=float(np.max(np.abs(got - expected))))
+    return out
+
+
+def run(jobs, batches, rounds, configs, log=print):
+    cores = sorted(os.sched_getaffinity(0))[:2]
+    result = {}
+    for name in jobs:
+        job = peer_jobs.jobs()[name]
+        log(f"{name}: {peer_jobs.describe(job)}")
+        common = {"job": job, "batches": batches, "rounds": rounds}
+        entry = result[name] = {}
+        entry["baseline_before"] = run_child(
+            "inference_baseline", dict(common, cpus=cores[:1]), 1800, log=log)
+        entry["pipeline"] = run_child(
+            "inference_pipeline", dict(common, configs=configs), 3600,
+            log=log)
+        entry["baseline_after"] = run_child(
+            "inference_baseline", dict(common, cpus=cores[:1]), 1800, log=log)
+    return result
+
+
+def table(result):
+    """Rows: job, config, ms per batch and ratio to one core, per call."""
+    rows = []
+    for name, entry in result.items():
+        base = {kind: median(entry["baseline_before"].get(kind, []) +
+                             entry["baseline_after"].get(kind, []))
+                for kind in ("predict", "evaluate")}
+        rows.append([name, "1 core", fmt(base["predict"] * 1e3, 1), "1.00",
+                     fmt(base["evaluate"] * 1e3, 1), "1.00", ""])
+        for config, r in entry["pipeline"].items():
+            if not isinstance(r, dict):
+                continue
+            p, e = median(r["predict"]), median(r["evaluate"])
+            rows.append([name, f"{config} (M, S = {r['counts']})",
+                         fmt(p * 1e3, 1), fmt(base["predict"] / p),
+                         fmt(e * 1e3, 1), fmt(base["evaluate"] / e),
+                         f"{r['max_difference']:.1e}"])
+    return format_table(["job", "inference M:S", "predict ms/batch",
+                         "x 1 core", "evaluate ms/batch", "x 1 core",
+                         "max |diff|"], rows)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--jobs", default="mlp,transformer")
+    parser.add_argument("--batches", type=int, default=16)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--configs", default="auto,1:1,4:1,2:4,4:4")
+    parser.add_argument("--out", default=None, help="JSON file to write")
+    args = parser.parse_args(argv)
+    result = run(args.jobs.split(","), args.batches, args.rounds,
+                 args.configs.split(","))
+    print(table(result))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
