@@ -159,6 +159,49 @@ class InferenceMethods:
         self.test_function = test_function
         return test_function
 
+    def generate(self, inputs, max_length=None, stop_token_ids="auto",
+                 strip_prompt=False, num_micro_batches=None):
+        """The `generate` of the KerasHub `CausalLM` this pipeline was cut
+        from, its decode loop pipelined (`keras_pipe.generation`).
+
+        Same arguments and outputs as the task's `generate`; the sampler is
+        the task's (`task.compile(sampler=...)`). The prompts are cut into
+        `num_micro_batches` micro-batches that are on different stages at
+        the same time, each stage keeping the key/value cache of its
+        layers; the loop over tokens runs in one graph.
+
+        ```python
+        pipe = keras_pipe.PipelineModel.from_model(gpt2_lm, num_stages=2,
+                                                   devices=devices)
+        gpt2_lm.compile(sampler="greedy")
+        out = pipe.generate(prompts, stop_token_ids=[end_id])
+        ```
+
+        Args:
+            inputs, max_length, stop_token_ids, strip_prompt: as the
+                task's `generate`.
+            num_micro_batches: micro-batches of the prompts, at least the
+                number of stages that hold decoder layers. Defaults to
+                `None`: that number of stages.
+
+        Returns:
+            What the task's `generate` returns.
+
+        Raises:
+            TypeError: if the pipeline was not cut from a KerasHub
+                `CausalLM`.
+            ValueError: for too few `num_micro_batches`.
+        """
+        from keras_pipe import generation  # noqa: PLC0415 (KerasHub only)
+        return generation.generate(
+            self, inputs, max_length=max_length,
+            stop_token_ids=stop_token_ids, strip_prompt=strip_prompt,
+            num_micro_batches=num_micro_batches)
+
+    def _keras_predict(self, *args, **kwargs):
+        """Keras' `predict`, `S` batches per call (`_inference_call`)."""
+        return self._inference_call(super().predict, *args, **kwargs)
+
     def _inference_call(self, method, *args, **kwargs):
         """Keras' `method` run with `S` batches per step function call."""
         _, count = self._inference_counts()

@@ -617,5 +617,4 @@ class PipelineModel(model_io.SavingMethods, inference.InferenceMethods,
     def predict(self, *args, **kwargs):
         _validation.check_data("predict", args, kwargs)
         return cluster.run(self._resolved_devices, "predict",
-                           self._inference_call, super().predict, *args,
-                           **kwargs)
+                           self._keras_predict, *args, **kwargs)

@@ -362,8 +362,11 @@ class Executor:
             One `Step` per batch, its state assigned (`outputs(step)` reads
             its merged outputs).
         """
+        # No backward pass follows: remat "always" only makes each stage
+        # call one traced function op, with no tape (`Stage.forward`).
         steps = [self.start(x, num_micro_batches, training,
-                            ["never"] * self.num_stages, differentiable=False)
+                            ["always"] * self.num_stages,
+                            differentiable=False)
                  for x in batches]
         for step in steps[1:]:  # one read, one chain per device
             step.params, step.kernels = steps[0].params, steps[0].kernels
