@@ -5,6 +5,7 @@ from tools.benchmarks import (  # noqa: F401
     build,
     cli,
     fidelity,
+    generation,
     inference,
     memory,
     overhead,
