@@ -181,6 +181,13 @@ class Generator:
 
     def generate_step(self, inputs, stop_token_ids=None):
         """The task's `generate_step`, pipelined (traced in a tf.function)."""
+        # Ops without a stage of their own (the step counters, the loop's
+        # control) run on the head's device: this process takes no part in
+        # the loop.
+        with tf.device(self.head_device):
+            return self._generate_step(inputs, stop_token_ids)
+
+    def _generate_step(self, inputs, stop_token_ids):
         sampler = self.sampler or self.task.sampler
         token_ids = inputs["token_ids"]
         padding_mask = tf.cast(inputs["padding_mask"], tf.bool)
@@ -289,13 +296,12 @@ class Generator:
             return tf.logical_and(going, tf.logical_not(tf.reduce_all(
                 tf.stack(sampled) >= 0)))
 
-        hidden_vars = hidden[1:]
+        r, tokens, _, _, sampled = tf.while_loop(
+            cond,
+            lambda r, tok, c, h, s: _pack_hidden(
+                body(r, tok, c, [None] + list(h), s)),
+            (tf.constant(0), tokens, caches, hidden[1:], sampled))
         with tf.device(self.head_device):
-            r, tokens, _, _, sampled = tf.while_loop(
-                cond,
-                lambda r, tok, c, h, s: _pack_hidden(
-                    body(r, tok, c, [None] + list(h), s)),
-                (tf.constant(0), tokens, caches, hidden_vars, sampled))
             if stop_token_ids is not None:
                 finished = tf.reduce_all(tf.stack(sampled) >= 0)
                 steps = tf.where(finished, tf.reduce_max(tf.stack(sampled)),

@@ -23,7 +23,7 @@ S = 2 batches of M = 2 micro-batches, K = 2 stages, one call:
 import keras
 import tensorflow as tf
 
-from keras_pipe import _compat, _validation
+from keras_pipe import _compat, _validation, placed_data
 
 __all__ = ["InferenceMethods", "AUTO"]
 
@@ -199,7 +199,10 @@ class InferenceMethods:
             num_micro_batches=num_micro_batches)
 
     def _keras_predict(self, *args, **kwargs):
-        """Keras' `predict`, `S` batches per call (`_inference_call`)."""
+        """Keras' `predict`, `S` batches per call (`_inference_call`),
+        array inputs batched on `data_device` (`keras_pipe.placed_data`)."""
+        args, kwargs = placed_data.placed_call(
+            "predict", self, self.data_device, args, kwargs)
         return self._inference_call(super().predict, *args, **kwargs)
 
     def _inference_call(self, method, *args, **kwargs):

@@ -557,7 +557,7 @@ class PipelineModel(model_io.SavingMethods, inference.InferenceMethods,
     # A worker lost mid-call ends it with an error naming the task
     # (`cluster.run`); a plain call when every stage is local.
 
-    # Array data of `fit` and `evaluate` are batched on `data_device` when
+    # Array data of `fit`, `evaluate` and `predict` are batched on `data_device` when
     # one is set (`keras_pipe.placed_data`); the error diagnosis replays
     # the call's own arguments.
 
@@ -586,7 +586,7 @@ class PipelineModel(model_io.SavingMethods, inference.InferenceMethods,
 
     @property
     def data_device(self):
-        """Where `fit` and `evaluate` batch array data (numpy arrays,
+        """Where `fit`, `evaluate` and `predict` batch array data (numpy arrays,
         tensors; not datasets or generators), or None for this process.
 
         Defaults to None: this process, as Keras does. `"auto"` batches

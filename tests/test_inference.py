@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 import keras_pipe
+from keras_pipe import placed_data
 
 # The schedule families and the device of each stage (2 or 4 stages).
 LAYOUTS = {"gpipe": (0, 1), "1f1b": (0, 1), "zb_h1": (0, 1),
@@ -79,6 +80,27 @@ def test_compiled_steps_per_execution(devices):
     np.testing.assert_allclose(
         pipe.evaluate(x, y, batch_size=4, verbose=0),
         plain.evaluate(x, y, batch_size=4, verbose=0), atol=1e-5, rtol=1e-5)
+
+
+def test_predict_batches_on_data_device(devices, monkeypatch):
+    plain, pipe = _pair(devices)
+    pipe.data_device = devices[0]
+    x, _ = _data()
+    made = []
+    original = placed_data.PlacedArrays.get_tf_dataset
+
+    def spy(self):
+        made.append(self.device)
+        return original(self)
+
+    monkeypatch.setattr(placed_data.PlacedArrays, "get_tf_dataset", spy)
+    got = pipe.predict(x, batch_size=8, verbose=0)
+    assert made and set(made) == {devices[0]}
+    np.testing.assert_allclose(got, plain.predict(x, batch_size=8, verbose=0),
+                               atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(pipe.predict(x, batch_size=8, verbose=0),
+                               plain.predict(x, batch_size=8, verbose=0),
+                               atol=1e-5, rtol=1e-5)
 
 
 def test_one_call_runs_several_batches(devices):

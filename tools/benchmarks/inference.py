@@ -4,7 +4,9 @@ For each job of `peer_jobs` (the MLP and the Transformer): plain Keras
 `predict` and `evaluate` of the whole model in a process pinned to one core
 (default thread pools, default environment), then keras_pipe's on 2
 `keras_pipe.local_workers` (K = 2 stages, GPipe's cut), for each
-`(inference_micro_batches, inference_steps_per_execution)`, then the one
+`(inference_micro_batches, inference_steps_per_execution)` (`M:S`;
+`M:S:d` with `data_device="auto"`: arrays batched on the first worker),
+then the one
 core again. A time is one warm call's wall time over its batches (each
 call after a first, warming call with the same data), the median of the
 rounds. The pipeline's process also runs the unsplit model and reports the
@@ -89,13 +91,18 @@ def child_inference_pipeline(p):
         expected = plain.predict(x[:2 * job["batch"]], verbose=0,
                                  batch_size=job["batch"])
         for config in p["configs"]:
-            m, s = ("auto", "auto") if config == "auto" else (
-                int(v) for v in config.split(":"))
+            parts = config.split(":")
+            placed = parts[-1] == "d"  # data_device="auto"
+            parts = parts[:-1] if placed else parts
+            m, s = ("auto", "auto") if parts == ["auto"] else (
+                int(v) for v in parts)
             model = peer_jobs.keras_pipeline(keras, keras_pipe, job,
                                              "gpipe:1", devices)
             model.compile("sgd", peer_jobs.keras_loss(keras, job))
             model.inference_micro_batches = m
             model.inference_steps_per_execution = s
+            if placed:
+                model.data_device = "auto"
             got = model.predict(x[:2 * job["batch"]], verbose=0,
                                 batch_size=job["batch"])
             out[config] = dict(
