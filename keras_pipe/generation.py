@@ -42,6 +42,14 @@ from keras_pipe.engine import microbatch, placement
 __all__ = ["Generator", "generate"]
 
 
+class _Tapped(Exception):  # noqa: N818 - a signal, not an error
+    """Carries the hidden state out of the task's `call_with_cache`."""
+
+    def __init__(self, x):
+        super().__init__("tapped")
+        self.x = x
+
+
 @contextlib.contextmanager
 def _decoder_layers_replaced(backbone, layers):
     """The backbone's `transformer_layers` replaced by `layers` (plain
@@ -137,17 +145,21 @@ class Generator:
         return logits
 
     def _embed(self, token_ids, index):
-        """The hidden state entering the first decoder layer."""
-        seen = []
-
+        """The hidden state entering the first decoder layer (the task's
+        code stops there: no op of the later layers or the head is made)."""
         def tap(x, self_attention_cache=None, **kwargs):
-            seen.append(x)
-            return x, self_attention_cache
+            raise _Tapped(x)
 
         n = len(self.backbone.transformer_layers)
         with tf.device(self.embed_device):
-            self._through_taps(token_ids, [tap] * n, index)
-        return seen[0]
+            try:
+                self._through_taps(token_ids, [tap] * n, index)
+            except _Tapped as tapped:
+                return tapped.x
+        raise TypeError(
+            f"{type(self.task).__name__}.call_with_cache did not call its "
+            "backbone's transformer_layers: PipelineModel.generate cannot "
+            "find where its embedding ends.")
 
     def _head(self, hidden, index):
         """The logits of the last decoder layer's output `hidden`."""

@@ -1,6 +1,8 @@
 """Pipelined inference: predict, evaluate and validation equal the unsplit
 model's, one stream of micro-batches per step function call."""
 
+import warnings
+
 import keras
 import numpy as np
 import pytest
@@ -126,10 +128,14 @@ def test_validation_in_fit(devices):
     pipe.inference_steps_per_execution = 2
     x, y = _data()
     xv, yv = _data(19)
-    logs = [model.fit(x, y, batch_size=8, epochs=2, verbose=0, shuffle=False,
-                      validation_data=(xv, yv),
-                      validation_batch_size=4).history
-            for model in (plain, pipe)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        logs = [model.fit(x, y, batch_size=8, epochs=2, verbose=0,
+                          shuffle=False, validation_data=(xv, yv),
+                          validation_batch_size=4).history
+                for model in (plain, pipe)]
+    # fit's validation iterator steps S batches per call, as the function.
+    assert not [w for w in caught if "ran out of data" in str(w.message)]
     for key in ("loss", "val_loss", "val_mae"):
         np.testing.assert_allclose(logs[1][key], logs[0][key], atol=1e-5,
                                    rtol=1e-5)
@@ -141,3 +147,14 @@ def test_bad_settings(devices, name, value):
     _, pipe = _pair(devices)
     with pytest.raises((TypeError, ValueError), match=name):
         setattr(pipe, name, value)
+
+
+def test_on_batch_methods(devices):
+    plain, pipe = _pair(devices)
+    x, y = _data(9)  # 9 rows, M = 2: micro-batches of 5 and 4
+    np.testing.assert_allclose(pipe.predict_on_batch(x),
+                               plain.predict_on_batch(x), atol=1e-5,
+                               rtol=1e-5)
+    np.testing.assert_allclose(pipe.test_on_batch(x, y),
+                               plain.test_on_batch(x, y), atol=1e-5,
+                               rtol=1e-5)

@@ -9,8 +9,10 @@ For each job of `peer_jobs` (the MLP and the Transformer): plain Keras
 then the one
 core again. A time is one warm call's wall time over its batches (each
 call after a first, warming call with the same data), the median of the
-rounds. The pipeline's process also runs the unsplit model and reports the
-largest difference of the outputs.
+rounds; with it, the CPU seconds per batch of each process (the one-core
+process; worker 0, worker 1 and the client), which a loaded host moves
+less than the wall times. The pipeline's process also runs the unsplit
+model and reports the largest difference of the outputs.
 
     python -m tools.benchmarks.inference [--jobs mlp,transformer]
         [--batches 16] [--rounds 3] [--configs auto,1:1,2:1,4:1,2:4]
@@ -23,12 +25,14 @@ import time
 
 from tools.benchmarks import peer_jobs
 from tools.benchmarks.harness import (
+    _cpu_seconds,
     child,
     fmt,
     format_table,
     median,
     run_child,
 )
+from tools.benchmarks.peer import _worker_pids
 
 
 def _unsplit(keras, job):
@@ -40,25 +44,32 @@ def _unsplit(keras, job):
     return model
 
 
-def _timed(call, rounds, batches):
-    """Seconds per batch of `rounds` warm calls (after one warming call)."""
+def _timed(call, rounds, batches, pids):
+    """Seconds per batch of `rounds` warm calls (after one warming call),
+    and the CPU seconds per batch of each process of `pids` (medians)."""
     call()
-    times = []
+    times, cpu = [], []
     for _ in range(rounds):
+        before = [_cpu_seconds(pid) for pid in pids]
         start = time.perf_counter()
         call()
         times.append((time.perf_counter() - start) / batches)
-    return times
+        cpu.append([(_cpu_seconds(pid) - b) / batches
+                    for pid, b in zip(pids, before)])
+    return times, [median(list(c)) for c in zip(*cpu)]
 
 
-def _measure(model, x, y, job, rounds, batches):
+def _measure(model, x, y, job, rounds, batches, pids):
+    """`{kind: seconds per batch, kind_cpu: CPU seconds per batch of each
+    process of pids}` for predict and evaluate."""
     b = job["batch"]
-    return {
-        "predict": _timed(lambda: model.predict(x, batch_size=b, verbose=0),
-                          rounds, batches),
-        "evaluate": _timed(lambda: model.evaluate(x, y, batch_size=b,
-                                                  verbose=0),
-                           rounds, batches)}
+    out = {}
+    for kind, call in (
+            ("predict", lambda: model.predict(x, batch_size=b, verbose=0)),
+            ("evaluate", lambda: model.evaluate(x, y, batch_size=b,
+                                                verbose=0))):
+        out[kind], out[f"{kind}_cpu"] = _timed(call, rounds, batches, pids)
+    return out
 
 
 @child("inference_baseline")
@@ -71,7 +82,8 @@ def child_inference_baseline(p):
     job = p["job"]
     x, y = peer_jobs.data(np, job, p["batches"] * job["batch"])
     model = _unsplit(keras, job)
-    return dict(_measure(model, x, y, job, p["rounds"], p["batches"]),
+    return dict(_measure(model, x, y, job, p["rounds"], p["batches"],
+                         [os.getpid()]),
                 affinity=sorted(os.sched_getaffinity(0)))
 
 
@@ -87,6 +99,7 @@ def child_inference_pipeline(p):
     x, y = peer_jobs.data(np, job, p["batches"] * job["batch"])
     out = {}
     with keras_pipe.local_workers(num_workers=2) as devices:
+        pids = _worker_pids() + [os.getpid()]
         plain = _unsplit(keras, job)
         expected = plain.predict(x[:2 * job["batch"]], verbose=0,
                                  batch_size=job["batch"])
@@ -106,7 +119,7 @@ def child_inference_pipeline(p):
             got = model.predict(x[:2 * job["batch"]], verbose=0,
                                 batch_size=job["batch"])
             out[config] = dict(
-                _measure(model, x, y, job, p["rounds"], p["batches"]),
+                _measure(model, x, y, job, p["rounds"], p["batches"], pids),
                 counts=list(model._inference_counts()),
                 max_difference=float(np.max(np.abs(got - expected))))
     return out
@@ -137,8 +150,13 @@ def table(result):
         base = {kind: median(entry["baseline_before"].get(kind, []) +
                              entry["baseline_after"].get(kind, []))
                 for kind in ("predict", "evaluate")}
+        cpu = {kind: median([(entry[w].get(f"{kind}_cpu") or [None])[0]
+                             for w in ("baseline_before", "baseline_after")])
+               for kind in ("predict", "evaluate")}
         rows.append([name, "1 core", fmt(base["predict"] * 1e3, 1), "1.00",
-                     fmt(base["evaluate"] * 1e3, 1), "1.00", ""])
+                     fmt(base["evaluate"] * 1e3, 1), "1.00",
+                     _cpu_text(cpu["predict"]), _cpu_text(cpu["evaluate"]),
+                     ""])
         for config, r in entry["pipeline"].items():
             if not isinstance(r, dict):
                 continue
@@ -146,10 +164,19 @@ def table(result):
             rows.append([name, f"{config} (M, S = {r['counts']})",
                          fmt(p * 1e3, 1), fmt(base["predict"] / p),
                          fmt(e * 1e3, 1), fmt(base["evaluate"] / e),
+                         _cpu_text(*r["predict_cpu"]),
+                         _cpu_text(*r["evaluate_cpu"]),
                          f"{r['max_difference']:.1e}"])
     return format_table(["job", "inference M:S", "predict ms/batch",
                          "x 1 core", "evaluate ms/batch", "x 1 core",
+                         "predict CPU ms/batch", "evaluate CPU ms/batch",
                          "max |diff|"], rows)
+
+
+def _cpu_text(*seconds):
+    """CPU ms per batch: one process, or worker 0 / worker 1 / client."""
+    return " / ".join(fmt(None if s is None else s * 1e3, 0)
+                      for s in seconds)
 
 
 def main(argv=None):
