@@ -6,7 +6,8 @@ row runs to the end): the task's own `generate` in a process pinned to one
 core, then `PipelineModel.generate` on 2 `keras_pipe.local_workers` (the
 model cut into 2 stages by parameters), for each `num_micro_batches`. A
 time is the wall time of a warm call (after a first, tracing call), the
-median of the rounds; tokens per second count the generated positions.
+median of the rounds, with the CPU seconds of each process; tokens per
+second count the generated positions.
 The pipeline's process also checks the tokens against the unsplit model.
 
     python -m tools.benchmarks.generation [--models gpt2,llama]
@@ -18,7 +19,15 @@ import json
 import os
 import time
 
-from tools.benchmarks.harness import child, fmt, format_table, median, run_child
+from tools.benchmarks.harness import (
+    _cpu_seconds,
+    child,
+    fmt,
+    format_table,
+    median,
+    run_child,
+)
+from tools.benchmarks.peer import _worker_pids
 
 # The models: about 6 decoder layers of width 512, a vocabulary of 8192
 # (GPT-2's 50257 would make the head alone outweigh the layers). The cut:
@@ -71,14 +80,18 @@ def _prompts():
         (LENGTH - lengths).sum())
 
 
-def _timed(call, rounds):
+def _timed(call, rounds, pids):
+    """Wall seconds of `rounds` warm calls and the median CPU seconds per
+    call of each process of `pids`."""
     call()
-    times = []
+    times, cpu = [], []
     for _ in range(rounds):
+        before = [_cpu_seconds(pid) for pid in pids]
         start = time.perf_counter()
         call()
         times.append(time.perf_counter() - start)
-    return times
+        cpu.append([_cpu_seconds(pid) - b for pid, b in zip(pids, before)])
+    return times, [median(list(c)) for c in zip(*cpu)]
 
 
 @child("generation_baseline")
@@ -86,9 +99,9 @@ def child_generation_baseline(p):
     """The task's own generate in this process (pinned by the parent)."""
     task = _task(p["model"])
     prompts, tokens = _prompts()
-    times = _timed(lambda: task.generate(prompts, stop_token_ids=None),
-                   p["rounds"])
-    return {"seconds": times, "tokens": tokens,
+    times, cpu = _timed(lambda: task.generate(prompts, stop_token_ids=None),
+                        p["rounds"], [os.getpid()])
+    return {"seconds": times, "cpu": cpu, "tokens": tokens,
             "jit_compile": bool(getattr(task, "jit_compile", False))}
 
 
@@ -101,6 +114,7 @@ def child_generation_pipeline(p):
     prompts, tokens = _prompts()
     out = {"tokens": tokens, "runs": {}}
     with keras_pipe.local_workers(num_workers=2) as devices:
+        pids = _worker_pids() + [os.getpid()]
         task = _task(p["model"])
         expected = task.generate(prompts, stop_token_ids=None)["token_ids"]
         pipe = keras_pipe.PipelineModel.from_model(
@@ -109,10 +123,11 @@ def child_generation_pipeline(p):
         for m in p["micro_batches"]:
             got = pipe.generate(prompts, stop_token_ids=None,
                                 num_micro_batches=m)["token_ids"]
+            seconds, cpu = _timed(lambda m=m: pipe.generate(
+                prompts, stop_token_ids=None, num_micro_batches=m),
+                p["rounds"], pids)
             out["runs"][str(m)] = {
-                "seconds": _timed(lambda m=m: pipe.generate(
-                    prompts, stop_token_ids=None, num_micro_batches=m),
-                    p["rounds"]),
+                "seconds": seconds, "cpu": cpu,
                 "tokens_equal": bool(np.array_equal(got, expected))}
     return out
 
@@ -145,13 +160,18 @@ def table(result):
         if base is None or tokens is None:
             rows.append([model, "error", "", "", ""])
             continue
+        cpu = median([(entry[w].get("cpu") or [None])[0]
+                      for w in ("baseline_before", "baseline_after")])
         rows.append([model, "1 core (task.generate)", fmt(tokens / base, 0),
-                     "1.00", ""])
+                     "1.00", fmt(cpu), ""])
         for m, r in entry["pipeline"]["runs"].items():
             seconds = median(r["seconds"])
             rows.append([model, f"2 workers, M={m}", fmt(tokens / seconds, 0),
-                         fmt(base / seconds), str(r["tokens_equal"])])
+                         fmt(base / seconds),
+                         " / ".join(fmt(c) for c in r["cpu"]),
+                         str(r["tokens_equal"])])
     return format_table(["model", "run", "tokens/s", "x 1 core",
+                         "CPU s (1 core; worker 0 / 1 / client)",
                          "tokens equal"], rows)
 
 
