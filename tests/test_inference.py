@@ -1,6 +1,10 @@
 """Pipelined inference: predict, evaluate and validation equal the unsplit
 model's, one stream of micro-batches per step function call."""
 
+import os
+import subprocess
+import sys
+import textwrap
 import warnings
 
 import keras
@@ -10,6 +14,7 @@ import pytest
 import keras_pipe
 from keras_pipe import placed_data
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The schedule families and the device of each stage (2 or 4 stages).
 LAYOUTS = {"gpipe": (0, 1), "1f1b": (0, 1), "zb_h1": (0, 1),
            "interleaved_1f1b": (0, 1, 0, 1), "zbv": (0, 1, 1, 0)}
@@ -158,3 +163,42 @@ def test_on_batch_methods(devices):
     np.testing.assert_allclose(pipe.test_on_batch(x, y),
                                plain.test_on_batch(x, y), atol=1e-5,
                                rtol=1e-5)
+
+
+_ON_WORKERS = textwrap.dedent('''
+    import keras
+    import numpy as np
+    import keras_pipe
+
+    with keras_pipe.local_workers(num_workers=2) as devices:
+        keras.utils.set_random_seed(0)
+        plain = keras.Sequential([keras.Input((8,))] + [
+            keras.layers.Dense(16, activation="relu") for _ in range(3)]
+            + [keras.layers.Dense(3)])
+        plain.compile("sgd", "mse")
+        pipe = keras_pipe.PipelineModel.from_model(
+            plain, num_stages=2, devices=devices, num_micro_batches=2)
+        pipe.compile("sgd", "mse")
+        rng = np.random.default_rng(0)
+        x = rng.normal(size=(37, 8)).astype("float32")
+        y = rng.normal(size=(37, 3)).astype("float32")
+        for placed in (None, "auto"):
+            pipe.data_device = placed
+            np.testing.assert_allclose(
+                pipe.predict(x, batch_size=8, verbose=0),
+                plain.predict(x, batch_size=8, verbose=0), atol=1e-5)
+            np.testing.assert_allclose(
+                pipe.evaluate(x, y, batch_size=8, verbose=0),
+                plain.evaluate(x, y, batch_size=8, verbose=0), atol=1e-5)
+    print("OK")
+''')
+
+
+@pytest.mark.slow  # starts two worker processes
+def test_predict_and_evaluate_on_local_workers():
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONPATH=ROOT)
+    proc = subprocess.run([sys.executable, "-c", _ON_WORKERS], env=env,
+                          capture_output=True, text=True, timeout=600,
+                          cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().endswith("OK")
