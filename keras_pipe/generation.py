@@ -35,6 +35,7 @@ after that left as the prompt had them, and the same `padding_mask`.
 
 import contextlib
 
+import keras
 import tensorflow as tf
 
 from keras_pipe.engine import microbatch, placement
@@ -161,8 +162,20 @@ class Generator:
             "backbone's transformer_layers: PipelineModel.generate cannot "
             "find where its embedding ends.")
 
-    def _head(self, hidden, index):
-        """The logits of the last decoder layer's output `hidden`."""
+    def _head_weights(self):
+        """The weights of the embedding and the head that live off the
+        head's device (a tied embedding), read there once per call: the
+        head of every tick then reads them locally, not across a cut."""
+        decoder = {id(v) for layer in self.backbone.transformer_layers
+                   for v in layer.weights}
+        with tf.device(self.head_device):
+            return [(v, tf.identity(v.value)) for v in self.task.weights
+                    if id(v) not in decoder
+                    and placement.device_of(v) != self.head_device]
+
+    def _head(self, hidden, index, weights=()):
+        """The logits of the last decoder layer's output `hidden`
+        (`weights`: `_head_weights`, read in their stead)."""
         def first(x, self_attention_cache=None, **kwargs):
             return hidden, self_attention_cache
 
@@ -171,7 +184,8 @@ class Generator:
 
         n = len(self.backbone.transformer_layers)
         rows = tf.shape(hidden)[0]
-        with tf.device(self.head_device):
+        with tf.device(self.head_device), keras.StatelessScope(
+                state_mapping=list(weights)):
             return self._through_taps(
                 tf.zeros([rows, 1], tf.int32), [first] + [rest] * (n - 1),
                 index)
@@ -221,6 +235,7 @@ class Generator:
             prompts = [token_ids[s:s + b] for s, b in zip(starts, rows)]
             masks = [padding_mask[s:s + b] for s, b in zip(starts, rows)]
 
+        head_weights = self._head_weights()
         # Prefill: every micro-batch through every stage, caches filled.
         caches = [[None] * m for _ in range(k)]
         for i in range(m):
@@ -248,7 +263,8 @@ class Generator:
             if j < k - 1:
                 return i, x
             with tf.device(self.head_device):
-                logits = tf.squeeze(self._head(x, position), axis=1)
+                logits = tf.squeeze(self._head(x, position, head_weights),
+                                    axis=1)
                 chosen = sampler.get_next_token(
                     sampler.compute_probabilities(logits))
                 chosen = tf.cast(chosen, tokens[i].dtype)
