@@ -354,6 +354,11 @@ def compute_loss(model, **kwargs):
     return model._compute_loss(**kwargs)
 
 
+def eval_epoch_iterator(model):
+    """The epoch iterator `fit` keeps for its validation data, or None."""
+    return getattr(model, "_eval_epoch_iterator", None)
+
+
 def compiled_state(model):
     """Keras' `CompileLoss` and `CompileMetrics` of a compiled model, each
     None when it was compiled without (variables made on `build(y,

@@ -91,11 +91,11 @@ class PlacedArrays(_compat.DataAdapter):
 
 
 _SIGNATURES = {name: inspect.signature(getattr(keras.Model, name))
-               for name in ("fit", "evaluate")}
+               for name in ("fit", "evaluate", "predict")}
 
 
 def placed_call(method, model, device, args, kwargs):
-    """`(args, kwargs)` of a `fit`/`evaluate` call, array data placed.
+    """`(args, kwargs)` of a `fit`/`evaluate`/`predict` call, array data placed.
 
     Returns the call unchanged unless its data are arrays (what Keras'
     `ArrayDataAdapter` takes) and `device` is not None; else `x` becomes a
@@ -128,5 +128,7 @@ def placed_call(method, model, device, args, kwargs):
         class_weight=call.pop("class_weight", None),
         shuffle=call.get("shuffle", True) if method == "fit" else False,
         batch_size=call.get("batch_size"), steps=steps)
-    call.update(x=PlacedArrays(adapter, device), y=None, sample_weight=None)
+    call["x"] = PlacedArrays(adapter, device)
+    if method != "predict":
+        call.update(y=None, sample_weight=None)
     return (), call

@@ -349,6 +349,39 @@ class Executor:
         for action in self.actions(step, forward_only=True):
             self._forward(step, action.i, action.j, observer)
 
+    def forward_batches(self, batches, num_micro_batches, training=False,
+                        observer=None):
+        """Forward calls of several batches as one stream of micro-batches.
+
+        Inference: each batch is cut into `num_micro_batches` micro-batches
+        (per replica) and all of them follow one GPipe forward order, so
+        that the pipeline fills once per call, not once per batch. The
+        calls of a device are chained across batches; weights are read once.
+
+        Returns:
+            One `Step` per batch, its state assigned (`outputs(step)` reads
+            its merged outputs).
+        """
+        # No backward pass follows: remat "always" only makes each stage
+        # call one traced function op, with no tape (`Stage.forward`).
+        steps = [self.start(x, num_micro_batches, training,
+                            ["always"] * self.num_stages,
+                            differentiable=False)
+                 for x in batches]
+        for step in steps[1:]:  # one read, one chain per device
+            step.params, step.kernels = steps[0].params, steps[0].kernels
+            step.last = steps[0].last
+        stream = [(s, i) for s, step in enumerate(steps)
+                  for i in range(step.num_micro_batches)]
+        for tick in schedule_lib.gpipe(len(stream), self.num_stages):
+            for action in tick:
+                if action.kind == "F":
+                    s, i = stream[action.i]
+                    self._forward(steps[s], i, action.j, observer)
+        for step in steps:
+            self.assign_state(step)
+        return steps
+
     def run(self, step, head, observer=None):
         """Runs the schedule's forward, backward and weight calls.
 

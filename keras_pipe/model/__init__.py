@@ -2,8 +2,10 @@
 
 `pipeline` holds the model (validation, the stages, compile and the step
 methods); `building` builds it before the first trace, `calls` routes
-`fit`, `evaluate` and `predict`, and `first_batch` makes the choices left
-to the pipeline when it first sees a batch.
+`fit`, `evaluate` and `predict`, `first_batch` makes the choices left to
+the pipeline when it first sees a batch, `inference` runs `predict` and
+`evaluate` as streams of micro-batches, and `generation` runs a KerasHub
+causal LM's `generate` through the stages.
 """
 
 from keras_pipe.model.pipeline import PipelineModel

@@ -97,7 +97,7 @@ class BuiltFirst:
     def make_test_function(self, force=False):
         """Keras' test function, built first as the train function."""
         return self._made_built_first(
-            "test_function", super().make_test_function, force)
+            "test_function", self._make_test_batches, force)
 
     def _made_built_first(self, name, make, force, wrap=None):
         """The function `self.<name>` that Keras' `make(force=True)` sets,
@@ -122,7 +122,7 @@ class BuiltFirst:
             return built_first
 
         return self._made_built_first(
-            "predict_function", super().make_predict_function, force, wrap)
+            "predict_function", self._make_predict_batches, force, wrap)
 
     def _built_first(self, function):
         """`function(iterator)` that first builds from the element spec of

@@ -4,11 +4,11 @@ Each call first lets the pipeline make the choices left to it from the
 call's batch size (`FirstBatchChoices.see_batch`). A worker lost mid-call
 ends it with an error naming the task (`cluster.run`), or costs `fit` the
 steps since its last backup (`keras_pipe.distributed.recovery`); a plain
-call when every stage is local. Array data of `fit` and `evaluate` are batched on
-`data_device` when one is set (`keras_pipe.placed_data`); the error
-diagnosis replays the call's own arguments.
+call when every stage is local. Array data of `fit`, `evaluate` and
+`predict` are batched on `data_device` when one is set
+(`keras_pipe.placed_data`); the error diagnosis replays the call's own
+arguments.
 """
-
 
 from keras_pipe import _validation, placed_data, reporting
 from keras_pipe.distributed import cluster, recovery
@@ -45,11 +45,12 @@ class Calls:
     def _placed_evaluate(self, *args, **kwargs):
         args, kwargs = placed_data.placed_call(
             "evaluate", self, self.data_device, args, kwargs)
-        return super().evaluate(*args, **kwargs)
+        return self._inference_call(super().evaluate, *args, **kwargs)
 
     @property
     def data_device(self):
-        """Where `fit` and `evaluate` batch array data (numpy arrays,
+        """Where `fit`, `evaluate` and `predict` batch array data (numpy
+        arrays,
         tensors; not datasets or generators), or None for this process.
 
         Defaults to None: this process, as Keras does. `"auto"` batches
@@ -92,4 +93,4 @@ class Calls:
         _validation.check_data("predict", args, kwargs)
         self.see_batch("predict", args, kwargs)
         return cluster.run(self._resolved_devices, "predict",
-                           super().predict, *args, **kwargs)
+                           self._keras_predict, *args, **kwargs)

@@ -13,6 +13,7 @@ from keras_pipe.engine.stage import Stage
 from keras_pipe.model import first_batch
 from keras_pipe.model.building import BuiltFirst
 from keras_pipe.model.calls import Calls
+from keras_pipe.model.inference import InferenceMethods
 from keras_pipe.planning import choices, planner
 from keras_pipe.saving import files as saving
 from keras_pipe.saving import model_io
@@ -27,7 +28,7 @@ _not_autograph = tf.autograph.experimental.do_not_convert
 
 @keras.saving.register_keras_serializable(package="keras_pipe")
 class PipelineModel(first_batch.FirstBatchChoices, model_io.SavingMethods,
-                    BuiltFirst, Calls, keras.Model):
+                    InferenceMethods, BuiltFirst, Calls, keras.Model):
     """A Keras model cut into stages that run as a GPipe pipeline.
 
     Each stage lives on its own device. A mini-batch is cut into
@@ -421,7 +422,6 @@ class PipelineModel(first_batch.FirstBatchChoices, model_io.SavingMethods,
         return super().predict_step(data)
 
     # ------------------------------------------------- data parallel replicas
-
     @property
     def num_replicas(self):
         return self._executor.num_replicas

@@ -7,6 +7,8 @@ from tools.benchmarks import (  # noqa: F401
     cores,
     defaults,
     fidelity,
+    generation,
+    inference,
     memory,
     overhead,
     peer,

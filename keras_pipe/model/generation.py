@@ -1,0 +1,404 @@
+"""Pipelined generation for a pipeline cut from a KerasHub `CausalLM`.
+
+The task's own `generate` runs every token through the layers one after
+the other: cut into stages, one device works while the others wait. Here
+the prompts are cut into `M >= K` micro-batches (`K` the number of devices
+that hold decoder layers) that are on different stages at the same time,
+and the decode loop is one `tf.while_loop` in one `tf.function`: each
+iteration is a round of `M` clock ticks in which every stage runs once per
+tick, each on another micro-batch, and every micro-batch gets one token.
+Micro-batch `i` enters stage `j` at tick `g = i + j (mod M)` of its token:
+
+```
+M = K = 2, after a first tick that fills stage 0:
+    tick           1      2      3      4
+    stage 0      mb 1   mb 0   mb 1   mb 0     (embedding + its layers)
+    stage 1      mb 0   mb 1   mb 0   mb 1     (its layers + the head,
+                 token  token  token  token     then the sampler)
+```
+
+Each stage keeps the key/value cache of its own decoder layers, per
+micro-batch, on its device; only one token's hidden state per micro-batch
+crosses a cut per tick. The prompt is first run through the stages
+micro-batch after micro-batch (prefill), which fills the caches.
+
+The task's code is reused for all but the loop: its `generate` (inputs,
+batching, `stop_token_ids`, `strip_prompt`, the preprocessor) calls this
+module's step function, the sampler's `compute_probabilities` and
+`get_next_token` pick each token, and the embedding and the head are the
+task's `call_with_cache` with its decoder layers replaced by taps (a tap
+hands out or takes in the hidden state). The result is the task's: the
+same tokens as the unsplit model for a deterministic sampler (greedy),
+the loop stopping when every sequence met a stop token, the positions
+after that left as the prompt had them, and the same `padding_mask`.
+"""
+
+import contextlib
+
+import keras
+import tensorflow as tf
+
+from keras_pipe.engine import microbatch, placement
+
+__all__ = ["Generator", "generate"]
+
+
+class _Tapped(Exception):  # noqa: N818 - a signal, not an error
+    """Carries the hidden state out of the task's `call_with_cache`."""
+
+    def __init__(self, x):
+        super().__init__("tapped")
+        self.x = x
+
+
+@contextlib.contextmanager
+def _decoder_layers_replaced(backbone, layers):
+    """The backbone's `transformer_layers` replaced by `layers` (plain
+    callables, not tracked by Keras) while the block runs."""
+    original = backbone.transformer_layers
+    object.__setattr__(backbone, "transformer_layers", layers)
+    try:
+        yield
+    finally:
+        object.__setattr__(backbone, "transformer_layers", original)
+
+
+def _device_groups(layers):
+    """`[(device, [layer index, ...]), ...]`: consecutive decoder layers
+    whose first weight lives on the same device."""
+    groups = []
+    for n, layer in enumerate(layers):
+        device = placement.device_of(layer.weights[0])
+        if groups and groups[-1][0] == device:
+            groups[-1][1].append(n)
+        else:
+            groups.append((device, [n]))
+    return groups
+
+
+class Generator:
+    """The pipelined `generate_step` of a `CausalLM` whose decoder layers
+    live on several devices.
+
+    Args:
+        task: a KerasHub `CausalLM` (`call_with_cache`, `_build_cache`,
+            `backbone.transformer_layers`, `sampler`).
+        num_micro_batches: `M`, or None: one per stage (`K`).
+        sampler: a KerasHub sampler, or None: the task's.
+
+    Raises:
+        TypeError: if `task` is not a KerasHub `CausalLM`.
+        ValueError: if `num_micro_batches` is below the number of stages.
+    """
+
+    def __init__(self, task, num_micro_batches=None, sampler=None):
+        backbone = getattr(task, "backbone", None)
+        if not (hasattr(task, "call_with_cache")
+                and hasattr(task, "_build_cache")
+                and hasattr(backbone, "transformer_layers")):
+            raise TypeError(
+                "PipelineModel.generate needs a pipeline cut from a KerasHub "
+                "CausalLM (GPT2CausalLM, LlamaCausalLM, ...), which "
+                "`to_model()` returns. Received a pipeline of "
+                f"{type(task).__name__}.")
+        self.task = task
+        self.backbone = backbone
+        self.groups = _device_groups(list(backbone.transformer_layers))
+        k = len(self.groups)
+        m = k if num_micro_batches is None else num_micro_batches
+        if isinstance(m, bool) or not isinstance(m, int) or m < k:
+            raise ValueError(
+                f"num_micro_batches must be an int >= the {k} stages that "
+                "hold decoder layers, so that each stage has a micro-batch "
+                f"to run at every tick. Received: num_micro_batches={m!r}")
+        self.num_micro_batches = m
+        self.sampler = sampler
+        self.embed_device = placement.device_of(
+            backbone.token_embedding.weights[0])
+        self.head_device = self.groups[-1][0]
+        self._cache_dims = None
+
+    @property
+    def num_stages(self):
+        return len(self.groups)
+
+    # ------------------------------------------------------ task pieces
+
+    def _cache_shape(self, rows, length):
+        """One decoder layer's cache shape `[rows, 2, length, heads, dim]`,
+        read from the graph of the task's `_build_cache`."""
+        if self._cache_dims is None:
+            spec = tf.TensorSpec([1, 2], tf.int32)
+            traced = tf.function(
+                lambda t: self.task._build_cache(t)[1]
+            ).get_concrete_function(spec)
+            self._cache_dims = tuple(traced.output_shapes[-2:])
+        return [rows, 2, length, *self._cache_dims]
+
+    def _through_taps(self, token_ids, taps, index):
+        """The task's `call_with_cache` with its decoder layers replaced by
+        `taps`; returns the logits."""
+        rows = tf.shape(token_ids)[0]
+        cache = tf.zeros([rows, len(taps), 2, 1, 1, 1],
+                         self.task.compute_dtype)
+        with _decoder_layers_replaced(self.backbone, taps):
+            logits, _, _ = self.task.call_with_cache(token_ids, cache, index)
+        return logits
+
+    def _embed(self, token_ids, index):
+        """The hidden state entering the first decoder layer (the task's
+        code stops there: no op of the later layers or the head is made)."""
+        def tap(x, self_attention_cache=None, **kwargs):
+            raise _Tapped(x)
+
+        n = len(self.backbone.transformer_layers)
+        with tf.device(self.embed_device):
+            try:
+                self._through_taps(token_ids, [tap] * n, index)
+            except _Tapped as tapped:
+                return tapped.x
+        raise TypeError(
+            f"{type(self.task).__name__}.call_with_cache did not call its "
+            "backbone's transformer_layers: PipelineModel.generate cannot "
+            "find where its embedding ends.")
+
+    def _head_weights(self):
+        """The weights of the embedding and the head that live off the
+        head's device (a tied embedding), read there once per call: the
+        head of every tick then reads them locally, not across a cut."""
+        decoder = {id(v) for layer in self.backbone.transformer_layers
+                   for v in layer.weights}
+        with tf.device(self.head_device):
+            return [(v, tf.identity(v.value)) for v in self.task.weights
+                    if id(v) not in decoder
+                    and placement.device_of(v) != self.head_device]
+
+    def _head(self, hidden, index, weights=()):
+        """The logits of the last decoder layer's output `hidden`
+        (`weights`: `_head_weights`, read in their stead)."""
+        def first(x, self_attention_cache=None, **kwargs):
+            return hidden, self_attention_cache
+
+        def rest(x, self_attention_cache=None, **kwargs):
+            return x, self_attention_cache
+
+        n = len(self.backbone.transformer_layers)
+        rows = tf.shape(hidden)[0]
+        with tf.device(self.head_device), keras.StatelessScope(
+                state_mapping=list(weights)):
+            return self._through_taps(
+                tf.zeros([rows, 1], tf.int32), [first] + [rest] * (n - 1),
+                index)
+
+    def _stage(self, j, x, caches, index):
+        """Stage `j`'s decoder layers with their caches, on its device."""
+        device, indices = self.groups[j]
+        layers = self.backbone.transformer_layers
+        new = []
+        with tf.device(device):
+            for n, cache in zip(indices, caches):
+                x, cache = layers[n](
+                    x, self_attention_cache=cache,
+                    self_attention_cache_update_index=index)
+                new.append(cache)
+        return x, new
+
+    # ------------------------------------------------------- the step
+
+    def generate_step(self, inputs, stop_token_ids=None):
+        """The task's `generate_step`, pipelined (traced in a tf.function)."""
+        # Ops without a stage of their own (the step counters, the loop's
+        # control) run on the head's device: this process takes no part in
+        # the loop.
+        with tf.device(self.head_device):
+            return self._generate_step(inputs, stop_token_ids)
+
+    def _generate_step(self, inputs, stop_token_ids):
+        sampler = self.sampler or self.task.sampler
+        token_ids = inputs["token_ids"]
+        padding_mask = tf.cast(inputs["padding_mask"], tf.bool)
+        batch, length = token_ids.shape
+        k, m = self.num_stages, min(self.num_micro_batches, batch)
+        if m < k:
+            # Fewer rows than stages: copies of the last row fill the
+            # micro-batches every tick needs; they are dropped at the end.
+            m = k
+            token_ids = _padded_rows(token_ids, k)
+            padding_mask = _padded_rows(padding_mask, k)
+        with tf.device(self.head_device):
+            index = tf.reduce_min(tf.reduce_sum(
+                tf.cast(padding_mask, tf.int32), axis=-1))
+            max_steps = length - index
+        rows = microbatch.split_sizes(token_ids.shape[0], m)
+        starts = [sum(rows[:i]) for i in range(m)]
+        with tf.device(self.head_device):
+            prompts = [token_ids[s:s + b] for s, b in zip(starts, rows)]
+            masks = [padding_mask[s:s + b] for s, b in zip(starts, rows)]
+
+        head_weights = self._head_weights()
+        # Prefill: every micro-batch through every stage, caches filled.
+        caches = [[None] * m for _ in range(k)]
+        for i in range(m):
+            x = self._embed(prompts[i], 0)
+            for j, (device, indices) in enumerate(self.groups):
+                with tf.device(device):
+                    empty = [tf.zeros(self._cache_shape(rows[i], length),
+                                      self.task.compute_dtype)
+                             for _ in indices]
+                x, caches[j][i] = self._stage(j, x, empty, 0)
+
+        def stage_call(j, t, r, tokens, caches, hidden, sampled):
+            """Stage `j` at tick `t` of round `r` (tick `K - 1 + t` of
+            the decode ticks): returns its output or the sampled tokens."""
+            g = k - 1 + t - j
+            i, step = g % m, r + g // m
+            position = index + step - 1
+            if j == 0:
+                with tf.device(self.embed_device):
+                    last = tf.slice(tokens[i], [0, position], [rows[i], 1])
+                x = self._embed(last, position)
+            else:
+                x = hidden[j]
+            x, caches[j][i] = self._stage(j, x, caches[j][i], position)
+            if j < k - 1:
+                return i, x
+            with tf.device(self.head_device):
+                logits = tf.squeeze(self._head(x, position, head_weights),
+                                    axis=1)
+                chosen = sampler.get_next_token(
+                    sampler.compute_probabilities(logits))
+                chosen = tf.cast(chosen, tokens[i].dtype)
+                at = index + step
+                keep = masks[i][:, at]
+                chosen = tf.where(keep, tokens[i][:, at], chosen)
+                columns = tf.range(length)[None, :] == at
+                tokens[i] = tf.where(columns, chosen[:, None], tokens[i])
+                if stop_token_ids is not None:
+                    done = _all_stopped(tokens[i], stop_token_ids, masks[i])
+                    sampled[i] = tf.where(
+                        tf.logical_and(sampled[i] < 0, done), step + 1,
+                        sampled[i])
+            return i, None
+
+        # Fill: ticks 0 .. K-2 of the first tokens, stage j on micro-batch
+        # `g - j`.
+        hidden = [None] * k
+        tokens = list(prompts)
+        for g in range(k - 1):
+            outputs = {}
+            for j in range(min(g, k - 2) + 1):
+                i = g - j
+                if j == 0:
+                    with tf.device(self.embed_device):
+                        last = tf.slice(tokens[i], [0, index - 1],
+                                        [rows[i], 1])
+                    x = self._embed(last, index - 1)
+                else:
+                    x = hidden[j]
+                x, caches[j][i] = self._stage(j, x, caches[j][i], index - 1)
+                outputs[j + 1] = x
+            hidden = [None] + [outputs.get(j, hidden[j])
+                               for j in range(1, k)]
+
+        with tf.device(self.head_device):
+            sampled = [tf.constant(-1) for _ in range(m)]
+
+        def body(r, tokens, caches, hidden, sampled):
+            tokens, sampled = list(tokens), list(sampled)
+            caches = [list(c) for c in caches]
+            for t in range(m):
+                outputs = {}
+                for j in range(k):
+                    _, x = stage_call(j, t, r, tokens, caches, hidden,
+                                      sampled)
+                    if x is not None:
+                        outputs[j + 1] = x
+                hidden = [None] + [outputs.get(j, hidden[j])
+                                   for j in range(1, k)]
+            return r + 1, tokens, caches, hidden, sampled
+
+        def cond(r, tokens, caches, hidden, sampled):
+            going = r < max_steps
+            if stop_token_ids is None:
+                return going
+            return tf.logical_and(going, tf.logical_not(tf.reduce_all(
+                tf.stack(sampled) >= 0)))
+
+        r, tokens, _, _, sampled = tf.while_loop(
+            cond,
+            lambda r, tok, c, h, s: _pack_hidden(
+                body(r, tok, c, [None] + list(h), s)),
+            (tf.constant(0), tokens, caches, hidden[1:], sampled))
+        with tf.device(self.head_device):
+            if stop_token_ids is not None:
+                finished = tf.reduce_all(tf.stack(sampled) >= 0)
+                steps = tf.where(finished, tf.reduce_max(tf.stack(sampled)),
+                                 r)
+            else:
+                steps = r
+            # Positions after the last step of the unsplit loop keep the
+            # prompt's values (a micro-batch ran on after it was done).
+            after = tf.range(length)[None, :] >= index + steps
+            token_ids = tf.concat(
+                [tf.where(after, p, t) for p, t in zip(prompts, tokens)],
+                axis=0)[:batch]
+            padding_mask = padding_mask[:batch]
+            return {"token_ids": token_ids,
+                    "padding_mask": _padding_mask(token_ids, padding_mask,
+                                                  stop_token_ids)}
+
+
+def _padded_rows(tensor, rows):
+    """`tensor` with its last row repeated up to `rows` rows."""
+    extra = rows - tensor.shape[0]
+    return tf.concat([tensor, tf.repeat(tensor[-1:], extra, axis=0)], 0)
+
+
+def _pack_hidden(state):
+    r, tokens, caches, hidden, sampled = state
+    return r, tokens, caches, hidden[1:], sampled
+
+
+def _all_stopped(tokens, stop_token_ids, mask):
+    """Whether every row holds a stop token at a generated position."""
+    hit = tf.zeros_like(tokens, tf.bool)
+    for value in stop_token_ids:
+        hit = tf.logical_or(hit, tf.equal(tokens, value))
+    hit = tf.logical_and(hit, tf.logical_not(mask))
+    return tf.reduce_all(tf.reduce_any(hit, axis=-1))
+
+
+def _padding_mask(token_ids, padding_mask, stop_token_ids):
+    """The task's output mask: false after each row's first generated stop
+    token (kept), all true without stop tokens."""
+    if stop_token_ids is None:
+        return tf.ones_like(token_ids, tf.bool)
+    hit = tf.zeros_like(token_ids, tf.bool)
+    for value in stop_token_ids:
+        hit = tf.logical_or(hit, tf.equal(token_ids, value))
+    ends = tf.cast(tf.logical_and(hit, tf.logical_not(padding_mask)),
+                   tf.int32)
+    overflow = tf.cumsum(ends, axis=-1) - ends
+    return tf.logical_not(tf.cast(overflow, tf.bool))
+
+
+def generate(pipe, inputs, max_length=None, stop_token_ids="auto",
+             strip_prompt=False, num_micro_batches=None):
+    """`PipelineModel.generate`: the task's `generate`, pipelined."""
+    task = pipe.to_model()
+    key = num_micro_batches
+    cache = pipe.__dict__.setdefault("_generators", {})
+    if key not in cache or cache[key][0].task is not task:
+        generator = Generator(task, num_micro_batches,
+                              sampler=getattr(pipe, "_sampler", None))
+        cache[key] = (generator, tf.function(generator.generate_step,
+                                                   autograph=False))
+    _, function = cache[key]
+    saved = task.generate_function
+    task.generate_function = function
+    try:
+        return task.generate(inputs, max_length=max_length,
+                             stop_token_ids=stop_token_ids,
+                             strip_prompt=strip_prompt)
+    finally:
+        task.generate_function = saved

@@ -1,0 +1,112 @@
+"""PipelineModel.generate: the tokens of the unsplit KerasHub CausalLM.
+
+Tiny backbones built from config (no download), dropout 0, greedy
+sampling: token ids and padding masks must be equal, not close.
+"""
+
+import keras
+import numpy as np
+import pytest
+
+import keras_pipe
+
+keras_hub = pytest.importorskip(
+    "keras_hub", reason="KerasHub task models need keras_hub")
+
+pytestmark = pytest.mark.slow  # a traced decode loop per case
+
+SEQ, VOCAB = 16, 50
+
+
+def _gpt2():
+    backbone = keras_hub.models.GPT2Backbone(
+        vocabulary_size=VOCAB, num_layers=4, num_heads=2, hidden_dim=8,
+        intermediate_dim=16, max_sequence_length=SEQ, dropout=0.0)
+    return keras_hub.models.GPT2CausalLM(backbone=backbone,
+                                         preprocessor=None)
+
+
+def _llama():
+    backbone = keras_hub.models.LlamaBackbone(
+        vocabulary_size=VOCAB, num_layers=4, num_query_heads=4,
+        num_key_value_heads=2, hidden_dim=16, intermediate_dim=32)
+    return keras_hub.models.LlamaCausalLM(backbone=backbone,
+                                          preprocessor=None)
+
+
+def _prompts(rows, seed=0):
+    """Prompts of 2 to 5 tokens, right-padded to SEQ."""
+    rng = np.random.default_rng(seed)
+    tokens = np.zeros((rows, SEQ), "int32")
+    mask = np.zeros((rows, SEQ), "int32")
+    for r, n in enumerate(rng.integers(2, 6, rows)):
+        tokens[r, :n] = rng.integers(1, VOCAB, n)
+        mask[r, :n] = 1
+    return {"token_ids": tokens, "padding_mask": mask}
+
+
+def _pair(devices, make, num_stages=2):
+    model = make()
+    model.compile(sampler="greedy")
+    pipe = keras_pipe.PipelineModel.from_model(
+        model, num_stages=num_stages, devices=devices[:num_stages])
+    return model, pipe
+
+
+def _assert_same(got, expected):
+    np.testing.assert_array_equal(got["token_ids"], expected["token_ids"])
+    np.testing.assert_array_equal(got["padding_mask"],
+                                  expected["padding_mask"])
+
+
+@pytest.mark.parametrize("make", [_gpt2, _llama], ids=["gpt2", "llama"])
+def test_greedy_tokens_equal_unsplit(devices, make):
+    model, pipe = _pair(devices, make)
+    prompts = _prompts(5)  # 5 rows: micro-batches of 3 and 2
+    expected = model.generate(prompts, stop_token_ids=None)
+    _assert_same(pipe.generate(prompts, stop_token_ids=None), expected)
+    # More micro-batches than stages, one row, and three stages.
+    _assert_same(pipe.generate(prompts, stop_token_ids=None,
+                               num_micro_batches=3), expected)
+    one = {k: v[:1] for k, v in prompts.items()}
+    _assert_same(pipe.generate(one, stop_token_ids=None),
+                 model.generate(one, stop_token_ids=None))
+
+
+def test_three_stages_and_strip_prompt(devices):
+    model, pipe = _pair(devices, _gpt2, num_stages=3)
+    prompts = _prompts(4, seed=1)
+    _assert_same(pipe.generate(prompts, stop_token_ids=None,
+                               strip_prompt=True),
+                 model.generate(prompts, stop_token_ids=None,
+                                strip_prompt=True))
+
+
+def test_stop_tokens_end_the_loop_as_the_task(devices):
+    model, pipe = _pair(devices, _gpt2)
+    prompts = _prompts(5)
+    free = model.generate(prompts, stop_token_ids=None)
+    # A token generated early in row 0 and one generated late in row 3:
+    # rows stop at different steps, micro-batches at different ticks.
+    lengths = prompts["padding_mask"].sum(axis=1)
+    stops = [int(free["token_ids"][0, lengths[0]]),
+             int(free["token_ids"][3, SEQ - 2])]
+    expected = model.generate(prompts, stop_token_ids=stops)
+    # The stop tokens matter: the loop ended early or masks changed.
+    assert not np.array_equal(expected["padding_mask"],
+                              free["padding_mask"])
+    _assert_same(pipe.generate(prompts, stop_token_ids=stops), expected)
+    _assert_same(pipe.generate(prompts, stop_token_ids=stops[:1]),
+                 model.generate(prompts, stop_token_ids=stops[:1]))
+
+
+def test_bad_arguments(devices):
+    _, pipe = _pair(devices, _gpt2)
+    with pytest.raises(ValueError, match="num_micro_batches must be an int"):
+        pipe.generate(_prompts(4), stop_token_ids=None, num_micro_batches=1)
+    plain = keras_pipe.PipelineModel.from_model(
+        keras.Sequential([keras.Input((4,)), keras.layers.Dense(2),
+                          keras.layers.Dense(2)]),
+        num_stages=2, devices=devices[:2])
+    with pytest.raises(TypeError, match="KerasHub CausalLM"):
+        plain.generate(_prompts(2))
