@@ -359,6 +359,12 @@ def eval_epoch_iterator(model):
     return getattr(model, "_eval_epoch_iterator", None)
 
 
+def build_cache(task, token_ids):
+    """A KerasHub causal LM's `(hidden states, cache)` for `token_ids`:
+    the empty cache its `generate` starts from."""
+    return task._build_cache(token_ids)
+
+
 def compiled_state(model):
     """Keras' `CompileLoss` and `CompileMetrics` of a compiled model, each
     None when it was compiled without (variables made on `build(y,

@@ -38,6 +38,7 @@ import contextlib
 import keras
 import tensorflow as tf
 
+from keras_pipe import _compat
 from keras_pipe.engine import microbatch, placement
 
 __all__ = ["Generator", "generate"]
@@ -130,7 +131,7 @@ class Generator:
         if self._cache_dims is None:
             spec = tf.TensorSpec([1, 2], tf.int32)
             traced = tf.function(
-                lambda t: self.task._build_cache(t)[1]
+                lambda t: _compat.build_cache(self.task, t)[1]
             ).get_concrete_function(spec)
             self._cache_dims = tuple(traced.output_shapes[-2:])
         return [rows, 2, length, *self._cache_dims]

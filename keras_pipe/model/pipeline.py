@@ -28,7 +28,7 @@ _not_autograph = tf.autograph.experimental.do_not_convert
 
 @keras.saving.register_keras_serializable(package="keras_pipe")
 class PipelineModel(first_batch.FirstBatchChoices, model_io.SavingMethods,
-                    InferenceMethods, BuiltFirst, Calls, keras.Model):
+                    BuiltFirst, Calls, InferenceMethods, keras.Model):
     """A Keras model cut into stages that run as a GPipe pipeline.
 
     Each stage lives on its own device. A mini-batch is cut into
