@@ -176,8 +176,10 @@ def test_fit_with_metrics_traces_its_steps_once(devices, optimizer, data):
                 "accuracy", keras.metrics.SparseTopKCategoricalAccuracy(k=2)],
             weighted_metrics=["accuracy"])
         helpers.build_optimizer(model)
+    # Validation runs as a stream of batches (`model/inference.py`): its
+    # step function traces `_forward_batches` once per trace.
     traces = [count_traces(pipe, "train_step"),
-              count_traces(pipe, "test_step")]
+              count_traces(pipe, "_forward_batches")]
     x, y, sample_weight = helpers.data(26)
     val_x, val_y, _ = helpers.data(9, seed=1)
     arguments = dict(epochs=2, validation_data=(val_x, val_y), verbose=0)
@@ -208,8 +210,8 @@ def test_evaluate_and_predict_of_an_unbuilt_pipeline_trace_once(devices,
         helpers.dense_stages(2), devices=devices[:2], num_micro_batches=2)
     pipe.compile("sgd", keras.losses.SparseCategoricalCrossentropy(
         from_logits=True), metrics=["accuracy"])
-    traces = count_traces(pipe, {"evaluate": "test_step",
-                                 "predict": "predict_step"}[method])
+    # Both run as streams of batches (`model/inference.py`).
+    traces = count_traces(pipe, "_forward_batches")
     x, y, _ = helpers.data(12)  # Whole batches: predict's tf.function
     if method == "evaluate":  # retraces for a partial one (a new shape).
         pipe.evaluate(x, y, batch_size=4, verbose=0)
