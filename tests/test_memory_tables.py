@@ -53,6 +53,11 @@ def test_logical_device_peaks_within_25_percent(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_worker_resident_peaks_within_20_percent(tmp_path, monkeypatch):
+    # The worker model's constants are measured on workers running TF's
+    # own kernels; oneDNN's (the workers' default) on a CPU with AVX-512
+    # and AMX keeps more, about one more copy of the weights, which the
+    # model does not count yet (docs/limits.md).
+    monkeypatch.setenv("TF_ENABLE_ONEDNN_OPTS", "0")
     results = _table(tmp_path, monkeypatch, "--workers")
     assert len(results) == 2   # one configuration x 2 workers
     for r in results:

@@ -176,7 +176,8 @@ def test_sequential_mlp_predicts_and_trains_like_original(devices):
 
 def test_weights_are_shared_not_copied(devices):
     model = _mlp()
-    pipe = keras_pipe.PipelineModel.from_model(model, 2, devices=devices[:2])
+    pipe = keras_pipe.PipelineModel.from_model(model, 2, devices=devices[:2],
+                                               batch_size=8)
     assert sorted(map(id, pipe.weights)) == sorted(map(id, model.weights))
     # The core moves the (shared) variables onto the stage devices.
     indices = [tf.DeviceSpec.from_string(placement.device_of(v)).device_index

@@ -50,7 +50,7 @@ def test_timeline_writes_trace_png_and_bubble(devices, tmp_path):
     k, m, t = 2, 4, 0.04
     model = keras_pipe.PipelineModel(
         [SlowDense(t) for _ in range(k)], devices=devices[:k],
-        num_micro_batches=m, remat="except_last")
+        num_micro_batches=m, remat="except_last", schedule="gpipe")
     result = _record_step_1(model, tmp_path)
     events = result["events"]
     count = {kind: sum(e["kind"] == kind for e in events)
@@ -161,7 +161,8 @@ def test_consecutive_recorded_steps_share_one_traced_function(devices,
     # second recorded step reuses the function, so it shows a warm step.
     model = keras_pipe.PipelineModel(
         [keras.Sequential([keras.layers.Dense(3)]) for _ in range(2)],
-        devices=devices[:2], num_micro_batches=2, remat="always")
+        devices=devices[:2], num_micro_batches=2, remat="always",
+        schedule="gpipe")
     model.compile("sgd", "mse")
     rebuilt = []
     make = model.make_train_function

@@ -83,7 +83,7 @@ def main(argv=None):
     for m in [int(v) for v in args.micro_batches.split(",")]:
         pipe = keras_pipe.PipelineModel.from_model(
             net, args.num_stages, devices=devices, num_micro_batches=m,
-            balance="params")
+            balance="params", schedule="gpipe")
         value, got = step(pipe, net_weights)
 
         def worst(indices, got=got):

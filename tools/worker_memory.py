@@ -6,7 +6,8 @@
 Starts two loopback workers (`python -m keras_pipe.distributed.worker`) and a client
 process that connects, runs one op on each worker, then builds the model
 (7 x Dense(WIDTH), batch 64), cuts it with `from_model(num_stages=2,
-balance="params")`, compiles and trains. After each phase the client reads
+balance="params", schedule="gpipe")` (`--defaults`: the model and the
+devices alone), compiles and trains. After each phase the client reads
 each worker's `VmRSS` and `VmHWM` (resident now, resident peak) from
 `/proc/<pid>/status`, then resets the peak (`/proc/<pid>/clear_refs`), so
 each phase's HWM is the peak of that phase; everything is net of the idle
@@ -133,7 +134,7 @@ def child_client(args):
         pipe = keras_pipe.PipelineModel.from_model(
             model, num_stages=2, devices=devices,
             num_micro_batches=args.num_micro_batches, balance="params",
-            remat=args.remat)
+            remat=args.remat, schedule="gpipe")
     mark("pipeline built")
     pipe.compile(_optimizer(keras, args.optimizer),
                  keras.losses.SparseCategoricalCrossentropy(from_logits=True))

@@ -11,6 +11,7 @@ of each choice are in `keras_pipe.planning.choices`.
 from keras_pipe import _validation
 from keras_pipe.engine import placement
 from keras_pipe.planning import graph as graph_lib
+from keras_pipe.planning import partition as partition_lib
 from keras_pipe.planning import planner
 from keras_pipe.planning.balance import shapes
 from keras_pipe.planning.choices import (
@@ -36,13 +37,15 @@ class Deferred:
                 "stage). Received: num_stages=None, devices=None")
         if num_stages is not None:
             _validation.check_positive_int("num_stages", num_stages)
-        # A built Sequential or Functional, with sizes that fit it.
-        shapes.check_given(graph_lib.read_graph(model),
-                           options.get("input_shape"),
-                           options.get("sample_inputs"))
         if devices is not None:
             _validation.check_device_list(devices)
             placement.resolve_devices(devices)
+        # A built Sequential or Functional, with sizes that fit it and
+        # enough layer calls for its stages.
+        graph = graph_lib.read_graph(model)
+        shapes.check_given(graph, options.get("input_shape"),
+                           options.get("sample_inputs"))
+        partition_lib.check_enough_calls(graph, num_stages or len(devices))
         self.model = model
         self.devices = devices
         self.options = options  # `planner.stages_from_model` keywords

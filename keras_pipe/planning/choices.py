@@ -28,10 +28,13 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from keras_pipe import _compat
+
 __all__ = ["DEFAULT_BATCH_SIZE", "DEFAULT_OPTIMIZER_SLOTS", "DEFAULT_REMAT",
            "DEFAULT_BALANCE", "optimizer_slots",
            "Resolved", "batch_size_of", "default_micro_batches",
-           "default_schedule", "leaves_all", "measured", "resolve"]
+           "default_schedule", "leaves_all", "measured", "outputs_masked",
+           "resolve"]
 
 # Keras' own default batch size for array data (`Model.fit`).
 DEFAULT_BATCH_SIZE = 32
@@ -60,17 +63,27 @@ def default_micro_batches(batch_size, num_stages):
     return m
 
 
-def default_schedule(stage_devices):
+def default_schedule(stage_devices, masked=False):
     """The fastest exact schedule the stages' placement allows (per stage,
-    its device's index)."""
+    its device's index); GPipe for a model whose outputs carry a Keras
+    mask, whose loss is divided by the whole batch's unmasked positions,
+    known only once every micro-batch has run forward."""
     from keras_pipe.engine import schedule as schedule_lib  # noqa: PLC0415
-    for name in _FASTEST_EXACT:
+    for name in ("gpipe",) if masked else _FASTEST_EXACT:
         try:
             schedule_lib.check_placement(name, stage_devices)
         except ValueError:
             continue
         return name
     return "gpipe"
+
+
+def outputs_masked(model):
+    """Whether a built Keras model's outputs carry a Keras mask (an
+    `Embedding(mask_zero=True)` upstream, say)."""
+    return any(_compat.get_keras_mask(t) is not None
+               for t in keras.tree.flatten(getattr(model, "outputs", None)
+                                           or []))
 
 
 def measured(devices):
@@ -182,15 +195,18 @@ class Resolved:
 
 def resolve(num_micro_batches, schedule, remat, balance, memory_budget,
             devices, num_stages, batch_size, measure=None,
-            batch_size_known=True):
+            batch_size_known=True, masked=False):
     """Makes the choices left `None`, by this module's rules.
 
     `batch_size_known=False` (`from_model` before any batch) leaves `M`
     None for the pipeline to choose from its first batch; `plan` costs
-    Keras' default batch instead.
+    Keras' default batch instead. `masked`: the model's outputs carry a
+    Keras mask (`outputs_masked`).
     """
     from keras_pipe.engine import building  # noqa: PLC0415
-    implicit = memory_budget is None and leaves_all(
+    # Planning places stages on devices: without devices there is nothing
+    # to measure or simulate, and the fixed defaults apply.
+    implicit = memory_budget is None and devices is not None and leaves_all(
         num_micro_batches, schedule, remat, balance)
     if implicit or schedule == "auto":
         if batch_size is None and implicit:
@@ -203,7 +219,7 @@ def resolve(num_micro_batches, schedule, remat, balance, memory_budget,
     if schedule is None:
         schedule = "gpipe" if memory_budget is not None else \
             default_schedule(building.device_indices(devices) if devices
-                             else list(range(num_stages or 1)))
+                             else list(range(num_stages or 1)), masked)
     if num_micro_batches is None and (batch_size is not None
                                       or batch_size_known):
         num_micro_batches = default_micro_batches(

@@ -34,7 +34,8 @@ from keras_pipe.planning import balance as balance_lib
 from keras_pipe.planning import graph as graph_lib
 from keras_pipe.planning.balance import shapes as shapes_lib
 
-__all__ = ["BALANCE_MODES", "GraphStage", "Partition", "cut", "split_model"]
+__all__ = ["BALANCE_MODES", "GraphStage", "Partition", "check_enough_calls", "cut",
+           "split_model"]
 
 BALANCE_MODES = ("params", "flops", "time", "memory")
 
@@ -351,7 +352,7 @@ def _opaque_note(graph):
             "layer with its own call() that way to cut inside it.")
 
 
-def _check_enough_calls(graph, num_stages):
+def check_enough_calls(graph, num_stages):
     n = len(graph.calls)
     if num_stages > n:
         raise ValueError(
@@ -398,7 +399,7 @@ def cut(model, num_stages, balance="params", devices=None,
         _check_count("batch_size", batch_size)
     _validation.check_remat(remat, num_stages)
     graph = graph_lib.read_graph(model)
-    _check_enough_calls(graph, num_stages)
+    check_enough_calls(graph, num_stages)
     # Checked even where no cost reads them (balance="params").
     shapes_lib.check_given(graph, input_shape, sample_inputs)
     micro = micro_batch_size(batch_size, num_micro_batches)

@@ -13,6 +13,7 @@ import math
 import warnings
 
 from keras_pipe import _validation
+from keras_pipe.engine import building
 from keras_pipe.engine import schedule as schedule_lib
 from keras_pipe.planning import autoplan, choices
 from keras_pipe.planning import budget as budget_lib
@@ -258,9 +259,10 @@ def plan(model, num_stages=None, num_micro_batches=None, balance=None,
             `flops_per_second` that is not a number > 0.
     """
     _check_arguments(optimizer_slots, flops_per_second, devices, num_stages)
+    masked = choices.outputs_masked(model)
     chosen = choices.resolve(num_micro_batches, schedule, remat, balance,
                              memory_budget, devices, num_stages, batch_size,
-                             measure)
+                             measure, masked=masked)
     if chosen.schedule != "auto":
         schedule_lib.get_schedule(chosen.schedule)
         if loss is not None:
@@ -272,9 +274,22 @@ def plan(model, num_stages=None, num_micro_batches=None, balance=None,
     flops = {"flops_per_second": flops_per_second} if flops_per_second else {}
     ranked = None
     if chosen.schedule == "auto":
-        ranked = _search(model, devices, num_stages, memory_budget,
-                         micro_batch_choices, optimizer_slots, chosen, flops,
-                         input_shape, sample_inputs, loss, calibrate)
+        try:
+            ranked = _search(model, devices, num_stages, memory_budget,
+                             micro_batch_choices, optimizer_slots, chosen,
+                             flops, input_shape, sample_inputs, loss,
+                             calibrate, ["gpipe"] if masked else None)
+        except ValueError:
+            if not chosen.implicit:
+                raise
+            # Nothing the planner simulates fits this model (too few layer
+            # calls to cut for its layouts, say): the fixed defaults, whose
+            # cut says what is wrong if it cannot be made.
+            chosen = choices.resolve(None, choices.default_schedule(
+                building.device_indices(devices), masked), None,
+                None, None, devices, num_stages, batch_size, masked=masked)
+            num_stages = len(devices) if num_stages is None else num_stages
+    if ranked is not None:
         best, memory_budget = ranked[0], None
         chosen = dataclasses.replace(
             chosen, schedule=best.schedule, balance=list(best.sizes),
@@ -282,7 +297,7 @@ def plan(model, num_stages=None, num_micro_batches=None, balance=None,
         num_stages = best.num_stages
         if devices is not None:
             devices = autoplan.expand_devices(devices, best.stage_devices)
-    num_stages = num_stages or len(devices)
+    num_stages = len(devices) if num_stages is None else num_stages
     budget = None
     if memory_budget is not None:
         budget = budget_lib.search(
@@ -339,7 +354,7 @@ def _check_arguments(optimizer_slots, flops_per_second, devices,
 
 def _search(model, devices, num_stages, memory_budget, micro_batch_choices,
             optimizer_slots, chosen, flops, input_shape, sample_inputs, loss,
-            calibrate):
+            calibrate, schedules):
     """`schedule="auto"`: every configuration, fastest first."""
     with warnings.catch_warnings():
         if chosen.implicit and not chosen.measure:  # documented: logical
@@ -351,7 +366,7 @@ def _search(model, devices, num_stages, memory_budget, micro_batch_choices,
             micro_batch_choices=micro_batch_choices,
             optimizer_slots=optimizer_slots, measure=chosen.measure,
             input_shape=input_shape, sample_inputs=sample_inputs,
-            loss=loss, calibrate=calibrate, **flops)
+            loss=loss, calibrate=calibrate, schedules=schedules, **flops)
 
 
 def _stage_plans(part, chosen, micro, optimizer_slots, budget, input_shape,
@@ -453,7 +468,8 @@ def stages_from_model(model, num_stages, devices, num_micro_batches, remat,
         num_stages = len(devices)
     resolved = choices.resolve(num_micro_batches, schedule, remat, balance,
                                memory_budget, devices, num_stages,
-                               batch_size, batch_size_known=False)
+                               batch_size, batch_size_known=False,
+                               masked=choices.outputs_masked(model))
     if loss is not None and resolved.schedule != "auto":
         raise ValueError(
             'from_model(loss=...) costs the loss head for schedule="auto" '

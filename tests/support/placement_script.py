@@ -37,7 +37,8 @@ stages = [
                      name="s1_stage"),
 ]
 model = keras_pipe.PipelineModel(stages, devices=devices,
-                                 num_micro_batches=2, remat=remat)
+                                 num_micro_batches=2, remat=remat,
+                                 schedule="gpipe")
 model.build((None, 4))
 model.compile(keras.optimizers.Adam(), "mse")
 model.train_on_batch(np.ones((6, 4), "float32"), np.ones((6, 2), "float32"))
