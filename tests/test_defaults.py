@@ -196,3 +196,24 @@ def test_train_on_batch_plans_for_its_rows(devices):
 ])
 def test_the_plan_costs_the_compiled_optimizers_slots(optimizer, slots):
     assert choices.optimizer_slots(optimizer) == slots
+
+
+def test_a_model_with_masked_outputs_gets_gpipe(devices):
+    """Its loss is divided by the whole batch's unmasked positions: only
+    GPipe runs it; the choices left to keras_pipe must not pick another."""
+    inputs = keras.Input((6,), dtype="int32")
+    h = keras.layers.Embedding(10, 8, mask_zero=True)(inputs)
+    h = keras.layers.Dense(8, activation="relu")(h)
+    model = keras.Model(inputs, keras.layers.Dense(3)(h))
+    assert choices.outputs_masked(model) and not choices.outputs_masked(
+        _mlp())
+    planned = keras_pipe.PipelineModel.from_model(model, devices=devices[:2],
+                                                  batch_size=8)
+    assert planned.schedule == "gpipe"
+    given_m = keras_pipe.PipelineModel.from_model(
+        model, devices=devices[:2], num_micro_batches=2)
+    assert given_m.schedule == "gpipe"
+    x = np.random.default_rng(0).integers(1, 10, size=(8, 6))
+    y = np.random.default_rng(1).standard_normal((8, 6, 3)).astype("float32")
+    given_m.compile(keras.optimizers.SGD(0.01), "mse")
+    given_m.fit(x, y, batch_size=8, verbose=0)  # trains, no schedule error
