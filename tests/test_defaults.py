@@ -217,3 +217,14 @@ def test_a_model_with_masked_outputs_gets_gpipe(devices):
     y = np.random.default_rng(1).standard_normal((8, 6, 3)).astype("float32")
     given_m.compile(keras.optimizers.SGD(0.01), "mse")
     given_m.fit(x, y, batch_size=8, verbose=0)  # trains, no schedule error
+
+
+def test_a_plan_on_stages_that_share_devices_costs_their_memory(devices):
+    # Broke: the plan's stage peaks ran the schedule with one device per
+    # stage, and zbv (two stages per device) refused that, so a default
+    # plan that picked zbv on two workers failed.
+    p = keras_pipe.plan(_mlp(depth=6), 4, devices=[devices[0], devices[1],
+                                                   devices[1], devices[0]],
+                        schedule="zbv", num_micro_batches=2, batch_size=16)
+    assert p.schedule == "zbv" and all(
+        s.peak_memory_bytes > 0 for s in p.stages)

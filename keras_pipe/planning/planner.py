@@ -313,7 +313,7 @@ def plan(model, num_stages=None, num_micro_batches=None, balance=None,
     micro = partition_lib.micro_batch_size(batch_size,
                                            chosen.num_micro_batches)
     stages = _stage_plans(part, chosen, micro, optimizer_slots, budget,
-                          input_shape, sample_inputs, batch_size)
+                          input_shape, sample_inputs, batch_size, devices)
     m, k = chosen.num_micro_batches, num_stages
     bubble = schedule_lib.bubble_fraction(m, k)
     result = Plan(model.name, k, m, micro, chosen.balance, chosen.remat,
@@ -370,7 +370,7 @@ def _search(model, devices, num_stages, memory_budget, micro_batch_choices,
 
 
 def _stage_plans(part, chosen, micro, optimizer_slots, budget, input_shape,
-                 sample_inputs, batch_size):
+                 sample_inputs, batch_size, devices):
     """One `StagePlan` per stage of the cut `part`; peaks from the memory
     model (`keras_pipe.planning.memory.predict`)."""
     graph, shapes = part.graph, part.shapes
@@ -380,9 +380,14 @@ def _stage_plans(part, chosen, micro, optimizer_slots, budget, input_shape,
     call_flops = cost_lib.flops(graph, micro, shapes)
     times = part.costs if chosen.balance == "time" else None
     m = chosen.num_micro_batches
+    num_devices = len(set(devices)) if devices else part.num_stages
+    name = chosen.schedule
+
+    def ticks(m, k):  # the schedule on the plan's devices
+        return schedule_lib.build_ticks(name, m, k, num_devices)
+
     peaks = budget.peaks if budget is not None else memory_lib.predict(
-        part, batch_size or m, m, chosen.remat,
-        chosen.schedule if budget is None else "gpipe", optimizer_slots,
+        part, batch_size or m, m, chosen.remat, ticks, optimizer_slots,
         input_shape)
     stages, start = [], 0
     for j, size in enumerate(part.sizes):
