@@ -29,6 +29,8 @@ import numpy as np
 import tensorflow as tf
 
 from keras_pipe import _compat
+from keras_pipe.engine import building
+from keras_pipe.engine import schedule as schedule_lib
 
 __all__ = ["DEFAULT_BATCH_SIZE", "DEFAULT_OPTIMIZER_SLOTS", "DEFAULT_REMAT",
            "DEFAULT_BALANCE", "optimizer_slots",
@@ -68,7 +70,6 @@ def default_schedule(stage_devices, masked=False):
     its device's index); GPipe for a model whose outputs carry a Keras
     mask, whose loss is divided by the whole batch's unmasked positions,
     known only once every micro-batch has run forward."""
-    from keras_pipe.engine import schedule as schedule_lib  # noqa: PLC0415
     for name in ("gpipe",) if masked else _FASTEST_EXACT:
         try:
             schedule_lib.check_placement(name, stage_devices)
@@ -203,7 +204,6 @@ def resolve(num_micro_batches, schedule, remat, balance, memory_budget,
     Keras' default batch instead. `masked`: the model's outputs carry a
     Keras mask (`outputs_masked`).
     """
-    from keras_pipe.engine import building  # noqa: PLC0415
     # Planning places stages on devices: without devices there is nothing
     # to measure or simulate, and the fixed defaults apply.
     implicit = memory_budget is None and devices is not None and leaves_all(
