@@ -7,6 +7,7 @@ blocks allocated, written and freed in a loop, as a stage's gradients are.
 """
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -222,3 +223,64 @@ def test_a_worker_trims_its_heap_with_return_only(monkeypatch, mode, trims):
     with pytest.raises(Stop):
         worker.serve({"worker": [f"127.0.0.1:{port}"]}, task=0, heap=mode)
     assert len(started) == trims
+
+
+# Starts one oneDNN worker with heap "return", makes and frees a 100 MB
+# variable on it, and prints the worker's resident MiB idle, holding it and
+# after (in a child: a process connects to one cluster only).
+_ONEDNN_CHILD = r"""
+import gc, json, os, pathlib, time
+import tensorflow as tf
+import keras_pipe
+
+def workers():
+    pids = []
+    for status in pathlib.Path("/proc").glob("[0-9]*/status"):
+        try:
+            text, command = status.read_text(), (status.parent / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"keras_pipe.distributed.worker" in command and f"\nPPid:\t{os.getpid()}\n" in text:
+            pids.append(int(status.parent.name))
+    return pids
+
+def resident(pid):
+    for line in pathlib.Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+
+with keras_pipe.local_workers(1, heap="return", onednn=True) as devices:
+    (pid,) = workers()
+    with tf.device(devices[0]):
+        tf.ones([4]).numpy()
+    idle = resident(pid)
+    with tf.device(devices[0]):
+        variable = tf.Variable(tf.zeros([5000, 5000]))
+    held = resident(pid)
+    del variable
+    gc.collect()
+    with tf.device(devices[0]):  # the deletion reaches the worker
+        tf.ones([4]).numpy()
+    deadline = time.monotonic() + 10
+    while resident(pid) > idle + 50 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    print(json.dumps([idle, held, resident(pid)]))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("environment,given_back", [(None, True), ("0", False)])
+def test_return_reaches_onednns_allocator(environment, given_back):
+    """A oneDNN worker with heap "return" gives a freed 100 MB variable
+    back; with oneDNN's own allocator left on (the environment says 0, as
+    before `configure` set it), the worker keeps it."""
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
+    env.pop(heap.ONEDNN_SYSTEM_ALLOCATOR, None)
+    if environment is not None:
+        env[heap.ONEDNN_SYSTEM_ALLOCATOR] = environment
+    out = subprocess.run([sys.executable, "-c", _ONEDNN_CHILD], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    idle, held, after = json.loads(out.stdout.strip().splitlines()[-1])
+    assert held > idle + 80, (idle, held)
+    assert (after < idle + 50) == given_back, (idle, held, after)

@@ -9,6 +9,12 @@ short-lived (values received at build, each micro-batch's weight
 gradients, tensors in transit), so with glibc's defaults a worker's
 resident peak is well above the bytes its tensors use at once.
 
+Where TF's oneDNN kernels are on, TF allocates through its oneDNN CPU
+allocator instead, which keeps its freed large blocks in a
+pool of its own for the life of the process: no `mallopt` setting reaches
+those. `"return"` therefore also sets `TF_ONEDNN_USE_SYSTEM_ALLOCATOR=1`
+(unless the environment sets it), which sends them to `malloc` again.
+
 Three settings (`HEAP_MODES`), chosen with `mallopt` before the process
 starts its threads (the environment variables `MALLOC_ARENA_MAX` and
 `MALLOC_MMAP_THRESHOLD_` do the same, set before the process starts):
@@ -18,7 +24,8 @@ starts its threads (the environment variables `MALLOC_ARENA_MAX` and
 * `"return"`: 2 arenas, and blocks of `RETURN_THRESHOLD` or more are
   mapped on their own and unmapped when freed, so resident memory follows
   the allocator's bytes in use (what the memory model predicts,
-  `keras_pipe.planning.resident`). Each such allocation faults its pages
+  `keras_pipe.planning.resident`), oneDNN's allocator included (above).
+  Each such allocation faults its pages
   in afresh: steps are slower. Once the process has been idle for
   `TRIM_AFTER_IDLE` seconds after work, a thread gives the free pages
   inside the arenas back (`malloc_trim`, `trim_when_idle`).
@@ -42,10 +49,11 @@ docs/capacity.md ("The heap: speed against memory").
 
 import ctypes
 import ctypes.util
+import os
 import threading
 import time
 
-__all__ = ["HEAP_MODES", "RETURN_THRESHOLD", "TRIM_AFTER_IDLE", "IdleSpell",
+__all__ = ["HEAP_MODES", "ONEDNN_SYSTEM_ALLOCATOR", "RETURN_THRESHOLD", "TRIM_AFTER_IDLE", "IdleSpell",
            "check_mode", "configure", "trim_when_idle"]
 
 HEAP_MODES = ("reuse", "return", "glibc")
@@ -59,6 +67,10 @@ TRIM_AFTER_IDLE = 0.5
 # A poll in which the process used less CPU than this share of the time
 # between two polls is idle (an idle worker uses about none).
 IDLE_CPU_SHARE = 0.05
+
+# TF reads it when its oneDNN CPU allocator first allocates: `"return"`
+# sets it before TF loads (the module says why).
+ONEDNN_SYSTEM_ALLOCATOR = "TF_ONEDNN_USE_SYSTEM_ALLOCATOR"
 
 _M_MMAP_THRESHOLD = -3
 _M_ARENA_MAX = -8
@@ -89,8 +101,10 @@ def check_mode(mode):
 def configure(mode, arena_max=2, mmap_threshold=RETURN_THRESHOLD):
     """Sets this process's heap to `mode` (one of `HEAP_MODES`).
 
-    Call before TensorFlow starts its threads. A no-op (returns `False`)
-    where the C library is not glibc, and for `"glibc"`.
+    Call before TensorFlow starts its threads. `"return"` also sets
+    `ONEDNN_SYSTEM_ALLOCATOR` in this process's environment unless it is
+    set. Otherwise a no-op (returns `False`) where the C library is not
+    glibc, and for `"glibc"`.
 
     Args:
         mode: `"reuse"`, `"return"` or `"glibc"` (see the module).
@@ -107,6 +121,8 @@ def configure(mode, arena_max=2, mmap_threshold=RETURN_THRESHOLD):
         ValueError: for a `mode` not in `HEAP_MODES`.
     """
     check_mode(mode)
+    if mode == "return":
+        os.environ.setdefault(ONEDNN_SYSTEM_ALLOCATOR, "1")
     libc = _libc()
     if libc is None or mode == "glibc":
         return False
