@@ -240,7 +240,8 @@ def workers():
             text, command = status.read_text(), (status.parent / "cmdline").read_bytes()
         except OSError:
             continue
-        if b"keras_pipe.distributed.worker" in command and f"\nPPid:\t{os.getpid()}\n" in text:
+        mine = f"\nPPid:\t{os.getpid()}\n" in text
+        if b"keras_pipe.distributed.worker" in command and mine:
             pids.append(int(status.parent.name))
     return pids
 

@@ -53,8 +53,9 @@ import os
 import threading
 import time
 
-__all__ = ["HEAP_MODES", "ONEDNN_SYSTEM_ALLOCATOR", "RETURN_THRESHOLD", "TRIM_AFTER_IDLE", "IdleSpell",
-           "check_mode", "configure", "trim_when_idle"]
+__all__ = ["HEAP_MODES", "ONEDNN_SYSTEM_ALLOCATOR", "RETURN_THRESHOLD",
+           "TRIM_AFTER_IDLE", "IdleSpell", "check_mode", "configure",
+           "trim_when_idle"]
 
 HEAP_MODES = ("reuse", "return", "glibc")
 # `"return"`'s mmap threshold: blocks of this many bytes or more are mapped
