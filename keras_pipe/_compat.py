@@ -440,3 +440,40 @@ def called_graph(op):
             return getattr(function, "graph", None)
         graph = getattr(graph, "outer_graph", None)
     return None
+
+
+def release_graphs_capturing(variables):
+    """Lets go of the variables' buffers held by traced graphs.
+
+    A `tf.function` graph that captured a variable holds its resource
+    handle, and with it the variable's buffer on its device, for as long
+    as the graph lives; a Keras train function's graph is never freed
+    (its cycle runs through TF's C++ graph, which Python's collector does
+    not see, and TF's gradient registry can hold it too). For every live
+    `FuncGraph` that captured a handle of `variables`, this empties the
+    graph and its captures: those graphs can no longer run, so call it
+    only on variables that are being thrown away with every function that
+    used them. Returns how many graphs it released.
+    """
+    import gc
+
+    from tensorflow.python.framework import func_graph as _func_graph
+
+    handles = set()
+    for variable in variables:
+        value = getattr(variable, "value", variable)
+        handle = getattr(value, "handle", None)
+        if handle is not None:
+            handles.add(id(handle))
+    released = 0
+    for graph in [o for o in gc.get_objects()
+                  if isinstance(o, _func_graph.FuncGraph)]:
+        if not any(id(t) in handles for t in graph.external_captures):
+            continue
+        captures = graph._function_captures
+        _func_graph.dismantle_func_graph(graph)
+        for container in vars(captures).values():
+            if hasattr(container, "clear"):
+                container.clear()
+        released += 1
+    return released

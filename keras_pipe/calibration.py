@@ -20,6 +20,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from keras_pipe import _compat
 from keras_pipe import model as model_lib
 from keras_pipe.engine import schedule as schedule_lib
 from keras_pipe.planning import profiling, simulator
@@ -150,12 +151,22 @@ def measure(devices, steps=16, runs=3):
     return solve(times, stage_devices, latency)
 
 
+def _structure(model, name):
+    """`model.input` or `model.output` (`name`); a Sequential never called
+    has neither, only its single tensor in `inputs` / `outputs`."""
+    try:
+        return getattr(model, name)
+    except AttributeError:
+        tensors = getattr(model, name + "s")
+        return tensors[0] if len(tensors) == 1 else list(tensors)
+
+
 def _inputs(model, rows, shapes):
     """Numpy inputs of `rows` rows in `model.input`'s structure (as the
     planner costs them: normal floats, zero integers)."""
     return keras.tree.map_structure(
         lambda kt: cost_lib.sample_input(kt, rows, shapes).numpy(),
-        model.input)
+        _structure(model, "input"))
 
 
 def _targets(model, rows, shapes, loss):
@@ -167,7 +178,7 @@ def _targets(model, rows, shapes, loss):
                                         rows), "float32")
         return profiling.loss_target(function, y_pred).numpy()
 
-    return keras.tree.map_structure(target, model.output)
+    return keras.tree.map_structure(target, _structure(model, "output"))
 
 
 def _optimizer(optimizer_slots):
@@ -242,9 +253,14 @@ def step_seconds(model, devices, sizes, num_micro_batches, remat,
         return _least_median_step(pipe, repeat(2), repeat(steps + 1),
                                   batch_size, runs)
     finally:
-        # The clone's variables live on the devices until Python frees
-        # them, and a Keras model is a reference cycle: collected now, the
-        # next calibration point (and the real pipeline after the plan)
-        # reuses the memory instead of adding to it.
+        # The clone's variables live on the devices while anything holds
+        # them: the train function's graph does, for the life of the
+        # process (`_compat.release_graphs_capturing`), and a Keras model is
+        # a reference cycle. Released and collected now, the next
+        # calibration point (and the real pipeline after the plan) reuses
+        # the memory instead of adding to it.
+        _compat.release_graphs_capturing(
+            list(pipe.variables) + list(clone.variables)
+            + list(getattr(pipe.optimizer, "variables", [])))
         del pipe, clone
         gc.collect()

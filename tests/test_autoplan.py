@@ -288,12 +288,13 @@ def test_a_link_is_timed_per_hop_of_a_chain(devices):
 def _measured_without_timing(monkeypatch, loss_per_row):
     """search(measure=True) with every measurement replaced: FLOPs for the
     calls, no fixed costs, and a loss head of `loss_per_row` s per row."""
-    def flops(graph, rows, device=None, shapes=None):
+    def flops(graph, all_rows, device=None, shapes=None):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the FLOPs fallback's warning
-            return profiling.flops_costs(graph, rows, 2e10, shapes)
+            return [profiling.flops_costs(graph, rows, 2e10, shapes)
+                    for rows in all_rows]
 
-    monkeypatch.setattr(profiling, "call_costs", flops)
+    monkeypatch.setattr(profiling, "call_costs_at", flops)
     monkeypatch.setattr(profiling, "step_overhead",
                         lambda devices: profiling.Overhead(0.0, 0.0))
     monkeypatch.setattr(profiling, "link",
@@ -466,6 +467,23 @@ def test_step_seconds_trains_a_clone_and_leaves_the_model_alone(devices,
     assert all(np.array_equal(a, b) for a, b in zip(before, after))
 
 
+@pytest.mark.slow  # builds and trains a small pipeline
+def test_step_seconds_trains_a_sequential_never_called(devices):
+    """A Sequential built from `keras.Input` has no `input` until called:
+    the calibration reads its single input and output tensors instead."""
+    from keras_pipe import calibration
+    from keras_pipe.planning.balance import shapes as shapes_lib
+    model = keras.Sequential([keras.Input((8,))] + [
+        keras.layers.Dense(8, activation="relu") for _ in range(3)] + [
+        keras.layers.Dense(3)])
+    shapes = shapes_lib.infer_shapes(graph_lib.read_graph(model))
+    seconds = calibration.step_seconds(
+        model, devices[:2], [2, 2], 2, "never", 16, shapes,
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        optimizer_slots=0, steps=2, runs=1)
+    assert 0 < seconds < 5
+
+
 def _validate_planner():
     from tests.support import tools  # noqa: PLC0415
     return tools.load("validate_planner")
@@ -582,3 +600,22 @@ def test_a_search_lets_go_of_its_timing_loops_and_their_weight_copies(
     autoplan.search(_mlp(depth=2), devices=devices[:2], batch_size=16,
                     micro_batch_choices=(1, 2), calibrate=False)
     assert not profiling._LOOPS
+
+
+def test_a_search_holds_one_layer_calls_timing_loops_at_a_time(
+        devices, tmp_path, monkeypatch):
+    """Measured one layer call at a time over every row count, the device
+    holds one call's weight copies at a time, not the model's."""
+    monkeypatch.setattr(profiling, "cache_path",
+                        lambda: tmp_path / "costs.json")
+    held = []
+    per_run = profiling._per_run
+
+    def counting(*args, **kwargs):
+        held.append(len(profiling._LOOPS))
+        return per_run(*args, **kwargs)
+
+    monkeypatch.setattr(profiling, "_per_run", counting)
+    autoplan.search(_mlp(depth=3), devices=devices[:2], batch_size=16,
+                    micro_batch_choices=(1, 2, 4), calibrate=False)
+    assert held and max(held) == 1, held

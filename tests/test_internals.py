@@ -436,3 +436,30 @@ def test_disable_thread_spinning_sets_the_context_config():
     finally:
         context.context()._config = saved
     _compat.sync_executors()  # no remote executor here: returns at once
+
+
+def test_release_graphs_capturing_lets_a_trained_models_variables_go():
+    """Keras' train function graph keeps the handles of the variables it
+    captured after the model is gone (the trap "undying train graph");
+    released, they go with the model."""
+    import gc
+    import weakref
+
+    def trained():
+        inputs = keras.Input((4,))
+        model = keras.Model(inputs, keras.layers.Dense(3)(inputs))
+        model.compile("sgd", "mse")
+        model.fit(np.zeros((8, 4)), np.zeros((8, 3)), verbose=0)
+        return model
+
+    alive = {}
+    for release in (False, True):
+        model = trained()
+        handles = [weakref.ref(v.value.handle) for v in model.variables]
+        if release:
+            assert _compat.release_graphs_capturing(
+                model.variables + model.optimizer.variables) >= 1
+        del model
+        gc.collect()
+        alive[release] = sum(h() is not None for h in handles)
+    assert alive == {False: 2, True: 0}

@@ -139,8 +139,9 @@ class _Measured:
     def prepare(self, all_rows):
         """Measures every row count at once and `smooth`s them together."""
         all_rows = sorted(set(all_rows))
+        self._measure([r for r in all_rows if r not in self._calls])
         for rows, costs in zip(all_rows, profiling.smooth(
-                [self._measured(r) for r in all_rows])):
+                [self._calls[r] for r in all_rows])):
             self._calls[rows] = costs
 
     def scale(self, rows):
@@ -159,14 +160,23 @@ class _Measured:
                 self.shapes)
         return self._losses[rows] * self.scale(rows)
 
+    def _measure(self, all_rows):
+        if not all_rows:
+            return
+        if self.measure:
+            # One layer call at a time over every row count: the device
+            # holds one call's weights at a time (`call_costs_at`).
+            costs = profiling.call_costs_at(self.graph, all_rows,
+                                            self.device, self.shapes)
+        else:
+            costs = [profiling.flops_costs(self.graph, rows,
+                                           self.flops_per_second, self.shapes)
+                     for rows in all_rows]
+        self._calls.update(zip(all_rows, costs))
+
     def _measured(self, rows):
         if rows not in self._calls:
-            if self.measure:
-                self._calls[rows] = profiling.call_costs(
-                    self.graph, rows, self.device, self.shapes)
-            else:
-                self._calls[rows] = profiling.flops_costs(
-                    self.graph, rows, self.flops_per_second, self.shapes)
+            self._measure([rows])
         return self._calls[rows]
 
     def calls(self, rows):

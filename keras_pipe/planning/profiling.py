@@ -38,7 +38,8 @@ from keras_pipe import _compat
 from keras_pipe.planning.balance import cost as cost_lib
 
 __all__ = ["CallCosts", "Link", "Overhead", "UpdateRate", "cache_path",
-           "call_costs", "cached", "flops_costs", "flops_update_rate",
+           "call_costs", "call_costs_at", "cached", "flops_costs",
+           "flops_update_rate",
            "has_step_probe", "link", "loss_seconds", "loss_target", "release_loops",
            "model_step_seconds", "smooth", "step_overhead", "update_rate",
            "update_seconds"]
@@ -323,6 +324,11 @@ def _loops(call, training, device):
     return _LOOPS[key][1]
 
 
+def _release_loops_of(call, training, device):
+    """Lets one call's `_loops` go (`call_costs_at`)."""
+    _LOOPS.pop((id(call), training, device), None)
+
+
 def release_loops():
     """Lets the `_loops` made so far go, with the copies of the layers'
     weights they hold on the devices they time (a search makes them
@@ -396,32 +402,57 @@ def call_costs(graph, rows, device=None, shapes=None, training=True,
     Returns:
         A `CallCosts`.
     """
-    key = _key("calls", _graph_signature(graph, shapes), _device_name(device),
-               rows, training, target)
+    return call_costs_at(graph, [rows], device, shapes, training, repeats,
+                         target, cache)[0]
+
+
+def call_costs_at(graph, all_rows, device=None, shapes=None, training=True,
+                  repeats=5, target=0.005, cache=True):
+    """`call_costs` at each of `all_rows`, one layer call at a time.
+
+    Each call is measured at every row count not in the cache, then its
+    timing loops, with their copies of its weights on `device`, are let go
+    before the next call's are made: the device holds one call's weights
+    and gradients at a time, not the model's.
+
+    Returns:
+        A list of `CallCosts`, one per entry of `all_rows`.
+    """
+    keys = {rows: _key("calls", _graph_signature(graph, shapes),
+                       _device_name(device), rows, training, target)
+            for rows in all_rows}
+    found = {}
     if cache:
-        hit = _load().get(key)
-        if hit is not None:
-            return CallCosts(**hit)
-    forward, backward_input, weight = [], [], []
+        stored = _load()
+        for rows, key in keys.items():
+            if stored.get(key) is not None:
+                found[rows] = CallCosts(**stored[key])
+    missing = [rows for rows in dict.fromkeys(all_rows) if rows not in found]
+    times = {rows: ([], [], []) for rows in missing}
     with tf.device(device) if device else contextlib.nullcontext():
-        for call in graph.calls:
-            inputs = [cost_lib.sample_input(x, rows, shapes) for x in call.inputs]
+        for call in graph.calls if missing else ():
             run_forward, run_input, run_all = _loops(call, training, device)
-            f = _per_run(run_forward, inputs, repeats, target,
-                         device)
-            fi = max(_per_run(run_input, inputs, repeats, target,
+            for rows in missing:
+                inputs = [cost_lib.sample_input(x, rows, shapes)
+                          for x in call.inputs]
+                f = _per_run(run_forward, inputs, repeats, target, device)
+                fi = max(_per_run(run_input, inputs, repeats, target,
                                   device), f)
-            fa = fi
-            if getattr(call.operation, "trainable_variables", None):
-                fa = max(_per_run(run_all, inputs, repeats, target,
+                fa = fi
+                if getattr(call.operation, "trainable_variables", None):
+                    fa = max(_per_run(run_all, inputs, repeats, target,
                                       device), fi)
-            forward.append(f)
-            backward_input.append(fi - f)
-            weight.append(fa - fi)
-    result = CallCosts(rows, forward, backward_input, weight, True)
-    if cache:
-        _store(key, dataclasses.asdict(result))
-    return result
+                forward, backward_input, weight = times[rows]
+                forward.append(f)
+                backward_input.append(fi - f)
+                weight.append(fa - fi)
+            del run_forward, run_input, run_all
+            _release_loops_of(call, training, device)
+    for rows in missing:
+        found[rows] = CallCosts(rows, *times[rows], True)
+        if cache:
+            _store(keys[rows], dataclasses.asdict(found[rows]))
+    return [found[rows] for rows in all_rows]
 
 
 def _loss_functions(loss, num_outputs):
