@@ -110,3 +110,83 @@ def test_bad_arguments(devices):
         num_stages=2, devices=devices[:2])
     with pytest.raises(TypeError, match="KerasHub CausalLM"):
         plain.generate(_prompts(2))
+
+
+class _Constant(keras_hub.samplers.Sampler):
+    """Picks token `value` whatever the logits: its use shows in the
+    tokens."""
+
+    def __init__(self, value):
+        super().__init__()
+        self.value = value
+
+    def get_next_token(self, probabilities):
+        return keras.ops.full(keras.ops.shape(probabilities)[:1],
+                              self.value, "int32")
+
+
+def _generated(out, prompts):
+    """The generated positions of each row (after its prompt)."""
+    lengths = prompts["padding_mask"].sum(axis=1)
+    return [out["token_ids"][r, n:] for r, n in enumerate(lengths)]
+
+
+def test_compiled_sampler_wins_over_the_task(devices):
+    model, pipe = _pair(devices, _gpt2)  # the task compiled greedy
+    prompts = _prompts(5)
+    greedy = model.generate(prompts, stop_token_ids=None)
+    pipe.compile(sampler=_Constant(7))
+    got = pipe.generate(prompts, stop_token_ids=None)
+    assert all((row == 7).all() for row in _generated(got, prompts))
+    model.compile(sampler=_Constant(7))
+    _assert_same(got, model.generate(prompts, stop_token_ids=None))
+    # A sampler compiled anew replaces the traced loop's; top-k with k = 1
+    # is greedy whatever its random draw, while the task samples top-5.
+    model.compile(sampler="top_k")
+    pipe.compile(sampler=keras_hub.samplers.TopKSampler(k=1, seed=3))
+    _assert_same(pipe.generate(prompts, stop_token_ids=None), greedy)
+    pipe.compile(sampler="greedy")
+    _assert_same(pipe.generate(prompts, stop_token_ids=None), greedy)
+    # Compiled without one: the task's sampler again.
+    model.compile(sampler=_Constant(3))
+    pipe.compile()
+    got = pipe.generate(prompts, stop_token_ids=None)
+    assert all((row == 3).all() for row in _generated(got, prompts))
+
+
+def test_compile_with_a_sampler_still_trains_and_is_saved(devices):
+    _, pipe = _pair(devices, _gpt2)
+    pipe.compile(optimizer="sgd",
+                 loss=keras.losses.SparseCategoricalCrossentropy(
+                     from_logits=True),
+                 sampler=keras_hub.samplers.TopKSampler(k=1, seed=3))
+    prompts = _prompts(4)
+    history = pipe.fit(prompts, prompts["token_ids"], batch_size=4,
+                       epochs=1, verbose=0)
+    assert np.isfinite(history.history["loss"][0])
+    # The compile config keeps the sampler: a loaded model samples alike.
+    _, other = _pair(devices, _gpt2)
+    other.compile_from_config(pipe.get_compile_config())
+    assert isinstance(other._sampler, keras_hub.samplers.TopKSampler)
+    assert other._sampler.k == 1
+
+
+@pytest.mark.parametrize("sampler, error, match", [
+    ("topk", ValueError, "Unknown sampler 'topk'.*'greedy', 'top_k'"),
+    ("Greedy", ValueError, "Unknown sampler 'Greedy'"),
+    (3, TypeError, "sampler name .* or a keras_hub.samplers.Sampler"),
+    (keras_hub.samplers.TopKSampler, TypeError,
+     r"a class; pass an instance, TopKSampler\(...\)"),
+    (keras_hub.samplers.BeamSampler(num_beams=2), ValueError,
+     "BeamSampler runs its own loop.*pipe.to_model\\(\\).generate"),
+], ids=["unknown", "uppercase", "int", "class", "beam"])
+def test_bad_sampler_fails_at_compile(devices, sampler, error, match):
+    model, pipe = _pair(devices, _gpt2)
+    with pytest.raises(error, match=match):
+        pipe.compile(optimizer="sgd", sampler=sampler)
+    assert not pipe.compiled  # raised before Keras' compile
+    # The task's own sampler is checked too, when generate reads it.
+    if error is ValueError and not isinstance(sampler, str):
+        model.compile(sampler=sampler)
+        with pytest.raises(ValueError, match="runs its own loop"):
+            pipe.generate(_prompts(2), stop_token_ids=None)

@@ -25,12 +25,14 @@ micro-batch after micro-batch (prefill), which fills the caches.
 The task's code is reused for all but the loop: its `generate` (inputs,
 batching, `stop_token_ids`, `strip_prompt`, the preprocessor) calls this
 module's step function, the sampler's `compute_probabilities` and
-`get_next_token` pick each token, and the embedding and the head are the
-task's `call_with_cache` with its decoder layers replaced by taps (a tap
-hands out or takes in the hidden state). The result is the task's: the
-same tokens as the unsplit model for a deterministic sampler (greedy),
-the loop stopping when every sequence met a stop token, the positions
-after that left as the prompt had them, and the same `padding_mask`.
+`get_next_token` pick each token (the sampler of the pipeline's
+`compile(sampler=...)`, else the task's: `keras_pipe.model.sampling`),
+and the embedding and the head are the task's `call_with_cache` with its
+decoder layers replaced by taps (a tap hands out or takes in the hidden
+state). The result is the task's: the same tokens as the unsplit model
+for a deterministic sampler (greedy), the loop stopping when every
+sequence met a stop token, the positions after that left as the prompt
+had them, and the same `padding_mask`.
 """
 
 import contextlib
@@ -40,6 +42,7 @@ import tensorflow as tf
 
 from keras_pipe import _compat
 from keras_pipe.engine import microbatch, placement
+from keras_pipe.model import sampling
 
 __all__ = ["Generator", "generate"]
 
@@ -89,7 +92,8 @@ class Generator:
 
     Raises:
         TypeError: if `task` is not a KerasHub `CausalLM`.
-        ValueError: if `num_micro_batches` is below the number of stages.
+        ValueError: if `num_micro_batches` is below the number of stages,
+            or the sampler runs its own loop (`sampling.resolve`).
     """
 
     def __init__(self, task, num_micro_batches=None, sampler=None):
@@ -113,7 +117,8 @@ class Generator:
                 "hold decoder layers, so that each stage has a micro-batch "
                 f"to run at every tick. Received: num_micro_batches={m!r}")
         self.num_micro_batches = m
-        self.sampler = sampler
+        # The task's sampler may be one `compile(sampler=...)` refuses.
+        self.sampler = sampling.resolve(sampler or task.sampler)
         self.embed_device = placement.device_of(
             backbone.token_embedding.weights[0])
         self.head_device = self.groups[-1][0]
@@ -215,7 +220,7 @@ class Generator:
             return self._generate_step(inputs, stop_token_ids)
 
     def _generate_step(self, inputs, stop_token_ids):
-        sampler = self.sampler or self.task.sampler
+        sampler = self.sampler
         token_ids = inputs["token_ids"]
         padding_mask = tf.cast(inputs["padding_mask"], tf.bool)
         batch, length = token_ids.shape
@@ -387,13 +392,17 @@ def generate(pipe, inputs, max_length=None, stop_token_ids="auto",
              strip_prompt=False, num_micro_batches=None):
     """`PipelineModel.generate`: the task's `generate`, pipelined."""
     task = pipe.to_model()
+    # The pipeline's sampler (its `compile(sampler=...)`) before the
+    # task's; the loop is traced again when either is compiled anew.
+    sampler = getattr(pipe, "_sampler", None) or getattr(task, "sampler",
+                                                         None)
     key = num_micro_batches
     cache = pipe.__dict__.setdefault("_generators", {})
-    if key not in cache or cache[key][0].task is not task:
-        generator = Generator(task, num_micro_batches,
-                              sampler=getattr(pipe, "_sampler", None))
+    if key not in cache or cache[key][0].task is not task \
+            or cache[key][0].sampler is not sampler:
+        generator = Generator(task, num_micro_batches, sampler=sampler)
         cache[key] = (generator, tf.function(generator.generate_step,
-                                                   autograph=False))
+                                             autograph=False))
     _, function = cache[key]
     saved = task.generate_function
     task.generate_function = function

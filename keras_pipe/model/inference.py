@@ -165,7 +165,8 @@ class InferenceMethods:
         from, its decode loop pipelined (`keras_pipe.model.generation`).
 
         Same arguments and outputs as the task's `generate`; the sampler is
-        the task's (`task.compile(sampler=...)`). The prompts are cut into
+        the pipeline's (`pipe.compile(sampler=...)`), else the task's
+        (`task.compile(sampler=...)`). The prompts are cut into
         `num_micro_batches` micro-batches that are on different stages at
         the same time, each stage keeping the key/value cache of its
         layers; the loop over tokens runs in one graph.
@@ -173,7 +174,7 @@ class InferenceMethods:
         ```python
         pipe = keras_pipe.PipelineModel.from_model(gpt2_lm, num_stages=2,
                                                    devices=devices)
-        gpt2_lm.compile(sampler="greedy")
+        pipe.compile(sampler="greedy")
         out = pipe.generate(prompts, stop_token_ids=[end_id])
         ```
 
@@ -190,7 +191,8 @@ class InferenceMethods:
         Raises:
             TypeError: if the pipeline was not cut from a KerasHub
                 `CausalLM`.
-            ValueError: for too few `num_micro_batches`.
+            ValueError: for too few `num_micro_batches`, or a sampler of
+                the task that runs its own loop (beam search).
         """
         from keras_pipe.model import generation  # noqa: PLC0415 (KerasHub only)
         return generation.generate(
