@@ -190,3 +190,43 @@ def test_bad_sampler_fails_at_compile(devices, sampler, error, match):
         model.compile(sampler=sampler)
         with pytest.raises(ValueError, match="runs its own loop"):
             pipe.generate(_prompts(2), stop_token_ids=None)
+
+
+def _loop_body(pipe):
+    """The GraphDef function of the traced decode loop's body."""
+    (_, function), = pipe._generators.values()
+    concrete, = function._list_all_concrete_functions_for_serialization()
+    graph = concrete.graph.as_graph_def()
+    loop, = [n for n in graph.node if n.op in ("While", "StatelessWhile")]
+    return {f.signature.name: f for f in graph.library.function}[
+        loop.attr["body"].func.name]
+
+
+def test_caches_stay_on_their_stage_between_rounds(devices):
+    # The loop returned every loop variable through an Identity on the
+    # head's device: each round sent every cache of the other stages to
+    # the head's worker and back, which cost more than the decode itself.
+    _, pipe = _pair(devices, _gpt2)
+    pipe.generate(_prompts(4), stop_token_ids=None)
+    body = _loop_body(pipe)
+    nodes = {n.name: n for n in body.node_def}
+    crossing = []
+    for node in body.node_def:
+        for source in node.input:
+            source = nodes.get(source.lstrip("^").split(":")[0])
+            if source is not None and source.device and node.device \
+                    and source.device != node.device:
+                crossing.append((source.name, node.name))
+    # What crosses: hidden states of one token and scalar positions.
+    assert crossing
+    assert not [c for c in crossing if "stack" in c[0] or "Identity" in c[1]]
+    # Each returned cache is made on its stage's device.
+    returned = [nodes[v.split(":")[0]] for v in body.ret.values()
+                if v.split(":")[0] in nodes]
+    stages = {d for d in devices[:2]}
+    for node in returned:
+        if node.op == "Identity" and "stack" in node.input[0]:
+            source = nodes[node.input[0].split(":")[0]]
+            assert node.device == source.device
+            assert any(node.device.endswith(d.split("device:")[-1])
+                       for d in stages)

@@ -119,8 +119,6 @@ class Generator:
         self.num_micro_batches = m
         # The task's sampler may be one `compile(sampler=...)` refuses.
         self.sampler = sampling.resolve(sampler or task.sampler)
-        self.embed_device = placement.device_of(
-            backbone.token_embedding.weights[0])
         self.head_device = self.groups[-1][0]
         self._cache_dims = None
 
@@ -151,14 +149,17 @@ class Generator:
             logits, _, _ = self.task.call_with_cache(token_ids, cache, index)
         return logits
 
-    def _embed(self, token_ids, index):
-        """The hidden state entering the first decoder layer (the task's
-        code stops there: no op of the later layers or the head is made)."""
+    def _embed(self, token_ids, index, weights=()):
+        """The hidden state entering the first decoder layer, on the head's
+        device (`weights`: `_head_weights`, read in their stead); the
+        task's code stops there: no op of the later layers or the head is
+        made."""
         def tap(x, self_attention_cache=None, **kwargs):
             raise _Tapped(x)
 
         n = len(self.backbone.transformer_layers)
-        with tf.device(self.embed_device):
+        with tf.device(self.head_device), keras.StatelessScope(
+                state_mapping=list(weights)):
             try:
                 self._through_taps(token_ids, [tap] * n, index)
             except _Tapped as tapped:
@@ -169,15 +170,25 @@ class Generator:
             "find where its embedding ends.")
 
     def _head_weights(self):
-        """The weights of the embedding and the head that live off the
-        head's device (a tied embedding), read there once per call: the
-        head of every tick then reads them locally, not across a cut."""
+        """The weights of the embedding and the head, read on the head's
+        device once per call (a tied embedding that lives on another
+        stage's device is copied there): the embedding and the head of
+        every tick then read them locally, not across a cut."""
         decoder = {id(v) for layer in self.backbone.transformer_layers
                    for v in layer.weights}
         with tf.device(self.head_device):
             return [(v, tf.identity(v.value)) for v in self.task.weights
-                    if id(v) not in decoder
-                    and placement.device_of(v) != self.head_device]
+                    if id(v) not in decoder]
+
+    def _stage_weights(self, j):
+        """Stage `j`'s decoder weights, read on its device once per call:
+        the loop then holds no variable read, so that no round waits for
+        the reads of every stage's previous round."""
+        device, indices = self.groups[j]
+        layers = self.backbone.transformer_layers
+        with tf.device(device):
+            return [(v, tf.identity(v.value)) for n in indices
+                    for v in layers[n].weights]
 
     def _head(self, hidden, index, weights=()):
         """The logits of the last decoder layer's output `hidden`
@@ -196,12 +207,14 @@ class Generator:
                 tf.zeros([rows, 1], tf.int32), [first] + [rest] * (n - 1),
                 index)
 
-    def _stage(self, j, x, caches, index):
-        """Stage `j`'s decoder layers with their caches, on its device."""
+    def _stage(self, j, x, caches, index, weights=()):
+        """Stage `j`'s decoder layers with their caches, on its device
+        (`weights`: `_stage_weights(j)`, read in their stead)."""
         device, indices = self.groups[j]
         layers = self.backbone.transformer_layers
         new = []
-        with tf.device(device):
+        with tf.device(device), keras.StatelessScope(
+                state_mapping=list(weights)):
             for n, cache in zip(indices, caches):
                 x, cache = layers[n](
                     x, self_attention_cache=cache,
@@ -214,9 +227,13 @@ class Generator:
     def generate_step(self, inputs, stop_token_ids=None):
         """The task's `generate_step`, pipelined (traced in a tf.function)."""
         # Ops without a stage of their own (the step counters, the loop's
-        # control) run on the head's device: this process takes no part in
-        # the loop.
-        with tf.device(self.head_device):
+        # control, the embedding and the sampler) run on the head's device:
+        # this process takes no part in the loop. The loop returns each
+        # loop variable through an Identity made outside any stage's
+        # scope: it stays with its input, so that a stage's caches stay on
+        # its device from one round to the next instead of crossing to the
+        # head's device and back every round.
+        with tf.compat.v1.device(_on_input_device_else(self.head_device)):
             return self._generate_step(inputs, stop_token_ids)
 
     def _generate_step(self, inputs, stop_token_ids):
@@ -231,50 +248,58 @@ class Generator:
             m = k
             token_ids = _padded_rows(token_ids, k)
             padding_mask = _padded_rows(padding_mask, k)
-        with tf.device(self.head_device):
-            index = tf.reduce_min(tf.reduce_sum(
-                tf.cast(padding_mask, tf.int32), axis=-1))
-            max_steps = length - index
+        index = tf.reduce_min(tf.reduce_sum(
+            tf.cast(padding_mask, tf.int32), axis=-1))
+        max_steps = length - index
         rows = microbatch.split_sizes(token_ids.shape[0], m)
         starts = [sum(rows[:i]) for i in range(m)]
-        with tf.device(self.head_device):
-            prompts = [token_ids[s:s + b] for s, b in zip(starts, rows)]
-            masks = [padding_mask[s:s + b] for s, b in zip(starts, rows)]
+        prompts = [token_ids[s:s + b] for s, b in zip(starts, rows)]
+        masks = [padding_mask[s:s + b] for s, b in zip(starts, rows)]
 
         head_weights = self._head_weights()
+        weights = [self._stage_weights(j) for j in range(k)]
         # Prefill: every micro-batch through every stage, caches filled.
         caches = [[None] * m for _ in range(k)]
         for i in range(m):
-            x = self._embed(prompts[i], 0)
+            x = self._embed(prompts[i], 0, head_weights)
             for j, (device, indices) in enumerate(self.groups):
                 with tf.device(device):
                     empty = [tf.zeros(self._cache_shape(rows[i], length),
                                       self.task.compute_dtype)
                              for _ in indices]
-                x, caches[j][i] = self._stage(j, x, empty, 0)
+                x, caches[j][i] = self._stage(j, x, empty, 0, weights[j])
 
-        def stage_call(j, t, r, tokens, caches, hidden, sampled):
-            """Stage `j` at tick `t` of round `r` (tick `K - 1 + t` of
-            the decode ticks): returns its output or the sampled tokens."""
+        # Each stage counts the rounds on its own device, from its own copy
+        # of the last prompt position: no tick waits for a scalar from
+        # another device.
+        last = []
+        for device, _ in self.groups:
+            with tf.device(device):
+                last.append(tf.identity(index - 1))
+
+        def stage_call(j, t, rounds, tokens, caches, hidden, embedded,
+                       sampled):
+            """Stage `j` at tick `t` of its round `rounds[j]` (tick
+            `K - 1 + t` of the decode ticks): returns its output, or None
+            for the last stage, which samples micro-batch `i`'s next token
+            and embeds it for stage 0's next call on `i`."""
             g = k - 1 + t - j
-            i, step = g % m, r + g // m
-            position = index + step - 1
-            if j == 0:
-                with tf.device(self.embed_device):
-                    last = tf.slice(tokens[i], [0, position], [rows[i], 1])
-                x = self._embed(last, position)
-            else:
-                x = hidden[j]
-            x, caches[j][i] = self._stage(j, x, caches[j][i], position)
+            i = g % m
+            with tf.device(self.groups[j][0]):
+                step = rounds[j] + g // m
+                position = last[j] + step
+            x = embedded[i] if j == 0 else hidden[j]
+            x, caches[j][i] = self._stage(j, x, caches[j][i], position,
+                                          weights[j])
             if j < k - 1:
-                return i, x
+                return x
+            logits = tf.squeeze(self._head(x, position, head_weights),
+                                axis=1)
             with tf.device(self.head_device):
-                logits = tf.squeeze(self._head(x, position, head_weights),
-                                    axis=1)
                 chosen = sampler.get_next_token(
                     sampler.compute_probabilities(logits))
                 chosen = tf.cast(chosen, tokens[i].dtype)
-                at = index + step
+                at = position + 1
                 keep = masks[i][:, at]
                 chosen = tf.where(keep, tokens[i][:, at], chosen)
                 columns = tf.range(length)[None, :] == at
@@ -284,85 +309,104 @@ class Generator:
                     sampled[i] = tf.where(
                         tf.logical_and(sampled[i] < 0, done), step + 1,
                         sampled[i])
-            return i, None
+            embedded[i] = self._embed(chosen[:, None], at, head_weights)
+            return None
 
+        # The hidden state of each micro-batch's last token, embedded for
+        # stage 0; the last stage replaces it with the next token's.
+        embedded = [self._embed(tf.slice(p, [0, index - 1], [b, 1]),
+                                index - 1, head_weights)
+                    for p, b in zip(prompts, rows)]
         # Fill: ticks 0 .. K-2 of the first tokens, stage j on micro-batch
         # `g - j`.
         hidden = [None] * k
-        tokens = list(prompts)
         for g in range(k - 1):
             outputs = {}
             for j in range(min(g, k - 2) + 1):
                 i = g - j
-                if j == 0:
-                    with tf.device(self.embed_device):
-                        last = tf.slice(tokens[i], [0, index - 1],
-                                        [rows[i], 1])
-                    x = self._embed(last, index - 1)
-                else:
-                    x = hidden[j]
-                x, caches[j][i] = self._stage(j, x, caches[j][i], index - 1)
+                x = embedded[i] if j == 0 else hidden[j]
+                x, caches[j][i] = self._stage(j, x, caches[j][i], index - 1,
+                                              weights[j])
                 outputs[j + 1] = x
             hidden = [None] + [outputs.get(j, hidden[j])
                                for j in range(1, k)]
 
-        with tf.device(self.head_device):
-            sampled = [tf.constant(-1) for _ in range(m)]
+        sampled = [tf.constant(-1) for _ in range(m)]
 
-        def body(r, tokens, caches, hidden, sampled):
-            tokens, sampled = list(tokens), list(sampled)
+        def body(rounds, tokens, caches, hidden, embedded, sampled):
+            tokens, embedded, sampled = (list(tokens), list(embedded),
+                                         list(sampled))
             caches = [list(c) for c in caches]
+            hidden = [None] + list(hidden)
             for t in range(m):
                 outputs = {}
                 for j in range(k):
-                    _, x = stage_call(j, t, r, tokens, caches, hidden,
-                                      sampled)
+                    x = stage_call(j, t, rounds, tokens, caches, hidden,
+                                   embedded, sampled)
                     if x is not None:
                         outputs[j + 1] = x
                 hidden = [None] + [outputs.get(j, hidden[j])
                                    for j in range(1, k)]
-            return r + 1, tokens, caches, hidden, sampled
+            following = []
+            for (device, _), r in zip(self.groups, rounds):
+                with tf.device(device):
+                    following.append(r + 1)
+            return following, tokens, caches, hidden[1:], embedded, sampled
 
-        def cond(r, tokens, caches, hidden, sampled):
-            going = r < max_steps
+        def cond(rounds, tokens, caches, hidden, embedded, sampled):
+            going = rounds[-1] < max_steps
             if stop_token_ids is None:
                 return going
             return tf.logical_and(going, tf.logical_not(tf.reduce_all(
                 tf.stack(sampled) >= 0)))
 
-        r, tokens, _, _, sampled = tf.while_loop(
-            cond,
-            lambda r, tok, c, h, s: _pack_hidden(
-                body(r, tok, c, [None] + list(h), s)),
-            (tf.constant(0), tokens, caches, hidden[1:], sampled))
-        with tf.device(self.head_device):
-            if stop_token_ids is not None:
-                finished = tf.reduce_all(tf.stack(sampled) >= 0)
-                steps = tf.where(finished, tf.reduce_max(tf.stack(sampled)),
-                                 r)
-            else:
-                steps = r
-            # Positions after the last step of the unsplit loop keep the
-            # prompt's values (a micro-batch ran on after it was done).
-            after = tf.range(length)[None, :] >= index + steps
-            token_ids = tf.concat(
-                [tf.where(after, p, t) for p, t in zip(prompts, tokens)],
-                axis=0)[:batch]
-            padding_mask = padding_mask[:batch]
-            return {"token_ids": token_ids,
-                    "padding_mask": _padding_mask(token_ids, padding_mask,
-                                                  stop_token_ids)}
+        rounds = []
+        for device, _ in self.groups:
+            with tf.device(device):
+                rounds.append(tf.constant(0))
+        rounds, tokens, _, _, _, sampled = tf.while_loop(
+            cond, body,
+            (rounds, prompts, caches, hidden[1:], embedded, sampled))
+        r = rounds[-1]
+        if stop_token_ids is not None:
+            finished = tf.reduce_all(tf.stack(sampled) >= 0)
+            steps = tf.where(finished, tf.reduce_max(tf.stack(sampled)), r)
+        else:
+            steps = r
+        # Positions after the last step of the unsplit loop keep the
+        # prompt's values (a micro-batch ran on after it was done).
+        after = tf.range(length)[None, :] >= index + steps
+        token_ids = tf.concat(
+            [tf.where(after, p, t) for p, t in zip(prompts, tokens)],
+            axis=0)[:batch]
+        padding_mask = padding_mask[:batch]
+        return {"token_ids": token_ids,
+                "padding_mask": _padding_mask(token_ids, padding_mask,
+                                              stop_token_ids)}
+
+
+def _on_input_device_else(default):
+    """A device function: an op made without a device goes to `default`,
+    but an Identity of a tensor placed elsewhere stays with that tensor
+    (and one of a resource handle is left to TF, which puts it with its
+    variable)."""
+    def device(op):
+        if op.device:
+            return op.device
+        if op.type == "Identity" and op.inputs:
+            source = op.inputs[0]
+            if source.dtype == tf.resource:
+                return ""
+            if source.device:
+                return source.device
+        return default
+    return device
 
 
 def _padded_rows(tensor, rows):
     """`tensor` with its last row repeated up to `rows` rows."""
     extra = rows - tensor.shape[0]
     return tf.concat([tensor, tf.repeat(tensor[-1:], extra, axis=0)], 0)
-
-
-def _pack_hidden(state):
-    r, tokens, caches, hidden, sampled = state
-    return r, tokens, caches, hidden[1:], sampled
 
 
 def _all_stopped(tokens, stop_token_ids, mask):
