@@ -12,15 +12,19 @@ Micro-batch `i` enters stage `j` at tick `g = i + j (mod M)` of its token:
 ```
 M = K = 2, after a first tick that fills stage 0:
     tick           1      2      3      4
-    stage 0      mb 1   mb 0   mb 1   mb 0     (embedding + its layers)
-    stage 1      mb 0   mb 1   mb 0   mb 1     (its layers + the head,
-                 token  token  token  token     then the sampler)
+    stage 0      mb 1   mb 0   mb 1   mb 0     (its layers)
+    stage 1      mb 0   mb 1   mb 0   mb 1     (its layers, the head, the
+                 token  token  token  token     sampler, the embedding of
+                                                the token for stage 0)
 ```
 
 Each stage keeps the key/value cache of its own decoder layers, per
-micro-batch, on its device; only one token's hidden state per micro-batch
-crosses a cut per tick. The prompt is first run through the stages
-micro-batch after micro-batch (prefill), which fills the caches.
+micro-batch, on its device, from one round to the next; only one token's
+hidden state per micro-batch crosses a cut per tick. Nothing else does:
+the weights are read once per call on their devices (the embedding's and
+the head's on the head's device, where the sampled tokens are), and each
+stage counts the rounds itself. The prompt is first run through the
+stages micro-batch after micro-batch (prefill), which fills the caches.
 
 The task's code is reused for all but the loop: its `generate` (inputs,
 batching, `stop_token_ids`, `strip_prompt`, the preprocessor) calls this
