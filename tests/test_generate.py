@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import keras_pipe
+from tests.support import tools
 
 keras_hub = pytest.importorskip(
     "keras_hub", reason="KerasHub task models need keras_hub")
@@ -230,3 +231,20 @@ def test_caches_stay_on_their_stage_between_rounds(devices):
             assert node.device == source.device
             assert any(node.device.endswith(d.split("device:")[-1])
                        for d in stages)
+
+
+def test_generate_on_worker_processes_equals_unsplit():
+    # Two `keras_pipe.distributed.worker` processes, as
+    # tools/generation_capacity.py runs them (there with a memory limit):
+    # the tokens of the unsplit model in a process of its own.
+    tool = tools.load("generation_capacity")
+    args = tool.parse_args([
+        "--layers", "2", "--width", "32", "--heads", "2", "--vocab", "64",
+        "--length", "12", "--prompts", "3", "--balance", "5,3"])
+    expected = tool.run_unsplit(args, None)
+    got = tool.run_pipelined(args, 2**40)
+    assert not expected.get("failed") and not got.get("failed"), (
+        expected, got)
+    assert got["weights_sum"] == expected["weights_sum"]
+    assert got["token_ids"] == expected["token_ids"]
+    assert all(peak for peak in got["peaks"])  # both workers were watched

@@ -1,12 +1,17 @@
 """A causal LM over one process's memory limit generates on two workers.
 
-    python tools/generation_capacity.py --limit-mib 900 --out /tmp/gen.json
-    python tools/generation_capacity.py --layers 6 --width 512 --limit-mib 700
+    python tools/generation_capacity.py --out /tmp/generation_capacity.json
+    python tools/generation_capacity.py --layers 12 --width 768 --heads 12 \
+        --balance 12,6 --limit-mib 100000    # GPT-2 base; peaks only
+
+(about 7 minutes on 2 shared cores; the processes hold up to 4.5 GiB each)
 
 The model: a randomly initialised KerasHub `GPT2CausalLM`, by default of
-GPT-2 base's sizes (12 layers, width 768, 12 heads, vocabulary 50257:
-124M parameters, 497 MB in float32), greedy, `--prompts` prompts of 3 to 8
-tokens generated to `--length` positions, no stop token. Every process
+GPT-2 large's sizes (36 layers, width 1280, 20 heads, vocabulary 50257:
+773M parameters, 2,948 MiB in float32) cut after 20 decoder layers,
+greedy, `--prompts` prompts of 3 to 8 tokens generated to `--length`
+positions, no stop token. The default limit, 2,700 MiB, is below the
+weights alone. Every process
 that holds model memory runs under one resident-memory limit,
 `--limit-mib`, enforced by `tools/capacity_demo.py`'s watchdog (the
 process's `VmHWM` read every 10 ms, SIGKILL once it is over the limit).
@@ -169,24 +174,29 @@ def _mib(value):
     return "-" if value is None else f"{value / MiB:,.0f} MiB"
 
 
-def main(argv=None):
+def parse_args(argv=None):
+    """The tool's arguments (`--help`)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--limit-mib", type=int, default=900,
+    parser.add_argument("--limit-mib", type=int, default=2700,
                         help="resident-memory limit of every process that "
                         "holds model memory")
-    parser.add_argument("--layers", type=int, default=12)
-    parser.add_argument("--width", type=int, default=768)
-    parser.add_argument("--heads", type=int, default=12)
+    parser.add_argument("--layers", type=int, default=36)
+    parser.add_argument("--width", type=int, default=1280)
+    parser.add_argument("--heads", type=int, default=20)
     parser.add_argument("--vocab", type=int, default=50257)
     parser.add_argument("--length", type=int, default=32,
                         help="positions of each generated sequence")
     parser.add_argument("--prompts", type=int, default=4)
-    parser.add_argument("--balance", default="12,6",
+    parser.add_argument("--balance", default="24,18",
                         help="layer-call counts of the 2 stages")
     parser.add_argument("--out", default=None, help="JSON file to write")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--cluster", default=None, help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
     if args.child:
         print(json.dumps({"unsplit": child_unsplit,
                           "client": child_client}[args.child](args)))
