@@ -248,3 +248,32 @@ def test_generate_on_worker_processes_equals_unsplit():
     assert got["weights_sum"] == expected["weights_sum"]
     assert got["token_ids"] == expected["token_ids"]
     assert all(peak for peak in got["peaks"])  # both workers were watched
+
+
+def test_exported_decode_loop_keeps_devices_and_tokens(devices, tmp_path):
+    import tensorflow as tf
+    model, pipe = _pair(devices, _gpt2)
+    prompts = _prompts(5)
+    inputs = {"token_ids": tf.constant(prompts["token_ids"]),
+              "padding_mask": tf.constant(prompts["padding_mask"] > 0)}
+    free = model.generate(prompts, stop_token_ids=None)
+    stops = [int(free["token_ids"][3, SEQ - 2])]
+    pipe.export_generate(str(tmp_path / "free"), 5, SEQ, verbose=False)
+    pipe.export_generate(str(tmp_path / "stops"), 5, SEQ,
+                         stop_token_ids=stops, verbose=False)
+    for name, expected in (
+            ("free", free),
+            ("stops", model.generate(prompts, stop_token_ids=stops))):
+        loaded = tf.saved_model.load(str(tmp_path / name))
+        out = loaded.generate(inputs)
+        _assert_same({k: v.numpy() for k, v in out.items()}, expected)
+    # The loop's ops keep the stages' devices in the SavedModel.
+    from tests.test_export import saved_devices
+    found = set().union(*saved_devices(str(tmp_path / "free")).values())
+    for device in devices[:2]:
+        assert any(d.endswith(device.split("device:")[-1]) for d in found)
+    with pytest.raises(ValueError, match="batch_size must be an int"):
+        pipe.export_generate(str(tmp_path / "x"), 0, SEQ)
+    with pytest.raises(ValueError, match="stop_token_ids must be None"):
+        pipe.export_generate(str(tmp_path / "x"), 5, SEQ,
+                             stop_token_ids=["end"])

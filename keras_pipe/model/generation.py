@@ -48,7 +48,7 @@ from keras_pipe import _compat
 from keras_pipe.engine import microbatch, placement
 from keras_pipe.model import sampling
 
-__all__ = ["Generator", "generate"]
+__all__ = ["Generator", "export", "generate"]
 
 
 class _Tapped(Exception):  # noqa: N818 - a signal, not an error
@@ -460,3 +460,42 @@ def generate(pipe, inputs, max_length=None, stop_token_ids="auto",
                              strip_prompt=strip_prompt)
     finally:
         task.generate_function = saved
+
+
+def export(pipe, filepath, batch_size, sequence_length,
+           num_micro_batches=None, stop_token_ids=None, verbose=None):
+    """`PipelineModel.export_generate`: the pipelined decode loop as a
+    SavedModel endpoint, its variables kept on their devices."""
+    for name, value in (("batch_size", batch_size),
+                        ("sequence_length", sequence_length)):
+        if isinstance(value, bool) or not isinstance(value, int) \
+                or value < 1:
+            raise ValueError(f"{name} must be an int >= 1. Received: "
+                             f"{name}={value!r}")
+    if stop_token_ids is not None:
+        stop_token_ids = tuple(stop_token_ids)
+        if not all(isinstance(t, int) and not isinstance(t, bool)
+                   for t in stop_token_ids):
+            raise ValueError(
+                "stop_token_ids must be None or a list of token ids (ints) "
+                "to bake into the exported loop. Received: "
+                f"stop_token_ids={stop_token_ids!r}")
+    task = pipe.to_model()
+    sampler = getattr(pipe, "_sampler", None) or getattr(task, "sampler",
+                                                         None)
+    generator = Generator(task, num_micro_batches, sampler=sampler)
+    spec = {"token_ids": tf.TensorSpec([batch_size, sequence_length],
+                                       tf.int32),
+            "padding_mask": tf.TensorSpec([batch_size, sequence_length],
+                                          tf.bool)}
+    archive = keras.export.ExportArchive()
+    archive.track(task)
+    archive.add_endpoint(
+        "generate",
+        lambda inputs: generator.generate_step(inputs, stop_token_ids),
+        [spec])
+    options = tf.saved_model.SaveOptions(
+        experimental_variable_policy=(
+            tf.saved_model.experimental.VariablePolicy.SAVE_VARIABLE_DEVICES))
+    archive.write_out(filepath, options=options,
+                      verbose=True if verbose is None else verbose)

@@ -200,6 +200,49 @@ class InferenceMethods:
             stop_token_ids=stop_token_ids, strip_prompt=strip_prompt,
             num_micro_batches=num_micro_batches)
 
+    def export_generate(self, filepath, batch_size, sequence_length,
+                        num_micro_batches=None, stop_token_ids=None,
+                        verbose=None):
+        """Exports `generate`'s pipelined decode loop as a SavedModel.
+
+        The endpoint `generate` takes `{"token_ids": int32, "padding_mask":
+        bool}` of shape `[batch_size, sequence_length]` (the prompts
+        right-padded, as the task's preprocessor makes them) and returns
+        the same dict, generated to `sequence_length` as the task's
+        `generate_step` (no preprocessing, no `strip_prompt`). The
+        variables keep their devices (`SAVE_VARIABLE_DEVICES`), so the
+        loop runs across the stages where it is loaded: the same devices
+        must exist there (the same workers connected). For a model that
+        fits one device, export the task itself instead.
+
+        ```python
+        pipe.export_generate("decode", batch_size=16, sequence_length=64)
+        loaded = tf.saved_model.load("decode")   # same devices
+        out = loaded.generate({"token_ids": ids, "padding_mask": mask})
+        ```
+
+        Args:
+            filepath: where to write the SavedModel.
+            batch_size, sequence_length: the static shape of the inputs.
+            num_micro_batches: as in `generate`. Defaults to `None`.
+            stop_token_ids: token ids that end the loop when every
+                sequence has one, baked into the export. Defaults to
+                `None`: every sequence runs to `sequence_length`.
+            verbose: print the endpoints. Defaults to `None` (True).
+
+        Raises:
+            TypeError: if the pipeline was not cut from a KerasHub
+                `CausalLM`.
+            ValueError: for a size that is not an int >= 1, too few
+                `num_micro_batches`, or `stop_token_ids` not a list of
+                ints.
+        """
+        from keras_pipe.model import generation  # noqa: PLC0415 (KerasHub only)
+        return generation.export(
+            self, filepath, batch_size, sequence_length,
+            num_micro_batches=num_micro_batches,
+            stop_token_ids=stop_token_ids, verbose=verbose)
+
     def _keras_predict(self, *args, **kwargs):
         """Keras' `predict`, `S` batches per call (`_inference_call`),
         array inputs batched on `data_device` (`keras_pipe.placed_data`)."""
