@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import keras_pipe
+from tests.support import tools
 
 keras_hub = pytest.importorskip(
     "keras_hub", reason="KerasHub task models need keras_hub")
@@ -110,3 +111,169 @@ def test_bad_arguments(devices):
         num_stages=2, devices=devices[:2])
     with pytest.raises(TypeError, match="KerasHub CausalLM"):
         plain.generate(_prompts(2))
+
+
+class _Constant(keras_hub.samplers.Sampler):
+    """Picks token `value` whatever the logits: its use shows in the
+    tokens."""
+
+    def __init__(self, value):
+        super().__init__()
+        self.value = value
+
+    def get_next_token(self, probabilities):
+        return keras.ops.full(keras.ops.shape(probabilities)[:1],
+                              self.value, "int32")
+
+
+def _generated(out, prompts):
+    """The generated positions of each row (after its prompt)."""
+    lengths = prompts["padding_mask"].sum(axis=1)
+    return [out["token_ids"][r, n:] for r, n in enumerate(lengths)]
+
+
+def test_compiled_sampler_wins_over_the_task(devices):
+    model, pipe = _pair(devices, _gpt2)  # the task compiled greedy
+    prompts = _prompts(5)
+    greedy = model.generate(prompts, stop_token_ids=None)
+    pipe.compile(sampler=_Constant(7))
+    got = pipe.generate(prompts, stop_token_ids=None)
+    assert all((row == 7).all() for row in _generated(got, prompts))
+    model.compile(sampler=_Constant(7))
+    _assert_same(got, model.generate(prompts, stop_token_ids=None))
+    # A sampler compiled anew replaces the traced loop's; top-k with k = 1
+    # is greedy whatever its random draw, while the task samples top-5.
+    model.compile(sampler="top_k")
+    pipe.compile(sampler=keras_hub.samplers.TopKSampler(k=1, seed=3))
+    _assert_same(pipe.generate(prompts, stop_token_ids=None), greedy)
+    pipe.compile(sampler="greedy")
+    _assert_same(pipe.generate(prompts, stop_token_ids=None), greedy)
+    # Compiled without one: the task's sampler again.
+    model.compile(sampler=_Constant(3))
+    pipe.compile()
+    got = pipe.generate(prompts, stop_token_ids=None)
+    assert all((row == 3).all() for row in _generated(got, prompts))
+
+
+def test_compile_with_a_sampler_still_trains_and_is_saved(devices):
+    _, pipe = _pair(devices, _gpt2)
+    pipe.compile(optimizer="sgd",
+                 loss=keras.losses.SparseCategoricalCrossentropy(
+                     from_logits=True),
+                 sampler=keras_hub.samplers.TopKSampler(k=1, seed=3))
+    prompts = _prompts(4)
+    history = pipe.fit(prompts, prompts["token_ids"], batch_size=4,
+                       epochs=1, verbose=0)
+    assert np.isfinite(history.history["loss"][0])
+    # The compile config keeps the sampler: a loaded model samples alike.
+    _, other = _pair(devices, _gpt2)
+    other.compile_from_config(pipe.get_compile_config())
+    assert isinstance(other._sampler, keras_hub.samplers.TopKSampler)
+    assert other._sampler.k == 1
+
+
+@pytest.mark.parametrize("sampler, error, match", [
+    ("topk", ValueError, "Unknown sampler 'topk'.*'greedy', 'top_k'"),
+    ("Greedy", ValueError, "Unknown sampler 'Greedy'"),
+    (3, TypeError, "sampler name .* or a keras_hub.samplers.Sampler"),
+    (keras_hub.samplers.TopKSampler, TypeError,
+     r"a class; pass an instance, TopKSampler\(...\)"),
+    (keras_hub.samplers.BeamSampler(num_beams=2), ValueError,
+     "BeamSampler runs its own loop.*pipe.to_model\\(\\).generate"),
+], ids=["unknown", "uppercase", "int", "class", "beam"])
+def test_bad_sampler_fails_at_compile(devices, sampler, error, match):
+    model, pipe = _pair(devices, _gpt2)
+    with pytest.raises(error, match=match):
+        pipe.compile(optimizer="sgd", sampler=sampler)
+    assert not pipe.compiled  # raised before Keras' compile
+    # The task's own sampler is checked too, when generate reads it.
+    if error is ValueError and not isinstance(sampler, str):
+        model.compile(sampler=sampler)
+        with pytest.raises(ValueError, match="runs its own loop"):
+            pipe.generate(_prompts(2), stop_token_ids=None)
+
+
+def _loop_body(pipe):
+    """The GraphDef function of the traced decode loop's body."""
+    (_, function), = pipe._generators.values()
+    concrete, = function._list_all_concrete_functions_for_serialization()
+    graph = concrete.graph.as_graph_def()
+    loop, = [n for n in graph.node if n.op in ("While", "StatelessWhile")]
+    return {f.signature.name: f for f in graph.library.function}[
+        loop.attr["body"].func.name]
+
+
+def test_caches_stay_on_their_stage_between_rounds(devices):
+    # The loop returned every loop variable through an Identity on the
+    # head's device: each round sent every cache of the other stages to
+    # the head's worker and back, which cost more than the decode itself.
+    _, pipe = _pair(devices, _gpt2)
+    pipe.generate(_prompts(4), stop_token_ids=None)
+    body = _loop_body(pipe)
+    nodes = {n.name: n for n in body.node_def}
+    crossing = []
+    for node in body.node_def:
+        for source in node.input:
+            source = nodes.get(source.lstrip("^").split(":")[0])
+            if source is not None and source.device and node.device \
+                    and source.device != node.device:
+                crossing.append((source.name, node.name))
+    # What crosses: hidden states of one token and scalar positions.
+    assert crossing
+    assert not [c for c in crossing if "stack" in c[0] or "Identity" in c[1]]
+    # Each returned cache is made on its stage's device.
+    returned = [nodes[v.split(":")[0]] for v in body.ret.values()
+                if v.split(":")[0] in nodes]
+    stages = {d for d in devices[:2]}
+    for node in returned:
+        if node.op == "Identity" and "stack" in node.input[0]:
+            source = nodes[node.input[0].split(":")[0]]
+            assert node.device == source.device
+            assert any(node.device.endswith(d.split("device:")[-1])
+                       for d in stages)
+
+
+def test_generate_on_worker_processes_equals_unsplit():
+    # Two `keras_pipe.distributed.worker` processes, as
+    # tools/generation_capacity.py runs them (there with a memory limit):
+    # the tokens of the unsplit model in a process of its own.
+    tool = tools.load("generation_capacity")
+    args = tool.parse_args([
+        "--layers", "2", "--width", "32", "--heads", "2", "--vocab", "64",
+        "--length", "12", "--prompts", "3", "--balance", "5,3"])
+    expected = tool.run_unsplit(args, None)
+    got = tool.run_pipelined(args, 2**40)
+    assert not expected.get("failed") and not got.get("failed"), (
+        expected, got)
+    assert got["weights_sum"] == expected["weights_sum"]
+    assert got["token_ids"] == expected["token_ids"]
+    assert all(peak for peak in got["peaks"])  # both workers were watched
+
+
+def test_exported_decode_loop_keeps_devices_and_tokens(devices, tmp_path):
+    import tensorflow as tf
+    model, pipe = _pair(devices, _gpt2)
+    prompts = _prompts(5)
+    inputs = {"token_ids": tf.constant(prompts["token_ids"]),
+              "padding_mask": tf.constant(prompts["padding_mask"] > 0)}
+    free = model.generate(prompts, stop_token_ids=None)
+    stops = [int(free["token_ids"][3, SEQ - 2])]
+    pipe.export_generate(str(tmp_path / "free"), 5, SEQ, verbose=False)
+    pipe.export_generate(str(tmp_path / "stops"), 5, SEQ,
+                         stop_token_ids=stops, verbose=False)
+    for name, expected in (
+            ("free", free),
+            ("stops", model.generate(prompts, stop_token_ids=stops))):
+        loaded = tf.saved_model.load(str(tmp_path / name))
+        out = loaded.generate(inputs)
+        _assert_same({k: v.numpy() for k, v in out.items()}, expected)
+    # The loop's ops keep the stages' devices in the SavedModel.
+    from tests.test_export import saved_devices
+    found = set().union(*saved_devices(str(tmp_path / "free")).values())
+    for device in devices[:2]:
+        assert any(d.endswith(device.split("device:")[-1]) for d in found)
+    with pytest.raises(ValueError, match="batch_size must be an int"):
+        pipe.export_generate(str(tmp_path / "x"), 0, SEQ)
+    with pytest.raises(ValueError, match="stop_token_ids must be None"):
+        pipe.export_generate(str(tmp_path / "x"), 5, SEQ,
+                             stop_token_ids=["end"])

@@ -12,25 +12,31 @@ Micro-batch `i` enters stage `j` at tick `g = i + j (mod M)` of its token:
 ```
 M = K = 2, after a first tick that fills stage 0:
     tick           1      2      3      4
-    stage 0      mb 1   mb 0   mb 1   mb 0     (embedding + its layers)
-    stage 1      mb 0   mb 1   mb 0   mb 1     (its layers + the head,
-                 token  token  token  token     then the sampler)
+    stage 0      mb 1   mb 0   mb 1   mb 0     (its layers)
+    stage 1      mb 0   mb 1   mb 0   mb 1     (its layers, the head, the
+                 token  token  token  token     sampler, the embedding of
+                                                the token for stage 0)
 ```
 
 Each stage keeps the key/value cache of its own decoder layers, per
-micro-batch, on its device; only one token's hidden state per micro-batch
-crosses a cut per tick. The prompt is first run through the stages
-micro-batch after micro-batch (prefill), which fills the caches.
+micro-batch, on its device, from one round to the next; only one token's
+hidden state per micro-batch crosses a cut per tick. Nothing else does:
+the weights are read once per call on their devices (the embedding's and
+the head's on the head's device, where the sampled tokens are), and each
+stage counts the rounds itself. The prompt is first run through the
+stages micro-batch after micro-batch (prefill), which fills the caches.
 
 The task's code is reused for all but the loop: its `generate` (inputs,
 batching, `stop_token_ids`, `strip_prompt`, the preprocessor) calls this
 module's step function, the sampler's `compute_probabilities` and
-`get_next_token` pick each token, and the embedding and the head are the
-task's `call_with_cache` with its decoder layers replaced by taps (a tap
-hands out or takes in the hidden state). The result is the task's: the
-same tokens as the unsplit model for a deterministic sampler (greedy),
-the loop stopping when every sequence met a stop token, the positions
-after that left as the prompt had them, and the same `padding_mask`.
+`get_next_token` pick each token (the sampler of the pipeline's
+`compile(sampler=...)`, else the task's: `keras_pipe.model.sampling`),
+and the embedding and the head are the task's `call_with_cache` with its
+decoder layers replaced by taps (a tap hands out or takes in the hidden
+state). The result is the task's: the same tokens as the unsplit model
+for a deterministic sampler (greedy), the loop stopping when every
+sequence met a stop token, the positions after that left as the prompt
+had them, and the same `padding_mask`.
 """
 
 import contextlib
@@ -40,8 +46,9 @@ import tensorflow as tf
 
 from keras_pipe import _compat
 from keras_pipe.engine import microbatch, placement
+from keras_pipe.model import sampling
 
-__all__ = ["Generator", "generate"]
+__all__ = ["Generator", "export", "generate"]
 
 
 class _Tapped(Exception):  # noqa: N818 - a signal, not an error
@@ -89,7 +96,8 @@ class Generator:
 
     Raises:
         TypeError: if `task` is not a KerasHub `CausalLM`.
-        ValueError: if `num_micro_batches` is below the number of stages.
+        ValueError: if `num_micro_batches` is below the number of stages,
+            or the sampler runs its own loop (`sampling.resolve`).
     """
 
     def __init__(self, task, num_micro_batches=None, sampler=None):
@@ -113,9 +121,8 @@ class Generator:
                 "hold decoder layers, so that each stage has a micro-batch "
                 f"to run at every tick. Received: num_micro_batches={m!r}")
         self.num_micro_batches = m
-        self.sampler = sampler
-        self.embed_device = placement.device_of(
-            backbone.token_embedding.weights[0])
+        # The task's sampler may be one `compile(sampler=...)` refuses.
+        self.sampler = sampling.resolve(sampler or task.sampler)
         self.head_device = self.groups[-1][0]
         self._cache_dims = None
 
@@ -146,14 +153,17 @@ class Generator:
             logits, _, _ = self.task.call_with_cache(token_ids, cache, index)
         return logits
 
-    def _embed(self, token_ids, index):
-        """The hidden state entering the first decoder layer (the task's
-        code stops there: no op of the later layers or the head is made)."""
+    def _embed(self, token_ids, index, weights=()):
+        """The hidden state entering the first decoder layer, on the head's
+        device (`weights`: `_head_weights`, read in their stead); the
+        task's code stops there: no op of the later layers or the head is
+        made."""
         def tap(x, self_attention_cache=None, **kwargs):
             raise _Tapped(x)
 
         n = len(self.backbone.transformer_layers)
-        with tf.device(self.embed_device):
+        with tf.device(self.head_device), keras.StatelessScope(
+                state_mapping=list(weights)):
             try:
                 self._through_taps(token_ids, [tap] * n, index)
             except _Tapped as tapped:
@@ -164,15 +174,25 @@ class Generator:
             "find where its embedding ends.")
 
     def _head_weights(self):
-        """The weights of the embedding and the head that live off the
-        head's device (a tied embedding), read there once per call: the
-        head of every tick then reads them locally, not across a cut."""
+        """The weights of the embedding and the head, read on the head's
+        device once per call (a tied embedding that lives on another
+        stage's device is copied there): the embedding and the head of
+        every tick then read them locally, not across a cut."""
         decoder = {id(v) for layer in self.backbone.transformer_layers
                    for v in layer.weights}
         with tf.device(self.head_device):
             return [(v, tf.identity(v.value)) for v in self.task.weights
-                    if id(v) not in decoder
-                    and placement.device_of(v) != self.head_device]
+                    if id(v) not in decoder]
+
+    def _stage_weights(self, j):
+        """Stage `j`'s decoder weights, read on its device once per call:
+        the loop then holds no variable read, so that no round waits for
+        the reads of every stage's previous round."""
+        device, indices = self.groups[j]
+        layers = self.backbone.transformer_layers
+        with tf.device(device):
+            return [(v, tf.identity(v.value)) for n in indices
+                    for v in layers[n].weights]
 
     def _head(self, hidden, index, weights=()):
         """The logits of the last decoder layer's output `hidden`
@@ -191,12 +211,14 @@ class Generator:
                 tf.zeros([rows, 1], tf.int32), [first] + [rest] * (n - 1),
                 index)
 
-    def _stage(self, j, x, caches, index):
-        """Stage `j`'s decoder layers with their caches, on its device."""
+    def _stage(self, j, x, caches, index, weights=()):
+        """Stage `j`'s decoder layers with their caches, on its device
+        (`weights`: `_stage_weights(j)`, read in their stead)."""
         device, indices = self.groups[j]
         layers = self.backbone.transformer_layers
         new = []
-        with tf.device(device):
+        with tf.device(device), keras.StatelessScope(
+                state_mapping=list(weights)):
             for n, cache in zip(indices, caches):
                 x, cache = layers[n](
                     x, self_attention_cache=cache,
@@ -209,13 +231,17 @@ class Generator:
     def generate_step(self, inputs, stop_token_ids=None):
         """The task's `generate_step`, pipelined (traced in a tf.function)."""
         # Ops without a stage of their own (the step counters, the loop's
-        # control) run on the head's device: this process takes no part in
-        # the loop.
-        with tf.device(self.head_device):
+        # control, the embedding and the sampler) run on the head's device:
+        # this process takes no part in the loop. The loop returns each
+        # loop variable through an Identity made outside any stage's
+        # scope: it stays with its input, so that a stage's caches stay on
+        # its device from one round to the next instead of crossing to the
+        # head's device and back every round.
+        with tf.compat.v1.device(_on_input_device_else(self.head_device)):
             return self._generate_step(inputs, stop_token_ids)
 
     def _generate_step(self, inputs, stop_token_ids):
-        sampler = self.sampler or self.task.sampler
+        sampler = self.sampler
         token_ids = inputs["token_ids"]
         padding_mask = tf.cast(inputs["padding_mask"], tf.bool)
         batch, length = token_ids.shape
@@ -226,50 +252,58 @@ class Generator:
             m = k
             token_ids = _padded_rows(token_ids, k)
             padding_mask = _padded_rows(padding_mask, k)
-        with tf.device(self.head_device):
-            index = tf.reduce_min(tf.reduce_sum(
-                tf.cast(padding_mask, tf.int32), axis=-1))
-            max_steps = length - index
+        index = tf.reduce_min(tf.reduce_sum(
+            tf.cast(padding_mask, tf.int32), axis=-1))
+        max_steps = length - index
         rows = microbatch.split_sizes(token_ids.shape[0], m)
         starts = [sum(rows[:i]) for i in range(m)]
-        with tf.device(self.head_device):
-            prompts = [token_ids[s:s + b] for s, b in zip(starts, rows)]
-            masks = [padding_mask[s:s + b] for s, b in zip(starts, rows)]
+        prompts = [token_ids[s:s + b] for s, b in zip(starts, rows)]
+        masks = [padding_mask[s:s + b] for s, b in zip(starts, rows)]
 
         head_weights = self._head_weights()
+        weights = [self._stage_weights(j) for j in range(k)]
         # Prefill: every micro-batch through every stage, caches filled.
         caches = [[None] * m for _ in range(k)]
         for i in range(m):
-            x = self._embed(prompts[i], 0)
+            x = self._embed(prompts[i], 0, head_weights)
             for j, (device, indices) in enumerate(self.groups):
                 with tf.device(device):
                     empty = [tf.zeros(self._cache_shape(rows[i], length),
                                       self.task.compute_dtype)
                              for _ in indices]
-                x, caches[j][i] = self._stage(j, x, empty, 0)
+                x, caches[j][i] = self._stage(j, x, empty, 0, weights[j])
 
-        def stage_call(j, t, r, tokens, caches, hidden, sampled):
-            """Stage `j` at tick `t` of round `r` (tick `K - 1 + t` of
-            the decode ticks): returns its output or the sampled tokens."""
+        # Each stage counts the rounds on its own device, from its own copy
+        # of the last prompt position: no tick waits for a scalar from
+        # another device.
+        last = []
+        for device, _ in self.groups:
+            with tf.device(device):
+                last.append(tf.identity(index - 1))
+
+        def stage_call(j, t, rounds, tokens, caches, hidden, embedded,
+                       sampled):
+            """Stage `j` at tick `t` of its round `rounds[j]` (tick
+            `K - 1 + t` of the decode ticks): returns its output, or None
+            for the last stage, which samples micro-batch `i`'s next token
+            and embeds it for stage 0's next call on `i`."""
             g = k - 1 + t - j
-            i, step = g % m, r + g // m
-            position = index + step - 1
-            if j == 0:
-                with tf.device(self.embed_device):
-                    last = tf.slice(tokens[i], [0, position], [rows[i], 1])
-                x = self._embed(last, position)
-            else:
-                x = hidden[j]
-            x, caches[j][i] = self._stage(j, x, caches[j][i], position)
+            i = g % m
+            with tf.device(self.groups[j][0]):
+                step = rounds[j] + g // m
+                position = last[j] + step
+            x = embedded[i] if j == 0 else hidden[j]
+            x, caches[j][i] = self._stage(j, x, caches[j][i], position,
+                                          weights[j])
             if j < k - 1:
-                return i, x
+                return x
+            logits = tf.squeeze(self._head(x, position, head_weights),
+                                axis=1)
             with tf.device(self.head_device):
-                logits = tf.squeeze(self._head(x, position, head_weights),
-                                    axis=1)
                 chosen = sampler.get_next_token(
                     sampler.compute_probabilities(logits))
                 chosen = tf.cast(chosen, tokens[i].dtype)
-                at = index + step
+                at = position + 1
                 keep = masks[i][:, at]
                 chosen = tf.where(keep, tokens[i][:, at], chosen)
                 columns = tf.range(length)[None, :] == at
@@ -279,85 +313,104 @@ class Generator:
                     sampled[i] = tf.where(
                         tf.logical_and(sampled[i] < 0, done), step + 1,
                         sampled[i])
-            return i, None
+            embedded[i] = self._embed(chosen[:, None], at, head_weights)
+            return None
 
+        # The hidden state of each micro-batch's last token, embedded for
+        # stage 0; the last stage replaces it with the next token's.
+        embedded = [self._embed(tf.slice(p, [0, index - 1], [b, 1]),
+                                index - 1, head_weights)
+                    for p, b in zip(prompts, rows)]
         # Fill: ticks 0 .. K-2 of the first tokens, stage j on micro-batch
         # `g - j`.
         hidden = [None] * k
-        tokens = list(prompts)
         for g in range(k - 1):
             outputs = {}
             for j in range(min(g, k - 2) + 1):
                 i = g - j
-                if j == 0:
-                    with tf.device(self.embed_device):
-                        last = tf.slice(tokens[i], [0, index - 1],
-                                        [rows[i], 1])
-                    x = self._embed(last, index - 1)
-                else:
-                    x = hidden[j]
-                x, caches[j][i] = self._stage(j, x, caches[j][i], index - 1)
+                x = embedded[i] if j == 0 else hidden[j]
+                x, caches[j][i] = self._stage(j, x, caches[j][i], index - 1,
+                                              weights[j])
                 outputs[j + 1] = x
             hidden = [None] + [outputs.get(j, hidden[j])
                                for j in range(1, k)]
 
-        with tf.device(self.head_device):
-            sampled = [tf.constant(-1) for _ in range(m)]
+        sampled = [tf.constant(-1) for _ in range(m)]
 
-        def body(r, tokens, caches, hidden, sampled):
-            tokens, sampled = list(tokens), list(sampled)
+        def body(rounds, tokens, caches, hidden, embedded, sampled):
+            tokens, embedded, sampled = (list(tokens), list(embedded),
+                                         list(sampled))
             caches = [list(c) for c in caches]
+            hidden = [None] + list(hidden)
             for t in range(m):
                 outputs = {}
                 for j in range(k):
-                    _, x = stage_call(j, t, r, tokens, caches, hidden,
-                                      sampled)
+                    x = stage_call(j, t, rounds, tokens, caches, hidden,
+                                   embedded, sampled)
                     if x is not None:
                         outputs[j + 1] = x
                 hidden = [None] + [outputs.get(j, hidden[j])
                                    for j in range(1, k)]
-            return r + 1, tokens, caches, hidden, sampled
+            following = []
+            for (device, _), r in zip(self.groups, rounds):
+                with tf.device(device):
+                    following.append(r + 1)
+            return following, tokens, caches, hidden[1:], embedded, sampled
 
-        def cond(r, tokens, caches, hidden, sampled):
-            going = r < max_steps
+        def cond(rounds, tokens, caches, hidden, embedded, sampled):
+            going = rounds[-1] < max_steps
             if stop_token_ids is None:
                 return going
             return tf.logical_and(going, tf.logical_not(tf.reduce_all(
                 tf.stack(sampled) >= 0)))
 
-        r, tokens, _, _, sampled = tf.while_loop(
-            cond,
-            lambda r, tok, c, h, s: _pack_hidden(
-                body(r, tok, c, [None] + list(h), s)),
-            (tf.constant(0), tokens, caches, hidden[1:], sampled))
-        with tf.device(self.head_device):
-            if stop_token_ids is not None:
-                finished = tf.reduce_all(tf.stack(sampled) >= 0)
-                steps = tf.where(finished, tf.reduce_max(tf.stack(sampled)),
-                                 r)
-            else:
-                steps = r
-            # Positions after the last step of the unsplit loop keep the
-            # prompt's values (a micro-batch ran on after it was done).
-            after = tf.range(length)[None, :] >= index + steps
-            token_ids = tf.concat(
-                [tf.where(after, p, t) for p, t in zip(prompts, tokens)],
-                axis=0)[:batch]
-            padding_mask = padding_mask[:batch]
-            return {"token_ids": token_ids,
-                    "padding_mask": _padding_mask(token_ids, padding_mask,
-                                                  stop_token_ids)}
+        rounds = []
+        for device, _ in self.groups:
+            with tf.device(device):
+                rounds.append(tf.constant(0))
+        rounds, tokens, _, _, _, sampled = tf.while_loop(
+            cond, body,
+            (rounds, prompts, caches, hidden[1:], embedded, sampled))
+        r = rounds[-1]
+        if stop_token_ids is not None:
+            finished = tf.reduce_all(tf.stack(sampled) >= 0)
+            steps = tf.where(finished, tf.reduce_max(tf.stack(sampled)), r)
+        else:
+            steps = r
+        # Positions after the last step of the unsplit loop keep the
+        # prompt's values (a micro-batch ran on after it was done).
+        after = tf.range(length)[None, :] >= index + steps
+        token_ids = tf.concat(
+            [tf.where(after, p, t) for p, t in zip(prompts, tokens)],
+            axis=0)[:batch]
+        padding_mask = padding_mask[:batch]
+        return {"token_ids": token_ids,
+                "padding_mask": _padding_mask(token_ids, padding_mask,
+                                              stop_token_ids)}
+
+
+def _on_input_device_else(default):
+    """A device function: an op made without a device goes to `default`,
+    but an Identity of a tensor placed elsewhere stays with that tensor
+    (and one of a resource handle is left to TF, which puts it with its
+    variable)."""
+    def device(op):
+        if op.device:
+            return op.device
+        if op.type == "Identity" and op.inputs:
+            source = op.inputs[0]
+            if source.dtype == tf.resource:
+                return ""
+            if source.device:
+                return source.device
+        return default
+    return device
 
 
 def _padded_rows(tensor, rows):
     """`tensor` with its last row repeated up to `rows` rows."""
     extra = rows - tensor.shape[0]
     return tf.concat([tensor, tf.repeat(tensor[-1:], extra, axis=0)], 0)
-
-
-def _pack_hidden(state):
-    r, tokens, caches, hidden, sampled = state
-    return r, tokens, caches, hidden[1:], sampled
 
 
 def _all_stopped(tokens, stop_token_ids, mask):
@@ -387,13 +440,17 @@ def generate(pipe, inputs, max_length=None, stop_token_ids="auto",
              strip_prompt=False, num_micro_batches=None):
     """`PipelineModel.generate`: the task's `generate`, pipelined."""
     task = pipe.to_model()
+    # The pipeline's sampler (its `compile(sampler=...)`) before the
+    # task's; the loop is traced again when either is compiled anew.
+    sampler = getattr(pipe, "_sampler", None) or getattr(task, "sampler",
+                                                         None)
     key = num_micro_batches
     cache = pipe.__dict__.setdefault("_generators", {})
-    if key not in cache or cache[key][0].task is not task:
-        generator = Generator(task, num_micro_batches,
-                              sampler=getattr(pipe, "_sampler", None))
+    if key not in cache or cache[key][0].task is not task \
+            or cache[key][0].sampler is not sampler:
+        generator = Generator(task, num_micro_batches, sampler=sampler)
         cache[key] = (generator, tf.function(generator.generate_step,
-                                                   autograph=False))
+                                             autograph=False))
     _, function = cache[key]
     saved = task.generate_function
     task.generate_function = function
@@ -403,3 +460,42 @@ def generate(pipe, inputs, max_length=None, stop_token_ids="auto",
                              strip_prompt=strip_prompt)
     finally:
         task.generate_function = saved
+
+
+def export(pipe, filepath, batch_size, sequence_length,
+           num_micro_batches=None, stop_token_ids=None, verbose=None):
+    """`PipelineModel.export_generate`: the pipelined decode loop as a
+    SavedModel endpoint, its variables kept on their devices."""
+    for name, value in (("batch_size", batch_size),
+                        ("sequence_length", sequence_length)):
+        if isinstance(value, bool) or not isinstance(value, int) \
+                or value < 1:
+            raise ValueError(f"{name} must be an int >= 1. Received: "
+                             f"{name}={value!r}")
+    if stop_token_ids is not None:
+        stop_token_ids = tuple(stop_token_ids)
+        if not all(isinstance(t, int) and not isinstance(t, bool)
+                   for t in stop_token_ids):
+            raise ValueError(
+                "stop_token_ids must be None or a list of token ids (ints) "
+                "to bake into the exported loop. Received: "
+                f"stop_token_ids={stop_token_ids!r}")
+    task = pipe.to_model()
+    sampler = getattr(pipe, "_sampler", None) or getattr(task, "sampler",
+                                                         None)
+    generator = Generator(task, num_micro_batches, sampler=sampler)
+    spec = {"token_ids": tf.TensorSpec([batch_size, sequence_length],
+                                       tf.int32),
+            "padding_mask": tf.TensorSpec([batch_size, sequence_length],
+                                          tf.bool)}
+    archive = keras.export.ExportArchive()
+    archive.track(task)
+    archive.add_endpoint(
+        "generate",
+        lambda inputs: generator.generate_step(inputs, stop_token_ids),
+        [spec])
+    options = tf.saved_model.SaveOptions(
+        experimental_variable_policy=(
+            tf.saved_model.experimental.VariablePolicy.SAVE_VARIABLE_DEVICES))
+    archive.write_out(filepath, options=options,
+                      verbose=True if verbose is None else verbose)

@@ -165,7 +165,8 @@ class InferenceMethods:
         from, its decode loop pipelined (`keras_pipe.model.generation`).
 
         Same arguments and outputs as the task's `generate`; the sampler is
-        the task's (`task.compile(sampler=...)`). The prompts are cut into
+        the pipeline's (`pipe.compile(sampler=...)`), else the task's
+        (`task.compile(sampler=...)`). The prompts are cut into
         `num_micro_batches` micro-batches that are on different stages at
         the same time, each stage keeping the key/value cache of its
         layers; the loop over tokens runs in one graph.
@@ -173,7 +174,7 @@ class InferenceMethods:
         ```python
         pipe = keras_pipe.PipelineModel.from_model(gpt2_lm, num_stages=2,
                                                    devices=devices)
-        gpt2_lm.compile(sampler="greedy")
+        pipe.compile(sampler="greedy")
         out = pipe.generate(prompts, stop_token_ids=[end_id])
         ```
 
@@ -190,13 +191,57 @@ class InferenceMethods:
         Raises:
             TypeError: if the pipeline was not cut from a KerasHub
                 `CausalLM`.
-            ValueError: for too few `num_micro_batches`.
+            ValueError: for too few `num_micro_batches`, or a sampler of
+                the task that runs its own loop (beam search).
         """
         from keras_pipe.model import generation  # noqa: PLC0415 (KerasHub only)
         return generation.generate(
             self, inputs, max_length=max_length,
             stop_token_ids=stop_token_ids, strip_prompt=strip_prompt,
             num_micro_batches=num_micro_batches)
+
+    def export_generate(self, filepath, batch_size, sequence_length,
+                        num_micro_batches=None, stop_token_ids=None,
+                        verbose=None):
+        """Exports `generate`'s pipelined decode loop as a SavedModel.
+
+        The endpoint `generate` takes `{"token_ids": int32, "padding_mask":
+        bool}` of shape `[batch_size, sequence_length]` (the prompts
+        right-padded, as the task's preprocessor makes them) and returns
+        the same dict, generated to `sequence_length` as the task's
+        `generate_step` (no preprocessing, no `strip_prompt`). The
+        variables keep their devices (`SAVE_VARIABLE_DEVICES`), so the
+        loop runs across the stages where it is loaded: the same devices
+        must exist there (the same workers connected). For a model that
+        fits one device, export the task itself instead.
+
+        ```python
+        pipe.export_generate("decode", batch_size=16, sequence_length=64)
+        loaded = tf.saved_model.load("decode")   # same devices
+        out = loaded.generate({"token_ids": ids, "padding_mask": mask})
+        ```
+
+        Args:
+            filepath: where to write the SavedModel.
+            batch_size, sequence_length: the static shape of the inputs.
+            num_micro_batches: as in `generate`. Defaults to `None`.
+            stop_token_ids: token ids that end the loop when every
+                sequence has one, baked into the export. Defaults to
+                `None`: every sequence runs to `sequence_length`.
+            verbose: print the endpoints. Defaults to `None` (True).
+
+        Raises:
+            TypeError: if the pipeline was not cut from a KerasHub
+                `CausalLM`.
+            ValueError: for a size that is not an int >= 1, too few
+                `num_micro_batches`, or `stop_token_ids` not a list of
+                ints.
+        """
+        from keras_pipe.model import generation  # noqa: PLC0415 (KerasHub only)
+        return generation.export(
+            self, filepath, batch_size, sequence_length,
+            num_micro_batches=num_micro_batches,
+            stop_token_ids=stop_token_ids, verbose=verbose)
 
     def _keras_predict(self, *args, **kwargs):
         """Keras' `predict`, `S` batches per call (`_inference_call`),

@@ -10,7 +10,7 @@ from keras_pipe.engine import losses as losses_lib
 from keras_pipe.engine import replicas as replicas_lib
 from keras_pipe.engine.schedule import schedule_names
 from keras_pipe.engine.stage import Stage
-from keras_pipe.model import first_batch
+from keras_pipe.model import first_batch, sampling
 from keras_pipe.model.building import BuiltFirst
 from keras_pipe.model.calls import Calls
 from keras_pipe.model.inference import InferenceMethods
@@ -302,32 +302,50 @@ class PipelineModel(first_batch.FirstBatchChoices, model_io.SavingMethods,
     # --------------------------------------------------------------- compile
 
     def compile(self, *args, jit_compile="auto", run_eagerly=False,
-                **kwargs):
-        """`keras.Model.compile`, with a colocated optimizer.
+                sampler=None, **kwargs):
+        """`keras.Model.compile`, with a colocated optimizer and a sampler.
 
-        XLA cannot compile a step whose variables live on several devices
-        (the one-device XLA trap): the step runs un-compiled, and `jit_compile=True`
-        compiles each device's optimizer update as one XLA function (see
-        "Design" in the docs). `model.jit_compile` stays False;
-        `model.xla_updates` says whether the updates are compiled.
+        XLA cannot compile a step whose variables live on several devices:
+        the step runs un-compiled, and `jit_compile=True` compiles each
+        device's optimizer update as one XLA function (see "Design" in the
+        docs). `model.jit_compile` stays False; `model.xla_updates` says
+        whether the updates are compiled.
+
+        ```python
+        pipe = keras_pipe.PipelineModel.from_model(gpt2_lm, num_stages=2,
+                                                   devices=devices)
+        pipe.compile("adam", sampler="greedy")   # generate: greedy
+        ```
 
         Args:
             jit_compile: `True`, `False` or `"auto"` (resolved to False, as
                 Keras does on a machine without accelerators). Defaults to
                 `"auto"`.
             run_eagerly: must be False. Defaults to `False`.
+            sampler: for a pipeline cut from a KerasHub `CausalLM`, the
+                sampler of `generate`, as the task's `compile` takes it: a
+                name (`"greedy"`, `"top_k"`, ...) or a
+                `keras_hub.samplers.Sampler`; it wins over the task's own.
+                Defaults to `None`: the task's sampler.
 
         Raises:
-            ValueError: if `jit_compile` is not a bool or `"auto"`, or
+            ValueError: if `jit_compile` is not a bool or `"auto"`,
                 `run_eagerly=True` (the per-device backward pass needs graph
-                mode).
+                mode), or `sampler` names no KerasHub sampler or runs its
+                own loop over the sequence (beam search).
+            TypeError: if `sampler` is neither a name nor a Sampler.
         """
         _validation.check_compile_arguments(jit_compile, run_eagerly)
+        resolved_sampler = sampling.resolve(sampler)
         super().compile(*args, jit_compile=False, run_eagerly=False, **kwargs)
         self._xla_updates = jit_compile is True
+        self._sampler = resolved_sampler
         config = getattr(self, "_compile_config", None)
         if config is not None:  # saved with the model: compiled back alike
             config.config["jit_compile"] = jit_compile
+            if sampler is not None:
+                config.config["sampler"] = sampling.serialize(
+                    sampler, resolved_sampler)
         if self.optimizer is not None:
             placement.colocate_optimizer(self.optimizer,
                                          xla_updates=self._xla_updates)

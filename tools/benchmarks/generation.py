@@ -30,14 +30,17 @@ from tools.benchmarks.harness import (
 from tools.benchmarks.peer import _worker_pids
 
 # The models: about 6 decoder layers of width 512, a vocabulary of 8192
-# (GPT-2's 50257 would make the head alone outweigh the layers). The cut:
-# the embedding and 4 decoder layers, then 2 layers and the head (about
-# 1.3 layers of work per row at this vocabulary), as layer-call counts.
+# (GPT-2's 50257 would make the head alone outweigh the layers). The cut,
+# as layer-call counts: GPT-2's embedding and 4 decoder layers, then 2
+# layers and the head (about 1.3 layers of work per row at this
+# vocabulary); Llama's 3 decoder layers, then 3 and the head (its
+# embedding layer, which holds the head's weights too, lives on the last
+# stage, and generation embeds each token there).
 MODELS = {
     "gpt2": {"layers": 6, "d": 512, "heads": 8, "ffn": 2048,
              "vocab": 8192, "balance": [8, 4]},
     "llama": {"layers": 6, "d": 512, "heads": 8, "kv_heads": 4,
-              "ffn": 1536, "vocab": 8192, "balance": [5, 4]},
+              "ffn": 1536, "vocab": 8192, "balance": [4, 5]},
 }
 ROWS, LENGTH = 16, 64
 
