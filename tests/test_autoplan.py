@@ -582,10 +582,15 @@ def test_a_calibration_fit_issues_each_steps_calls_once(devices, monkeypatch):
     plain = autoplan.search(model, devices=devices[:2], batch_size=32,
                             micro_batch_choices=[1, 2], calibrate=False)
     assert len(made) == len(configured) == len(simulated)
+    n = len(configured)
     made.clear(), simulated.clear(), configured.clear()
     calibrated = autoplan.search(model, devices=devices[:2], batch_size=32,
                                  micro_batch_choices=[1, 2])
-    assert len(made) == len(configured) < len(simulated) / 10
+    # Two rankings (one bounds what calibration may train) configure and
+    # simulate every configuration once each; the trained points are
+    # configured once and simulated by the fits many times.
+    assert len(made) == len(configured)
+    assert len(configured) - 2 * n < (len(simulated) - 2 * n) / 10
     assert len(calibrated) == len(plain)
 
 
@@ -619,3 +624,23 @@ def test_a_search_holds_one_layer_calls_timing_loops_at_a_time(
     autoplan.search(_mlp(depth=3), devices=devices[:2], batch_size=16,
                     micro_batch_choices=(1, 2, 4), calibrate=False)
     assert held and max(held) == 1, held
+
+
+@pytest.mark.parametrize("slack, trains", [(1e-9, False), (1e9, True)])
+def test_calibration_trains_no_point_that_would_hold_more_than_the_plan(
+        devices, monkeypatch, slack, trains):
+    """Without a memory budget, a calibration point is trained only if its
+    predicted device peak is within `_CALIBRATION_SLACK` of the pick's."""
+    _measured_without_timing(monkeypatch, 0.0)
+    trained = []
+
+    def probe(*args, **kwargs):
+        trained.append(args[-1])
+        return 0.01
+
+    monkeypatch.setattr(profiling, "has_step_probe", lambda: True)
+    monkeypatch.setattr(profiling, "model_step_seconds", probe)
+    monkeypatch.setattr(autoplan, "_CALIBRATION_SLACK", slack)
+    autoplan.search(_mlp(depth=3, width=16), devices=devices[:2],
+                    batch_size=32, micro_batch_choices=[1, 2])
+    assert bool(trained) == trains, trained

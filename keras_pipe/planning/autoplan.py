@@ -369,6 +369,14 @@ def _configure(name, stage_devices, m, batch_size, graph, measured,
                  simulator.calls(ticks, stage_devices, remat, m))
 
 
+def _device_peaks(step):
+    """Per device, the sum of its stages' predicted peaks (bytes)."""
+    peaks = [0.0] * (1 + max(step.stage_devices))
+    for j, d in enumerate(step.stage_devices):
+        peaks[d] += step.stage_peaks[j]
+    return peaks
+
+
 def _candidate(name, stage_devices, m, batch_size, graph, measured,
                budgets, optimizer_slots, allowed):
     """The best cut and remat of one (schedule, layout, M), simulated; or,
@@ -381,10 +389,7 @@ def _candidate(name, stage_devices, m, batch_size, graph, measured,
     result = simulator.simulate(step.ticks, step.stage_devices,
                                 _step_costs(step, measured, batch_size),
                                 step.remat, m, step.issued)
-    num_devices = 1 + max(stage_devices)
-    device_peaks = [0.0] * num_devices
-    for j, d in enumerate(stage_devices):
-        device_peaks[d] += step.stage_peaks[j]
+    device_peaks = _device_peaks(step)
     return Candidate(name, len(stage_devices), list(stage_devices), m,
                      [e - a for a, e in step.spans], step.remat,
                      result.step_time, result.idle,
@@ -426,15 +431,23 @@ def calibration_points(num_devices, ms):
 
 
 _MAX_FIXED = 0.05  # seconds per received input or call the fits may reach
+# Without a memory budget, a calibration point is trained only if its
+# predicted peak on every device is at most this many times the largest
+# device peak of the pick without calibration: planning holds about what
+# the plan will.
+_CALIBRATION_SLACK = 1.25
 _ROUNDS = 100  # at most, alternations of the fits
 
 
 def _calibrate(model, measured, devices, ms, batch_size, budgets,
-               optimizer_slots, allowed, input_shape, sample_inputs):
+               optimizer_slots, allowed, input_shape, sample_inputs,
+               bound=None):
     """Trains the `calibration_points` and fits what each one fits so that
     its simulated step is its measured step: `measured.scales` at its rows,
     `measured.receive` or `measured.weight_call`. Each step depends on all
-    of them, so the fits alternate until none moves (1e-6)."""
+    of them, so the fits alternate until none moves (1e-6). A point whose
+    predicted peak on a device is over `bound` bytes is not trained (what
+    it fits keeps its default)."""
     trained = []
     for name, stage_devices, m, fitted in calibration_points(len(devices),
                                                              ms):
@@ -442,6 +455,8 @@ def _calibrate(model, measured, devices, ms, batch_size, budgets,
                           measured, budgets, optimizer_slots, allowed)
         if not isinstance(step, _Step):
             continue  # cannot run, or does not fit the budget: not trained
+        if bound is not None and max(_device_peaks(step)) > bound:
+            continue  # would hold more than the plan: not trained
         try:
             seconds = profiling.model_step_seconds(
                 model, measured.graph, measured.shapes,
@@ -541,9 +556,12 @@ def search(model, devices=None, num_devices=None, batch_size=None,
             another device and of a weight-gradient call
             (`calibration_points`, `keras_pipe.calibration.step_seconds`;
             cached like the costs). A step runs its calls longer than the
-            profile's loop on some models. `False` skips it (the clone
-            and its pipeline hold a second copy of the weights). Defaults
-            to `True`.
+            profile's loop on some models. A point is trained only if its
+            predicted peak fits `memory_budget`, or without one, at most
+            `_CALIBRATION_SLACK` times the device peak of the pick without
+            calibration (planning holds about what the plan will). `False`
+            skips it (the clone and its pipeline hold a second copy of the
+            weights while they train). Defaults to `True`.
 
     Returns:
         A list of `Candidate`s, fastest first.
@@ -578,21 +596,48 @@ def search(model, devices=None, num_devices=None, batch_size=None,
         loss = getattr(model, "loss", None)
     measured = _Measured(graph, shapes, list(dict.fromkeys(devices or [])),
                          measure, flops_per_second, optimizer_slots, loss)
-    ranked, needs = [], []
     ms = sorted({min(_validation.check_positive_int("micro_batch_choices",
                                                    m), batch_size)
                  for m in micro_batch_choices})
+
+    def rank():
+        return _rank(graph, num_devices, schedules, allowed, ms, batch_size,
+                     measured, budgets, optimizer_slots)
+
     try:
         measured.prepare(-(-batch_size // m) for m in ms)
         distinct = list(dict.fromkeys(devices or []))
         if calibrate and measure and len(distinct) > 1 and (
                 profiling.has_step_probe()):
+            bound = None
+            if not budgets:  # training holds no more than the plan will
+                first, _ = rank()
+                bound = _CALIBRATION_SLACK * max(first[0].peak_memory)
             _calibrate(model, measured, distinct, ms, batch_size, budgets,
-                       optimizer_slots, allowed, input_shape, sample_inputs)
+                       optimizer_slots, allowed, input_shape, sample_inputs,
+                       bound)
     finally:
         # The timing loops hold copies of the layers' weights on the
         # device they timed: gone before the pipeline's own weights come.
         profiling.release_loops()
+    ranked, needs = rank()
+    if not ranked:
+        least = f" {int(np.ceil(min(needs)))} bytes" if needs else ""
+        raise ValueError(
+            f"No schedule, stages per device, num_micro_batches in {ms}, "
+            f"cut and remat of {model.name!r} fits memory_budget="
+            f"{memory_budget} on {num_devices} devices with batch_size="
+            f"{batch_size}: the smallest budget that fits is{least} per "
+            "device. Raise memory_budget to at least that, lower "
+            "batch_size, or use more devices.")
+    return ranked
+
+
+def _rank(graph, num_devices, schedules, allowed, ms, batch_size, measured,
+          budgets, optimizer_slots):
+    """`(candidates fastest first, the least budgets of those that did not
+    fit)` over every layout, schedule and `M`, with `measured`'s costs."""
+    ranked, needs = [], []
     for name, stage_devices in layouts(num_devices):
         if schedules is not None and name not in schedules:
             continue
@@ -606,18 +651,9 @@ def search(model, devices=None, num_devices=None, batch_size=None,
                 ranked.append(found)
             elif found is not None:
                 needs.append(found)
-    if not ranked:
-        least = f" {int(np.ceil(min(needs)))} bytes" if needs else ""
-        raise ValueError(
-            f"No schedule, stages per device, num_micro_batches in {ms}, "
-            f"cut and remat of {model.name!r} fits memory_budget="
-            f"{memory_budget} on {num_devices} devices with batch_size="
-            f"{batch_size}: the smallest budget that fits is{least} per "
-            "device. Raise memory_budget to at least that, lower "
-            "batch_size, or use more devices.")
     ranked.sort(key=lambda c: (c.step_time, c.num_stages,
                                c.num_micro_batches))
-    return ranked
+    return ranked, needs
 
 
 def expand_devices(devices, stage_devices):

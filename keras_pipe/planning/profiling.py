@@ -325,8 +325,12 @@ def _loops(call, training, device):
 
 
 def _release_loops_of(call, training, device):
-    """Lets one call's `_loops` go (`call_costs_at`)."""
+    """Lets one call's `_loops` go (`call_costs_at`), with its weight
+    copies: the traced loops are reference cycles, collected now when the
+    call has weights to free."""
     _LOOPS.pop((id(call), training, device), None)
+    if getattr(call.operation, "variables", None):
+        gc.collect()
 
 
 def release_loops():
