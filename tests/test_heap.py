@@ -201,8 +201,9 @@ def test_a_bad_quiet_time_is_named():
         heap.trim_when_idle(True)
 
 
-@pytest.mark.parametrize("mode,trims", [("return", 1), ("reuse", 0)])
-def test_a_worker_trims_its_heap_with_return_only(monkeypatch, mode, trims):
+@pytest.mark.parametrize("mode,trims", [("return", 1), ("reuse", 1),
+                                        ("glibc", 0)])
+def test_a_worker_trims_its_heap_unless_glibc(monkeypatch, mode, trims):
     from keras_pipe.distributed import worker
 
     started = []

@@ -12,15 +12,18 @@ resident peak is well above the bytes its tensors use at once.
 Where TF's oneDNN kernels are on, TF allocates through its oneDNN CPU
 allocator instead, which keeps its freed large blocks in a
 pool of its own for the life of the process: no `mallopt` setting reaches
-those. `"return"` therefore also sets `TF_ONEDNN_USE_SYSTEM_ALLOCATOR=1`
-(unless the environment sets it), which sends them to `malloc` again.
+those. `"reuse"` and `"return"` therefore also set
+`TF_ONEDNN_USE_SYSTEM_ALLOCATOR=1` (unless the environment sets it), which
+sends them to `malloc` again.
 
 Three settings (`HEAP_MODES`), chosen with `mallopt` before the process
 starts its threads (the environment variables `MALLOC_ARENA_MAX` and
 `MALLOC_MMAP_THRESHOLD_` do the same, set before the process starts):
 
 * `"reuse"`: at most 2 arenas; a freed block stays resident and serves the
-  next allocation. Fast.
+  next allocation while the process works (fast), and the free pages go
+  back once it idles (`trim_when_idle`, below): what planning or a build
+  freed does not stay with the steps that follow.
 * `"return"`: 2 arenas, and blocks of `RETURN_THRESHOLD` or more are
   mapped on their own and unmapped when freed, so resident memory follows
   the allocator's bytes in use (what the memory model predicts,
@@ -62,15 +65,15 @@ HEAP_MODES = ("reuse", "return", "glibc")
 # on their own and unmapped when freed (the module says why this size). The
 # memory model of a worker's resident memory reads it from here.
 RETURN_THRESHOLD = 128 << 10
-# `"return"`: a worker trims its heap once it has been idle this many
-# seconds after doing work (`trim_when_idle`).
+# `"reuse"`, `"return"`: a worker trims its heap once it has been idle this
+# many seconds after doing work (`trim_when_idle`).
 TRIM_AFTER_IDLE = 0.5
 # A poll in which the process used less CPU than this share of the time
 # between two polls is idle (an idle worker uses about none).
 IDLE_CPU_SHARE = 0.05
 
-# TF reads it when its oneDNN CPU allocator first allocates: `"return"`
-# sets it before TF loads (the module says why).
+# TF reads it when its oneDNN CPU allocator first allocates: `"reuse"` and
+# `"return"` set it before TF loads (the module says why).
 ONEDNN_SYSTEM_ALLOCATOR = "TF_ONEDNN_USE_SYSTEM_ALLOCATOR"
 
 _M_MMAP_THRESHOLD = -3
@@ -102,10 +105,10 @@ def check_mode(mode):
 def configure(mode, arena_max=2, mmap_threshold=RETURN_THRESHOLD):
     """Sets this process's heap to `mode` (one of `HEAP_MODES`).
 
-    Call before TensorFlow starts its threads. `"return"` also sets
-    `ONEDNN_SYSTEM_ALLOCATOR` in this process's environment unless it is
-    set. Otherwise a no-op (returns `False`) where the C library is not
-    glibc, and for `"glibc"`.
+    Call before TensorFlow starts its threads. `"reuse"` and `"return"`
+    also set `ONEDNN_SYSTEM_ALLOCATOR` in this process's environment unless
+    it is set. Otherwise a no-op (returns `False`) where the C library is
+    not glibc, and for `"glibc"`.
 
     Args:
         mode: `"reuse"`, `"return"` or `"glibc"` (see the module).
@@ -122,7 +125,7 @@ def configure(mode, arena_max=2, mmap_threshold=RETURN_THRESHOLD):
         ValueError: for a `mode` not in `HEAP_MODES`.
     """
     check_mode(mode)
-    if mode == "return":
+    if mode != "glibc":
         os.environ.setdefault(ONEDNN_SYSTEM_ALLOCATOR, "1")
     libc = _libc()
     if libc is None or mode == "glibc":
@@ -178,7 +181,7 @@ def trim_when_idle(quiet=TRIM_AFTER_IDLE):
     """Starts a daemon thread that gives the free pages of this process's
     malloc arenas back to the OS (`malloc_trim(0)`) once per idle spell of
     `quiet` seconds after work (`IdleSpell`); a worker starts it with heap
-    `"return"`. It samples the process's CPU time `5 / quiet` times a
+    `"reuse"` or `"return"`. It samples the process's CPU time `5 / quiet` times a
     second.
 
     A no-op (returns `None`) where the C library is not glibc.

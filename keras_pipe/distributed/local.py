@@ -184,7 +184,8 @@ def local_workers(num_workers=2, cores=None, gpus=None,
             for the worker's other work. Defaults to `2`.
         heap: how each worker keeps freed tensor buffers
             (`keras_pipe.distributed.heap`): `"reuse"` (fast; freed
-            blocks stay resident for reuse), `"return"` (blocks of 128 KiB
+            blocks stay resident for reuse while a worker works, and go
+            back once it idles), `"return"` (blocks of 128 KiB
             or more go back to the OS when freed, and the rest of the free
             heap once a worker idles 0.5 s: lower resident peaks, for
             a model sized to a memory budget, at the cost of slower steps;

@@ -241,7 +241,8 @@ def serve(cluster, task, job="worker", bind="127.0.0.1",
             `None` (unchanged).
         heap: how glibc keeps freed tensor buffers
             (`keras_pipe.distributed.heap`): `"reuse"` (2 arenas, freed
-            blocks reused: fast), `"return"` (big freed blocks unmapped,
+            blocks reused while working, the free pages trimmed when the
+            worker is idle: fast), `"return"` (big freed blocks unmapped,
             the arenas' free pages trimmed when the worker is idle: lower
             resident peaks, for a memory budget, at the cost of slower
             steps) or `"glibc"` (untouched; a worker's many threads then
@@ -271,7 +272,7 @@ def serve(cluster, task, job="worker", bind="127.0.0.1",
     if cpu_affinity is not None:
         os.sched_setaffinity(0, set(cpu_affinity))
     heap_lib.configure(heap)
-    if heap == "return":
+    if heap != "glibc":
         heap_lib.trim_when_idle()
     runtime.load()
     bind_lib.pin(bind)
@@ -366,7 +367,8 @@ def _parser():
     parser.add_argument("--heap", choices=heap_lib.HEAP_MODES,
                         default="reuse",
                         help="how freed tensor buffers are kept: reuse (2 "
-                        "malloc arenas, freed blocks reused: fast; the "
+                        "malloc arenas, freed blocks reused while working, "
+                        "the heap trimmed when idle: fast; the "
                         "default), return (blocks of 128 KiB or more unmapped "
                         "when freed, the heap trimmed when idle: lower "
                         "resident peaks, slower steps), "
