@@ -22,24 +22,18 @@ devices, which must come before TensorFlow starts) with:
 A snippet that uses a name the prelude does not define fails with a
 NameError: define the name in the snippet or add it to `PRELUDE`.
 
-A fresh process is a fork of a warm one (`_Zygote`): a process that has
-imported keras, numpy, tensorflow and keras_pipe and nothing else, which
-starts no TensorFlow runtime. Each snippet runs in a child forked from it:
-a fresh runtime (the snippet creates its own devices, or connects to
-workers, before TensorFlow starts), fresh Keras state and its own working
-directory, without importing TensorFlow again (seconds of CPU per snippet).
+The fresh process is forked from a warm one (`tests/support/warm.py`): a
+fresh TensorFlow runtime and Keras state, without importing them again.
 """
 
-import atexit
-import json
 import os
 import re
-import select
 import shlex
-import signal
 import subprocess
 import sys
 import textwrap
+
+from tests.support import warm
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__))))
@@ -227,73 +221,9 @@ def run(code, cwd):
     script = os.path.join(cwd, "snippet.py")
     with open(script, "w", encoding="utf-8") as f:
         f.write(prelude + "\n" + code)
-    _Zygote.run(script, cwd)
-
-
-# The warm process: it imports what every snippet's prelude imports (no
-# TensorFlow runtime starts), then forks a child per request: the child
-# runs the script as `python script` would (`__main__`, its folder first on
-# sys.path, its exit code, the interpreter's own exit) with its output in
-# `snippet.log` of its working directory.
-ZYGOTE = textwrap.dedent('''
-    import json, os, runpy, sys
-    import keras, numpy, tensorflow, keras_pipe  # noqa: F401
-    print("READY", flush=True)
-    for line in sys.stdin:
-        script, cwd = json.loads(line)
-        pid = os.fork()
-        if pid == 0:
-            log = os.open(os.path.join(cwd, "snippet.log"),
-                          os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-            os.dup2(log, 1)
-            os.dup2(log, 2)
-            os.close(log)
-            devnull = os.open(os.devnull, os.O_RDONLY)
-            os.dup2(devnull, 0)
-            os.chdir(cwd)
-            sys.argv = [script]
-            sys.path[0] = os.path.dirname(script)
-            runpy.run_path(script, run_name="__main__")
-            sys.exit(0)
-        _, status = os.waitpid(pid, 0)
-        print(json.dumps(os.waitstatus_to_exitcode(status)), flush=True)
-''')
-
-
-class _Zygote:
-    """The warm process of this test process, started at its first use."""
-
-    proc = None
-
-    @classmethod
-    def run(cls, script, cwd, timeout=900):
-        """Runs `script` in a child of the warm process; asserts exit 0."""
-        if cls.proc is None or cls.proc.poll() is not None:
-            cls.proc = subprocess.Popen(
-                [sys.executable, "-c", ZYGOTE], cwd=ROOT, env=_env(),
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                start_new_session=True)
-            atexit.register(cls.proc.stdin.close)
-            assert cls._answer(timeout) == "READY"
-        cls.proc.stdin.write(json.dumps([script, cwd]) + "\n")
-        cls.proc.stdin.flush()
-        code = cls._answer(timeout)
-        with open(os.path.join(cwd, "snippet.log"), encoding="utf-8",
-                  errors="replace") as f:
-            log = f.read()
-        assert code == "0", f"exit code {code}\n" + log[-6000:]
-
-    @classmethod
-    def _answer(cls, timeout):
-        """The warm process' next line; kills it after `timeout` s."""
-        ready, _, _ = select.select([cls.proc.stdout], [], [], timeout)
-        if not ready:
-            os.killpg(cls.proc.pid, signal.SIGKILL)
-            cls.proc.wait()
-            raise AssertionError(f"no answer within {timeout} s")
-        line = cls.proc.stdout.readline()
-        assert line, "the warm process ended"
-        return line.strip()
+    result = warm.run([script], _env(), cwd)
+    assert result.returncode == 0, (result.stdout[-2000:]
+                                    + result.stderr[-4000:])
 
 
 SNIPPETS = blocks("python")
