@@ -62,6 +62,16 @@ ZYGOTE = textwrap.dedent('''
 _WARM = {}  # environment items -> the warm process for that environment
 
 
+def env():
+    """The tests' environment for a child: TF quiet, this tree's keras_pipe,
+    no TF_CONFIG, nothing preloaded."""
+    result = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3",
+                  KERAS_BACKEND="tensorflow", PYTHONPATH=ROOT)
+    for name in ("TF_CONFIG", "LD_PRELOAD", "KERAS_PIPE_BIND_HOST"):
+        result.pop(name, None)
+    return result
+
+
 def run(argv, env, cwd=ROOT, timeout=900):
     """`subprocess.run([sys.executable, *argv], ...)` in a forked child.
 
