@@ -17,6 +17,7 @@ from tensorflow.python.eager import context
 import keras_pipe
 from keras_pipe.distributed import cluster as cluster_lib
 from keras_pipe.distributed import worker as worker_lib
+from tests.support import warm
 from tests.support.ports import free_port
 
 pytestmark = pytest.mark.slow  # the fast tier: `-m "not slow"`
@@ -122,9 +123,8 @@ def workers(tmp_path_factory):
 
 
 def _scenario(*args, timeout=240):
-    result = subprocess.run([sys.executable, SCENARIOS, *args], env=_env(),
-                            capture_output=True, text=True, timeout=timeout,
-                            cwd=ROOT)
+    # A fresh client process, forked from a warm one (tests/support/warm.py).
+    result = warm.run([SCENARIOS, *args], _env(), cwd=ROOT, timeout=timeout)
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout.strip().splitlines()[-1])
 

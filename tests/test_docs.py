@@ -2,10 +2,10 @@
 
 import os
 import re
-import subprocess
-import sys
 
 import pytest
+
+from tests.support import warm
 
 pytestmark = pytest.mark.slow  # the fast tier: `-m "not slow"`
 
@@ -29,11 +29,8 @@ def test_ci_runs_the_readme_test_command():
 def test_demo_trains_above_chance():
     # A short run of the main job (the README's first command runs it with
     # the defaults: 8 epochs on 8192 samples).
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
-    proc = subprocess.run(
-        [sys.executable, "-m", "keras_pipe.demo", "--epochs", "3",
-         "--samples", "2048"],
-        capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
+    proc = warm.run(["-m", "keras_pipe.demo", "--epochs", "3",
+                     "--samples", "2048"], warm.env(), cwd=ROOT, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "/device:CPU:3" in proc.stdout  # the stage/device table
     assert "stage 3  .  .  . F0 F1" in proc.stdout  # the schedule

@@ -24,6 +24,7 @@ import pytest
 
 import keras_pipe
 from keras_pipe.distributed import cluster, exits, local, recovery
+from tests.support import warm
 from tests.support.recovery_scenarios import StopAt
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -192,9 +193,8 @@ def _env():
 
 
 def _scenario(*args, timeout=900):
-    result = subprocess.run([sys.executable, SCENARIOS, *args], env=_env(),
-                            capture_output=True, text=True, timeout=timeout,
-                            cwd=ROOT)
+    # A fresh client process, forked from a warm one (tests/support/warm.py).
+    result = warm.run([SCENARIOS, *args], _env(), cwd=ROOT, timeout=timeout)
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout.strip().splitlines()[-1])
 

@@ -18,6 +18,7 @@ import pytest
 import keras_pipe
 from keras_pipe.engine import colocation
 from keras_pipe.saving import files as saving
+from tests.support import warm
 from tests.support.data import random_data
 
 pytestmark = pytest.mark.slow  # the fast tier: `-m "not slow"`
@@ -217,12 +218,9 @@ def test_load_saved_on_four_devices_in_a_one_device_process(devices, tmp_path):
     path = str(tmp_path / "m4.keras")
     model.save(path)
     np.save(tmp_path / "x.npy", x)
-    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3",
-           "KERAS_BACKEND": "tensorflow"}
-    proc = subprocess.run(
-        [sys.executable, "-c", FALLBACK_SCRIPT, path, str(tmp_path / "x.npy"),
-         str(tmp_path / "y.npy")], capture_output=True, text=True, env=env,
-        timeout=300)
+    proc = warm.run(
+        ["-c", FALLBACK_SCRIPT, path, str(tmp_path / "x.npy"),
+         str(tmp_path / "y.npy")], warm.env(), timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     assert report["devices"] == ["/device:CPU:0"] * 4

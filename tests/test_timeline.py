@@ -2,8 +2,6 @@
 
 import json
 import os
-import subprocess
-import sys
 
 import keras
 import numpy as np
@@ -12,6 +10,7 @@ import tensorflow as tf
 
 import keras_pipe
 from keras_pipe import timeline
+from tests.support import warm
 
 pytestmark = pytest.mark.slow  # the fast tier: `-m "not slow"`
 
@@ -189,12 +188,11 @@ def test_timeline_tool_places_a_v_schedule_on_half_the_devices(tmp_path):
     # tools/timeline.py in its own process (it creates the logical devices):
     # zbv's 4 stages on 2 devices in a V, a warm step drawn.
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    done = subprocess.run(
-        [sys.executable, os.path.join(root, "tools", "timeline.py"),
+    done = warm.run(
+        [os.path.join(root, "tools", "timeline.py"),
          "--schedule", "zbv", "--num-micro-batches", "2", "--batch-size",
-         "64", "--out", str(tmp_path), "--name", "v"],
-        capture_output=True, text=True, timeout=600,
-        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
+         "64", "--out", str(tmp_path), "--name", "v"], warm.env(),
+        timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "measured bubble" in done.stdout
     trace = json.loads((tmp_path / "v.trace.json").read_text())

@@ -21,6 +21,9 @@ devices, which must come before TensorFlow starts) with:
 
 A snippet that uses a name the prelude does not define fails with a
 NameError: define the name in the snippet or add it to `PRELUDE`.
+
+The fresh process is forked from a warm one (`tests/support/warm.py`): a
+fresh TensorFlow runtime and Keras state, without importing them again.
 """
 
 import os
@@ -29,6 +32,8 @@ import shlex
 import subprocess
 import sys
 import textwrap
+
+from tests.support import warm
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__))))
@@ -216,7 +221,9 @@ def run(code, cwd):
     script = os.path.join(cwd, "snippet.py")
     with open(script, "w", encoding="utf-8") as f:
         f.write(prelude + "\n" + code)
-    _run([sys.executable, script], cwd)
+    result = warm.run([script], _env(), cwd)
+    assert result.returncode == 0, (result.stdout[-2000:]
+                                    + result.stderr[-4000:])
 
 
 SNIPPETS = blocks("python")
