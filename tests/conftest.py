@@ -53,8 +53,11 @@ LONGEST_FILES = (
     "test_saving.py",               # 118
     "test_examples.py",             # 116
     "test_transparency.py",         # 108
+    "test_generate.py",             # 120 (quiet host, alone)
     "test_sparse_gradients.py",     # 89
     "test_invariance.py",           # 76
+    "test_recovery.py",             # 70 (half of 139 on a loaded host)
+    "test_heap.py",                 # 60
     "test_every_schedule.py",       # 41
     "test_worker_memory.py",        # 40
     "test_partition.py",            # 38
