@@ -241,15 +241,15 @@ def step_seconds(model, devices, sizes, num_micro_batches, remat,
         num_micro_batches=num_micro_batches, remat=remat, balance=list(sizes),
         schedule=schedule, input_shape=input_shape,
         sample_inputs=sample_inputs)
-    pipe.compile(_optimizer(optimizer_slots), loss)
-    x = _inputs(model, batch_size, shapes)
-    y = _targets(model, batch_size, shapes, loss)
-
-    def repeat(times):
-        return keras.tree.map_structure(
-            lambda a: np.concatenate([a] * times), (x, y))
-
     try:
+        pipe.compile(_optimizer(optimizer_slots), loss)
+        x = _inputs(model, batch_size, shapes)
+        y = _targets(model, batch_size, shapes, loss)
+
+        def repeat(times):
+            return keras.tree.map_structure(
+                lambda a: np.concatenate([a] * times), (x, y))
+
         return _least_median_step(pipe, repeat(2), repeat(steps + 1),
                                   batch_size, runs)
     finally:

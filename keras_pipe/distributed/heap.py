@@ -10,8 +10,8 @@ gradients, tensors in transit), so with glibc's defaults a worker's
 resident peak is well above the bytes its tensors use at once.
 
 Where TF's oneDNN kernels are on, TF allocates through its oneDNN CPU
-allocator instead, which keeps its freed large blocks in a
-pool of its own for the life of the process: no `mallopt` setting reaches
+allocator instead, which keeps its freed large blocks in a pool of its own
+for the life of the process: no `mallopt` setting reaches
 those. `"reuse"` and `"return"` therefore also set
 `TF_ONEDNN_USE_SYSTEM_ALLOCATOR=1` (unless the environment sets it), which
 sends them to `malloc` again.
@@ -28,10 +28,10 @@ starts its threads (the environment variables `MALLOC_ARENA_MAX` and
   mapped on their own and unmapped when freed, so resident memory follows
   the allocator's bytes in use (what the memory model predicts,
   `keras_pipe.planning.resident`), oneDNN's allocator included (above).
-  Each such allocation faults its pages
-  in afresh: steps are slower. Once the process has been idle for
-  `TRIM_AFTER_IDLE` seconds after work, a thread gives the free pages
-  inside the arenas back (`malloc_trim`, `trim_when_idle`).
+  Each such allocation faults its pages in afresh: steps are slower. Once
+  the process has been idle for `TRIM_AFTER_IDLE` seconds after work, a
+  thread gives the free pages inside the arenas back (`malloc_trim`,
+  `trim_when_idle`).
 * `"glibc"`: glibc's own settings.
 
 Why `RETURN_THRESHOLD` is glibc's own starting threshold (which glibc
@@ -181,8 +181,8 @@ def trim_when_idle(quiet=TRIM_AFTER_IDLE):
     """Starts a daemon thread that gives the free pages of this process's
     malloc arenas back to the OS (`malloc_trim(0)`) once per idle spell of
     `quiet` seconds after work (`IdleSpell`); a worker starts it with heap
-    `"reuse"` or `"return"`. It samples the process's CPU time `5 / quiet` times a
-    second.
+    `"reuse"` or `"return"`. It samples the process's CPU time `5 / quiet`
+    times a second.
 
     A no-op (returns `None`) where the C library is not glibc.
 

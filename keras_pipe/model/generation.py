@@ -436,14 +436,18 @@ def _padding_mask(token_ids, padding_mask, stop_token_ids):
     return tf.logical_not(tf.cast(overflow, tf.bool))
 
 
+def _sampler_of(pipe, task):
+    """The pipeline's sampler (its `compile(sampler=...)`), else the
+    task's."""
+    return getattr(pipe, "_sampler", None) or getattr(task, "sampler", None)
+
+
 def generate(pipe, inputs, max_length=None, stop_token_ids="auto",
              strip_prompt=False, num_micro_batches=None):
     """`PipelineModel.generate`: the task's `generate`, pipelined."""
     task = pipe.to_model()
-    # The pipeline's sampler (its `compile(sampler=...)`) before the
-    # task's; the loop is traced again when either is compiled anew.
-    sampler = getattr(pipe, "_sampler", None) or getattr(task, "sampler",
-                                                         None)
+    # The loop is traced again when either sampler is compiled anew.
+    sampler = _sampler_of(pipe, task)
     key = num_micro_batches
     cache = pipe.__dict__.setdefault("_generators", {})
     if key not in cache or cache[key][0].task is not task \
@@ -481,9 +485,8 @@ def export(pipe, filepath, batch_size, sequence_length,
                 "to bake into the exported loop. Received: "
                 f"stop_token_ids={stop_token_ids!r}")
     task = pipe.to_model()
-    sampler = getattr(pipe, "_sampler", None) or getattr(task, "sampler",
-                                                         None)
-    generator = Generator(task, num_micro_batches, sampler=sampler)
+    generator = Generator(task, num_micro_batches,
+                          sampler=_sampler_of(pipe, task))
     spec = {"token_ids": tf.TensorSpec([batch_size, sequence_length],
                                        tf.int32),
             "padding_mask": tf.TensorSpec([batch_size, sequence_length],

@@ -305,11 +305,11 @@ class PipelineModel(first_batch.FirstBatchChoices, model_io.SavingMethods,
                 sampler=None, **kwargs):
         """`keras.Model.compile`, with a colocated optimizer and a sampler.
 
-        XLA cannot compile a step whose variables live on several devices:
-        the step runs un-compiled, and `jit_compile=True` compiles each
-        device's optimizer update as one XLA function (see "Design" in the
-        docs). `model.jit_compile` stays False; `model.xla_updates` says
-        whether the updates are compiled.
+        XLA cannot compile a step whose variables live on several devices
+        (the trap "one-device XLA"): the step runs un-compiled, and
+        `jit_compile=True` compiles each device's optimizer update as one
+        XLA function (see "Design" in the docs). `model.jit_compile` stays
+        False; `model.xla_updates` says whether the updates are compiled.
 
         ```python
         pipe = keras_pipe.PipelineModel.from_model(gpt2_lm, num_stages=2,

@@ -12,7 +12,9 @@ anything is built or traced. KerasHub is imported only when a sampler is
 given, so that a pipeline without one needs no KerasHub.
 """
 
-__all__ = ["resolve"]
+import keras
+
+__all__ = ["resolve", "serialize"]
 
 _NAMES = "'greedy', 'top_k', 'top_p', 'random'"
 
@@ -75,5 +77,4 @@ def serialize(sampler, resolved):
     `resolved`): a name as given, else the Sampler's Keras config."""
     if isinstance(sampler, str):
         return sampler
-    import keras  # noqa: PLC0415
     return keras.saving.serialize_keras_object(resolved)

@@ -612,7 +612,8 @@ def search(model, devices=None, num_devices=None, batch_size=None,
             bound = None
             if not budgets:  # training holds no more than the plan will
                 first, _ = rank()
-                bound = _CALIBRATION_SLACK * max(first[0].peak_memory)
+                if first:  # else nothing to plan: the error comes below
+                    bound = _CALIBRATION_SLACK * max(first[0].peak_memory)
             _calibrate(model, measured, distinct, ms, batch_size, budgets,
                        optimizer_slots, allowed, input_shape, sample_inputs,
                        bound)

@@ -39,10 +39,9 @@ from keras_pipe.planning.balance import cost as cost_lib
 
 __all__ = ["CallCosts", "Link", "Overhead", "UpdateRate", "cache_path",
            "call_costs", "call_costs_at", "cached", "flops_costs",
-           "flops_update_rate",
-           "has_step_probe", "link", "loss_seconds", "loss_target", "release_loops",
-           "model_step_seconds", "smooth", "step_overhead", "update_rate",
-           "update_seconds"]
+           "flops_update_rate", "has_step_probe", "link", "loss_seconds",
+           "loss_target", "release_loops", "model_step_seconds", "smooth",
+           "step_overhead", "update_rate", "update_seconds"]
 
 _VERSION = 3  # 3: a link timed per hop of a chain (was: moved vs moved)
 _MAX_RUNS = 4096  # runs per timed loop at most
@@ -313,7 +312,8 @@ _LOOPS = {}  # (id(call), training, device) -> (call, its three loops)
 
 def _loops(call, training, device):
     """The `_loop`s of `_functions(call, ...)`, made once per call and
-    device: a search measures each call at several row counts, and tracing
+    device and kept until released (`_release_loops_of`, `release_loops`):
+    a search measures each call at several row counts, and tracing
     dominates measuring."""
     key = (id(call), training, device)
     if key not in _LOOPS or _LOOPS[key][0] is not call:
@@ -434,7 +434,7 @@ def call_costs_at(graph, all_rows, device=None, shapes=None, training=True,
     missing = [rows for rows in dict.fromkeys(all_rows) if rows not in found]
     times = {rows: ([], [], []) for rows in missing}
     with tf.device(device) if device else contextlib.nullcontext():
-        for call in graph.calls if missing else ():
+        for call in graph.calls if missing else []:
             run_forward, run_input, run_all = _loops(call, training, device)
             for rows in missing:
                 inputs = [cost_lib.sample_input(x, rows, shapes)
