@@ -251,11 +251,11 @@ def run_unsplit(width, limit, optimizer="sgd"):
     return result
 
 
-def run_pipelined(width, limit, budget=None, optimizer="sgd", idle=False,
-                  scale=1.0):
-    """Two watched workers and a client; with `idle`, one tiny op each.
-
-    The planner gets `budget / scale` (see `calibrate`)."""
+def run_on_watched_workers(limit, client):
+    """Starts two loopback workers (heap `"return"`) watched against
+    `limit`, runs `client(cluster_args)` (the `--cluster` arguments of a
+    client child; it returns the child's result) and adds each worker's
+    peak, and whom the watchdog killed."""
     cluster = [f"127.0.0.1:{_free_port()}" for _ in range(2)]
     watchdog = Watchdog(limit)
     workers = []
@@ -270,14 +270,7 @@ def run_pipelined(width, limit, budget=None, optimizer="sgd", idle=False,
                 stderr=subprocess.DEVNULL)
             workers.append(w)
             watchdog.watch(w.pid, f"worker {t}")
-        args = ["--cluster", ",".join(cluster)]
-        if idle:
-            result = _child("idle", args)
-        else:
-            result = _child("client", args + [
-                "--width", str(width), "--depth", str(DEPTH), "--budget",
-                str(budget), "--scale", repr(scale), "--optimizer",
-                optimizer])
+        result = client(["--cluster", ",".join(cluster)])
         time.sleep(3 * watchdog.interval)
     finally:
         watchdog.close()
@@ -288,6 +281,21 @@ def run_pipelined(width, limit, budget=None, optimizer="sgd", idle=False,
     if watchdog.killed:
         result.update(failed=True, killed=watchdog.killed)
     return result
+
+
+def run_pipelined(width, limit, budget=None, optimizer="sgd", idle=False,
+                  scale=1.0):
+    """Two watched workers and a client; with `idle`, one tiny op each.
+
+    The planner gets `budget / scale` (see `calibrate`)."""
+    def client(args):
+        if idle:
+            return _child("idle", args)
+        return _child("client", args + [
+            "--width", str(width), "--depth", str(DEPTH), "--budget",
+            str(budget), "--scale", repr(scale), "--optimizer", optimizer])
+
+    return run_on_watched_workers(limit, client)
 
 
 def calibrate(width, limit, budget, idle_peaks):

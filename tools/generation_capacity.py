@@ -143,31 +143,8 @@ def run_unsplit(args, limit):
 
 def run_pipelined(args, limit):
     """Two watched workers and an unwatched client."""
-    cluster = [f"127.0.0.1:{capacity_demo._free_port()}" for _ in range(2)]
-    watchdog = capacity_demo.Watchdog(limit)
-    workers = []
-    try:
-        for t in range(2):
-            w = subprocess.Popen(
-                [sys.executable, "-m", "keras_pipe.distributed.worker",
-                 "--task", str(t), "--cluster", ",".join(cluster),
-                 "--intra-op-threads", "1", "--heap", "return"],
-                env=capacity_demo._env(), stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL)
-            workers.append(w)
-            watchdog.watch(w.pid, f"worker {t}")
-        result = _child("client", _model_args(args) + [
-            "--cluster", ",".join(cluster)])
-        time.sleep(3 * watchdog.interval)
-    finally:
-        watchdog.close()
-        for w in workers:
-            w.kill()
-            w.wait()
-    result["peaks"] = [watchdog.peaks.get(f"worker {t}") for t in range(2)]
-    if watchdog.killed:
-        result.update(failed=True, killed=watchdog.killed)
-    return result
+    return capacity_demo.run_on_watched_workers(
+        limit, lambda cluster: _child("client", _model_args(args) + cluster))
 
 
 def _mib(value):
