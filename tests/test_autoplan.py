@@ -39,8 +39,10 @@ def _search_small(model, **kwargs):
 def test_search_covers_every_registered_schedule_and_ranks_by_simulation():
     ranked = _search(_mlp())
     assert {c.schedule for c in ranked} == set(schedule.schedule_names())
+    # The pick, then the others fastest first.
     times = [c.step_time for c in ranked]
-    assert times == sorted(times)
+    assert times[1:] == sorted(times[1:])
+    assert times[0] <= min(times) * (1 + autoplan.NEAR_FASTEST)
     # Stages per device: 1 and 2 for interleaved_1f1b, 2 for zbv, else 1.
     layouts = {(c.schedule, c.num_stages) for c in ranked}
     assert ("interleaved_1f1b", 2) in layouts
@@ -50,6 +52,35 @@ def test_search_covers_every_registered_schedule_and_ranks_by_simulation():
     best = ranked[0]
     assert sum(best.sizes) == len(graph_lib.read_graph(_mlp()).calls)
     assert all(0 <= i < 1 for i in best.idle)
+
+
+@pytest.mark.parametrize("near", [0.0, 1e9])
+def test_the_pick_holds_the_least_among_the_near_fastest(monkeypatch, near):
+    """Within `NEAR_FASTEST` of the fastest simulated step, the pick is the
+    configuration whose fullest device holds the least: with no window the
+    fastest; with a window over everything the least memory of all."""
+    monkeypatch.setattr(autoplan, "NEAR_FASTEST", near)
+    ranked = _search(_mlp(), batch_size=256)
+    least = min(max(c.peak_memory) for c in ranked)
+    fastest = min(ranked, key=lambda c: c.step_time)
+    assert max(fastest.peak_memory) > least  # the two rules differ here
+    if near:
+        assert max(ranked[0].peak_memory) == least
+    else:
+        assert ranked[0] is fastest
+
+
+def test_of_near_fastest_candidates_the_least_peak_goes_first():
+    def candidate(step, peak):
+        return autoplan.Candidate("gpipe", 2, [0, 1], 1, [1, 1],
+                                  ["never"] * 2, step, [0, 0], [peak, 1], [])
+
+    fast, near, slow = (candidate(1.0, 300), candidate(1.02, 200),
+                        candidate(1.5, 100))
+    assert autoplan._least_memory_first([fast, near, slow]) == [
+        near, fast, slow]
+    assert autoplan._least_memory_first([fast, slow]) == [fast, slow]
+    assert autoplan._least_memory_first([]) == []
 
 
 def test_the_step_time_is_the_simulators_for_the_chosen_configuration():

@@ -26,7 +26,8 @@ def _mlp(width=32, depth=4):
         + [keras.layers.Dense(3)])
 
 
-def _trained(devices, monkeypatch, optimizer, remat="never", m=2):
+def _trained(devices, monkeypatch, optimizer, remat="never", m=2,
+             schedule=None):
     """Trains one step; returns what `apply_in_turn` saw and did."""
     seen, original = {}, release.apply_in_turn
 
@@ -39,7 +40,7 @@ def _trained(devices, monkeypatch, optimizer, remat="never", m=2):
     monkeypatch.setattr(release_lib, "apply_in_turn", spy)
     pipe = keras_pipe.PipelineModel.from_model(
         _mlp(), num_stages=2, devices=devices[:2], num_micro_batches=m,
-        balance="params", remat=remat)
+        balance="params", remat=remat, schedule=schedule)
     pipe.compile(optimizer, keras.losses.SparseCategoricalCrossentropy(
         from_logits=True))
     x = np.random.default_rng(0).normal(size=(8, 16)).astype("float32")
@@ -50,9 +51,14 @@ def _trained(devices, monkeypatch, optimizer, remat="never", m=2):
 
 
 @pytest.mark.slow
-def test_each_weight_gradient_waits_for_the_previous_update(devices,
-                                                            monkeypatch):
-    seen = _trained(devices, monkeypatch, keras.optimizers.SGD(0.1))
+@pytest.mark.parametrize("schedule, m", [(None, 2), ("gpipe", 1),
+                                         ("1f1b", 4)])
+def test_each_weight_gradient_waits_for_the_previous_update(
+        devices, monkeypatch, schedule, m):
+    # Split backward passes (W calls) and taped ones (GPipe's last stage
+    # at M = 1, 1F1B's) alike.
+    seen = _trained(devices, monkeypatch, keras.optimizers.SGD(0.1), m=m,
+                    schedule=schedule)
     variables = seen["variables"]
     # Every variable's W ops are known; on each of the 2 devices all but
     # the first variable of the chain wait.

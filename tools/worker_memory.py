@@ -2,13 +2,16 @@
 
     python tools/worker_memory.py                 # the issue's MLP, SGD
     python tools/worker_memory.py --optimizer adam --num-micro-batches 4
+    python tools/worker_memory.py --schedule zbv --placement 0110 \
+        --sizes 2,2,1,3 --num-micro-batches 1   # a plan replayed
 
 Starts two loopback workers (`python -m keras_pipe.distributed.worker`) and a client
 process that connects, runs one op on each worker, then builds the model
 (7 x Dense(WIDTH), batch 64), cuts it with `from_model(num_stages=2,
 balance="params", schedule="gpipe")` (`--defaults`: the model and the
-devices alone), compiles and trains. After each phase the client reads
-each worker's `VmRSS` and `VmHWM` (resident now, resident peak) from
+devices alone, with a phase per planning step; `--placement`/`--sizes`:
+a given cut under `--schedule`), compiles and trains. After each phase
+the client reads each worker's `VmRSS` and `VmHWM` (resident now, resident peak) from
 `/proc/<pid>/status`, then resets the peak (`/proc/<pid>/clear_refs`), so
 each phase's HWM is the peak of that phase; everything is net of the idle
 worker after the first op. The unsplit model is measured the same way in
@@ -103,6 +106,35 @@ def child_unsplit(args):
             "params": model.count_params()}
 
 
+def _mark_planning(mark):
+    """Marks a phase after each training the planner runs to calibrate its
+    costs (`profiling.model_step_seconds`) and after the search, so that
+    planning's peaks show apart from the first step's."""
+    import inspect
+
+    from keras_pipe.planning import autoplan, profiling
+    timed, search = profiling.model_step_seconds, autoplan.search
+    signature = inspect.signature(timed)
+
+    def model_step_seconds(*a, **k):
+        mark("planning: measured")
+        try:
+            return timed(*a, **k)
+        finally:
+            call = signature.bind(*a, **k).arguments
+            mark(f"planning: {call.get('schedule', 'gpipe')} "
+                 f"M={call['num_micro_batches']} sizes={list(call['sizes'])}")
+
+    def planned(*a, **k):
+        try:
+            return search(*a, **k)
+        finally:
+            mark("planning: searched")
+
+    profiling.model_step_seconds = model_step_seconds
+    autoplan.search = planned
+
+
 def child_client(args):
     import keras
     import numpy as np
@@ -129,12 +161,21 @@ def child_client(args):
     model = build_model(keras, args.width, args.depth)
     mark("model built (client)")
     if args.defaults:  # the model and the devices alone: planned by fit
+        _mark_planning(mark)
         pipe = keras_pipe.PipelineModel.from_model(model, devices=devices)
+    elif args.placement:  # a plan replayed: stage j on worker placement[j]
+        place = [int(t) for t in args.placement]
+        pipe = keras_pipe.PipelineModel.from_model(
+            model, num_stages=len(place),
+            devices=[devices[t] for t in place],
+            num_micro_batches=args.num_micro_batches,
+            balance=[int(n) for n in args.sizes.split(",")],
+            remat=args.remat, schedule=args.schedule)
     else:
         pipe = keras_pipe.PipelineModel.from_model(
             model, num_stages=2, devices=devices,
             num_micro_batches=args.num_micro_batches, balance="params",
-            remat=args.remat, schedule="gpipe")
+            remat=args.remat, schedule=args.schedule)
     mark("pipeline built")
     pipe.compile(_optimizer(keras, args.optimizer),
                  keras.losses.SparseCategoricalCrossentropy(from_logits=True))
@@ -174,8 +215,11 @@ def measure(args):
     common = ["--width", str(args.width), "--depth", str(args.depth),
               "--optimizer", args.optimizer, "--steps", str(args.steps),
               "--num-micro-batches", str(args.num_micro_batches),
-              "--remat", args.remat, "--heap", args.heap] + (
-                  ["--defaults"] if args.defaults else [])
+              "--remat", args.remat, "--heap", args.heap,
+              "--schedule", args.schedule] + (
+                  ["--defaults"] if args.defaults else []) + (
+                  ["--placement", args.placement, "--sizes", args.sizes]
+                  if args.placement else [])
     unsplit = _run(["--child", "unsplit"] + common)
     cluster = [f"127.0.0.1:{_free_port()}" for _ in range(2)]
     workers = [subprocess.Popen(
@@ -261,11 +305,23 @@ def main(argv=None):
                         "alone (from_model(model, devices=...)), planned "
                         "by its first step; pass --heap reuse for the "
                         "workers' default heap")
+    parser.add_argument("--schedule", default="gpipe")
+    parser.add_argument("--placement", default=None,
+                        help="a cut to replay: the worker of each stage, "
+                        "e.g. 0110 (zbv's V on 2 workers); with --sizes")
+    parser.add_argument("--sizes", default=None,
+                        help="layer calls per stage, e.g. 2,2,1,3")
     parser.add_argument("--out", default=None)
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--cluster", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--pids", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if bool(args.placement) != bool(args.sizes) or (
+            args.placement and len(args.placement) != len(
+                args.sizes.split(","))):
+        parser.error("--placement and --sizes go together, one entry per "
+                     f"stage; got --placement={args.placement!r}, "
+                     f"--sizes={args.sizes!r}")
     if args.child:
         out = {"unsplit": child_unsplit, "client": child_client}[
             args.child](args)

@@ -10,7 +10,9 @@ under the fastest remat mode that fits (`keras_pipe.planning.memory`); then the
 whole step is simulated (`keras_pipe.planning.simulator`) with those costs,
 transfer times, a stage call's and a step's fixed costs
 (`keras_pipe.calibration`) and each stage's optimizer update, and the
-configurations are ranked by the simulated step time.
+configurations are ranked by the simulated step time. Among those within
+`NEAR_FASTEST` of the fastest (as fast as the simulator can tell), the pick
+is the one whose fullest device holds the least.
 """
 
 import dataclasses
@@ -512,7 +514,11 @@ def search(model, devices=None, num_devices=None, batch_size=None,
            schedules=None, optimizer_slots=2, measure=True,
            flops_per_second=2e10, input_shape=None, sample_inputs=None,
            loss=None, calibrate=True):
-    """Every configuration that fits, fastest simulated step first.
+    """Every configuration that fits: the pick, then fastest first.
+
+    The pick is the configuration that holds the least (its largest device
+    peak) among those whose simulated step is within `NEAR_FASTEST` of
+    the fastest.
 
     ```python
     ranked = keras_pipe.planning.autoplan.search(model, devices=devices,
@@ -564,7 +570,7 @@ def search(model, devices=None, num_devices=None, batch_size=None,
             weights while they train). Defaults to `True`.
 
     Returns:
-        A list of `Candidate`s, fastest first.
+        A list of `Candidate`s: the pick, then the others fastest first.
 
     Raises:
         ValueError: without `batch_size`, without `devices` and
@@ -636,8 +642,9 @@ def search(model, devices=None, num_devices=None, batch_size=None,
 
 def _rank(graph, num_devices, schedules, allowed, ms, batch_size, measured,
           budgets, optimizer_slots):
-    """`(candidates fastest first, the least budgets of those that did not
-    fit)` over every layout, schedule and `M`, with `measured`'s costs."""
+    """`(candidates: the pick, then fastest first; the least budgets of
+    those that did not fit)` over every layout, schedule and `M`, with
+    `measured`'s costs."""
     ranked, needs = [], []
     for name, stage_devices in layouts(num_devices):
         if schedules is not None and name not in schedules:
@@ -654,7 +661,25 @@ def _rank(graph, num_devices, schedules, allowed, ms, batch_size, measured,
                 needs.append(found)
     ranked.sort(key=lambda c: (c.step_time, c.num_stages,
                                c.num_micro_batches))
-    return ranked, needs
+    return _least_memory_first(ranked), needs
+
+
+# Configurations whose simulated step is within this share of the fastest
+# are as fast as the simulator can tell: the pick among them is the one
+# that holds the least.
+NEAR_FASTEST = 0.03
+
+
+def _least_memory_first(ranked):
+    """`ranked` (fastest first) with the pick moved to the front: the least
+    largest device peak among the configurations within `NEAR_FASTEST` of
+    the fastest step (the faster of equal peaks)."""
+    if not ranked:
+        return ranked
+    near = [c for c in ranked
+            if c.step_time <= ranked[0].step_time * (1 + NEAR_FASTEST)]
+    pick = min(near, key=lambda c: max(c.peak_memory))
+    return [pick] + [c for c in ranked if c is not pick]
 
 
 def expand_devices(devices, stage_devices):

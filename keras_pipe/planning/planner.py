@@ -104,7 +104,7 @@ class Plan:
         peak_memory: with `schedule="auto"`, the predicted peak of each
             device (bytes), else `None`.
         idle: with `schedule="auto"`, each device's simulated idle share.
-        runner_ups: with `schedule="auto"`, the next best
+        runner_ups: with `schedule="auto"`, the other
             `keras_pipe.planning.autoplan.Candidate`s, fastest first.
     """
 
@@ -355,7 +355,8 @@ def _check_arguments(optimizer_slots, flops_per_second, devices,
 def _search(model, devices, num_stages, memory_budget, micro_batch_choices,
             optimizer_slots, chosen, flops, input_shape, sample_inputs, loss,
             calibrate, schedules):
-    """`schedule="auto"`: every configuration, fastest first."""
+    """`schedule="auto"`: every configuration, the pick first
+    (`autoplan.search`)."""
     with warnings.catch_warnings():
         if chosen.implicit and not chosen.measure:  # documented: logical
             warnings.filterwarnings("ignore", _FLOPS_WARNING)

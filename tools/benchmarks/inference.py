@@ -6,13 +6,13 @@ For each job of `peer_jobs` (the MLP and the Transformer): plain Keras
 `keras_pipe.local_workers` (K = 2 stages, GPipe's cut), for each
 `(inference_micro_batches, inference_steps_per_execution)` (`M:S`;
 `M:S:d` with `data_device="auto"`: arrays batched on the first worker),
-then the one
-core again. A time is one warm call's wall time over its batches (each
-call after a first, warming call with the same data), the median of the
-rounds; with it, the CPU seconds per batch of each process (the one-core
-process; worker 0, worker 1 and the client), which a loaded host moves
-less than the wall times. The pipeline's process also runs the unsplit
-model and reports the largest difference of the outputs.
+then the one core again. A time is one warm call's wall time over its
+batches, the median of the rounds; the pipeline's configs are all built
+and warmed first, then timed in turn in each round. With it, the CPU
+seconds per batch of each process (the one-core process; worker 0, worker
+1 and the client), which a loaded host moves less than the wall times.
+The pipeline's process also runs the unsplit model and reports the
+largest difference of the outputs.
 
     python -m tools.benchmarks.inference [--jobs mlp,transformer]
         [--batches 16] [--rounds 3] [--configs auto,1:1,2:1,4:1,2:4]
@@ -44,10 +44,12 @@ def _unsplit(keras, job):
     return model
 
 
-def _timed(call, rounds, batches, pids):
-    """Seconds per batch of `rounds` warm calls (after one warming call),
-    and the CPU seconds per batch of each process of `pids` (medians)."""
-    call()
+def _timed(call, rounds, batches, pids, warm=True):
+    """Seconds per batch of `rounds` warm calls (after one warming call,
+    unless `warm` is False), and the CPU seconds per batch of each process
+    of `pids` (medians)."""
+    if warm:
+        call()
     times, cpu = [], []
     for _ in range(rounds):
         before = [_cpu_seconds(pid) for pid in pids]
@@ -59,7 +61,7 @@ def _timed(call, rounds, batches, pids):
     return times, [median(list(c)) for c in zip(*cpu)]
 
 
-def _measure(model, x, y, job, rounds, batches, pids):
+def _measure(model, x, y, job, rounds, batches, pids, warm=True):
     """`{kind: seconds per batch, kind_cpu: CPU seconds per batch of each
     process of pids}` for predict and evaluate."""
     b = job["batch"]
@@ -68,7 +70,8 @@ def _measure(model, x, y, job, rounds, batches, pids):
             ("predict", lambda: model.predict(x, batch_size=b, verbose=0)),
             ("evaluate", lambda: model.evaluate(x, y, batch_size=b,
                                                 verbose=0))):
-        out[kind], out[f"{kind}_cpu"] = _timed(call, rounds, batches, pids)
+        out[kind], out[f"{kind}_cpu"] = _timed(call, rounds, batches, pids,
+                                               warm)
     return out
 
 
@@ -89,20 +92,23 @@ def child_inference_baseline(p):
 
 @child("inference_pipeline")
 def child_inference_pipeline(p):
-    """keras_pipe on 2 local workers, each config in turn per round."""
+    """keras_pipe on 2 local workers: every config built and warmed, then
+    timed in turn, round after round (a process's first timed calls run
+    slower than its later ones: config after config, the first config
+    would carry that)."""
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     import keras
     import numpy as np
 
     import keras_pipe
     job = p["job"]
-    x, y = peer_jobs.data(np, job, p["batches"] * job["batch"])
-    out = {}
+    b = job["batch"]
+    x, y = peer_jobs.data(np, job, p["batches"] * b)
+    models, out = {}, {}
     with keras_pipe.local_workers(num_workers=2) as devices:
         pids = _worker_pids() + [os.getpid()]
         plain = _unsplit(keras, job)
-        expected = plain.predict(x[:2 * job["batch"]], verbose=0,
-                                 batch_size=job["batch"])
+        expected = plain.predict(x[:2 * b], verbose=0, batch_size=b)
         for config in p["configs"]:
             parts = config.split(":")
             placed = parts[-1] == "d"  # data_device="auto"
@@ -116,12 +122,25 @@ def child_inference_pipeline(p):
             model.inference_steps_per_execution = s
             if placed:
                 model.data_device = "auto"
-            got = model.predict(x[:2 * job["batch"]], verbose=0,
-                                batch_size=job["batch"])
+            got = model.predict(x[:2 * b], verbose=0, batch_size=b)
+            models[config] = model
             out[config] = dict(
-                _measure(model, x, y, job, p["rounds"], p["batches"], pids),
                 counts=list(model._inference_counts()),
-                max_difference=float(np.max(np.abs(got - expected))))
+                max_difference=float(np.max(np.abs(got - expected))),
+                predict=[], evaluate=[], predict_cpu=[], evaluate_cpu=[])
+        for model in models.values():  # warm: each call traced and run
+            _measure(model, x, y, job, 0, p["batches"], pids)
+        for _ in range(p["rounds"]):
+            for config, model in models.items():
+                timed = _measure(model, x, y, job, 1, p["batches"], pids,
+                                 warm=False)
+                for kind in ("predict", "evaluate"):
+                    out[config][kind] += timed[kind]
+                    out[config][f"{kind}_cpu"].append(timed[f"{kind}_cpu"])
+        for entry in out.values():
+            for kind in ("predict", "evaluate"):
+                entry[f"{kind}_cpu"] = [median(list(c)) for c in zip(
+                    *entry[f"{kind}_cpu"])]
     return out
 
 
