@@ -48,8 +48,8 @@ def solve(step_times, stage_devices, latency=0.0):
     is what the fewer-call step has beyond its simulated calls.
 
     ```python
-    # 1 micro-batch: 4 calls on the critical path; 8: 19 calls.
-    solve({1: 0.010, 8: 0.0175}, [0, 1])  # step 0.008 s, call 0.0005 s
+    # 1 micro-batch: 5 calls on the critical path; 8: 19 calls.
+    solve({1: 0.010, 8: 0.017}, [0, 1])  # step 0.0075 s, call 0.0005 s
     ```
     """
     (m1, t1), (m2, t2) = sorted(step_times.items())

@@ -88,22 +88,26 @@ def test_weight_gradient_calls_are_placed_as_the_executor_places_them():
     # 1F1B: the last stage sends every input gradient back, so each
     # backward pass without remat is split with its W right after; stage
     # 0's drain is not fed back to back (the last stage has no run), so
-    # it stays whole: no deferred run (the model deferred it before).
+    # it stays whole: no deferred run (the model deferred it before), but
+    # for its last backward pass, split so that its W call makes the
+    # gradients one at a time (`engine.weight_calls`).
     first, last = memory.stage_actions("1f1b", 4, 2)
     assert first[-2:] == [("B", 2), ("B", 3)]
-    assert first.executor_order("never", 4)[-2:] == [("B", 2), ("B", 3)]
+    assert first.executor_order("never", 4)[-3:] == [
+        ("B", 2), ("Bi", 3), ("Wg", 3)]
     assert last.executor_order("never", 4)[:3] == [
         ("F", 0), ("Bi", 0), ("Wg", 0)]
     # GPipe: runs fed back to back: W calls at the end of the run.
     gpipe = memory.stage_actions("gpipe", 3, 2)[0]
     assert gpipe.executor_order("never", 3)[3:] == [
         ("Bi", 2), ("Bi", 1), ("Bi", 0), ("Wg", 2), ("Wg", 1), ("Wg", 0)]
-    # Remat: fused. "except_last": only the last micro-batch is split (on
-    # the stage that sends back).
+    # Remat: fused, but for the stage's last backward pass. "except_last":
+    # the last micro-batch is split too (on the stage that sends back).
     assert gpipe.executor_order("always", 3)[3:] == [
-        ("B", 2), ("B", 1), ("B", 0)]
+        ("B", 2), ("B", 1), ("Bi", 0), ("Wg", 0)]
     assert memory.stage_actions("gpipe", 3, 2)[1].executor_order(
-        "except_last", 3)[3:] == [("Bi", 2), ("Wg", 2), ("B", 1), ("B", 0)]
+        "except_last", 3)[3:] == [
+            ("Bi", 2), ("Wg", 2), ("B", 1), ("Bi", 0), ("Wg", 0)]
     # A schedule's own W is kept as such.
     zb = memory.stage_actions("zb_h2", 4, 2)[1]
     assert {k for k, _ in zb.executor_order("never", 4)} == {"F", "W"}
@@ -113,15 +117,17 @@ def test_the_order_is_the_simulators_which_is_the_executors():
     # The simulator replays the executor's placement of W calls
     # (`simulator.calls`); the memory model's order must agree.
     from keras_pipe.planning import simulator
-    for name, m in (("gpipe", 4), ("1f1b", 4), ("1f1b", 2)):
+    for name, m, mode in (("gpipe", 4, "never"), ("1f1b", 4, "never"),
+                          ("1f1b", 2, "never"), ("gpipe", 4, "always"),
+                          ("1f1b", 4, "except_last")):
         ticks = schedule.get_schedule(name).build(m, 2, 2)
-        calls, _ = simulator.calls(ticks, [0, 1], ["never"] * 2, m)
+        calls, _ = simulator.calls(ticks, [0, 1], [mode] * 2, m)
         for j, stage in enumerate(memory.stage_actions(name, m, 2)):
-            order = stage.executor_order("never", m)
+            order = stage.executor_order(mode, m)
             weights = [i for k, i in order if k == "Wg"]
             simulated = [i for c in calls[j] if c.kind == "W"
                          for i in c.i]
-            assert weights == simulated, (name, m, j)
+            assert weights == simulated, (name, m, mode, j)
 
 
 def test_1f1b_is_not_predicted_as_a_deferred_run():
@@ -190,25 +196,48 @@ def test_an_optimizer_with_slots_holds_a_buffer_per_variable_in_its_step():
     assert memory.update_temporaries(0) @ sizes == 2 * block.largest_variable
     assert memory.update_temporaries(2) @ sizes == (
         block.trainable + 2 * block.largest_variable)
-    # One row, one micro-batch: the optimizer step is the peak (remat: one
-    # call returns every gradient; without it SGD applies each as made).
+    # One row, one micro-batch: the updates in turn (`engine.release`) are
+    # Adam's peak: one gradient applied, the temporaries of one more
+    # variable (two largest) besides the mini-batch. SGD's have none: its
+    # peak is the W call's two gradients. (Before the stage's last backward
+    # call was split, remat made every gradient in one call and the
+    # optimizer step was the peak: `update_temporaries`.)
     sgd = memory.predict(part, 1, 1, "always", optimizer_slots=0)[0]
     adam = memory.predict(part, 1, 1, "always", optimizer_slots=2)[0]
     assert adam.optimizer_slots == 2 * block.trainable
-    assert adam.transient - sgd.transient == block.trainable
-    assert adam.gradients == sgd.gradients == block.trainable
+    assert adam.gradients == block.largest_variable
+    assert adam.transient == block.inputs + 2 * block.largest_variable
+    assert sgd.gradients == block.largest_variable + block.second_variable
 
 
 def test_a_rematerialized_backward_holds_old_and_new_sums():
     # `(inputs, params, state, seeds, sums) -> (grads, new sums)`: the
     # call's inputs live until it returns. Before: trainable + one variable.
+    # At M = 3, micro-batch 1's call adds to micro-batch 2's sums (the
+    # last one, micro-batch 0's, is split: below).
     model = _mlp(width=256, depth=6)
     part = partition.cut(model, 2, balance=[3, 4])
     block = memory.Profile(part.graph, 1).block(0, 3)
-    peak = memory.predict(part, 2, 2, "always", optimizer_slots=0)[0]
+    peak = memory.predict(part, 3, 3, "always", optimizer_slots=0)[0]
     assert peak.gradients == 2 * block.trainable
+
+
+def test_a_rematerialized_stage_releases_its_last_gradients_in_turn():
+    # The stage's last backward call is split and its W call chained
+    # (`engine.weight_calls`, `engine.release`): besides the earlier
+    # micro-batches' sums, one gradient being applied and the next being
+    # made. Before: old and new sums (2 x trainable) at M = 2, every
+    # gradient of the stage (trainable) at M = 1.
+    model = _mlp(width=256, depth=6)
+    part = partition.cut(model, 2, balance=[3, 4])
+    block = memory.Profile(part.graph, 1).block(0, 3)
+    two = block.largest_variable + block.second_variable
+    assert two < block.trainable
+    for mode in ("always", "except_last"):
+        peak = memory.predict(part, 2, 2, mode, optimizer_slots=0)[0]
+        assert peak.gradients == block.trainable + two, mode
     first = memory.predict(part, 1, 1, "always", optimizer_slots=0)[0]
-    assert first.gradients == block.trainable    # M = 1: no sums yet
+    assert first.gradients == two    # M = 1: no sums
 
 
 def test_unknown_dimensions_take_the_given_input_shape():
@@ -425,9 +454,11 @@ def test_one_taped_micro_batch_applies_each_gradient_as_it_is_made():
         2 * block.largest_variable
     taped = memory.stage_memory(block, actions, "never", 1, 0)
     assert taped.total < all_at_once
-    # A rematerialized backward is one call returning every gradient.
+    # With remat too: the stage's last backward call (here the only one)
+    # is split, its W call chained (before: one call returning every
+    # gradient, at least `all_at_once`).
     fused = memory.stage_memory(block, actions, "always", 1, 0)
-    assert fused.total >= all_at_once
+    assert fused.total < all_at_once
 
 
 def test_sgd_updates_in_turn_hold_two_gradients_and_no_temporaries():
@@ -752,11 +783,12 @@ def test_one_taped_sgd_micro_batch_holds_two_gradients_while_it_runs():
     actions = memory.stage_actions("gpipe", 1, 2)[0]
     taped = memory.stage_memory(block, actions, "never", 1, 0, first=True)
     assert taped.gradients <= 2 * block.largest_variable
-    # Adam at M = 1 (not measured) and remat keep every gradient.
+    # Adam and remat too: the stage's last backward call is split and its
+    # W call chained (before, both kept every gradient).
     adam = memory.stage_memory(block, actions, "never", 1, 2, first=True)
     fused = memory.stage_memory(block, actions, "always", 1, 0, first=True)
-    assert adam.gradients >= block.trainable
-    assert fused.gradients >= block.trainable
+    assert adam.gradients <= 2 * block.largest_variable
+    assert fused.gradients <= 2 * block.largest_variable
 
 
 def _attention_net(dim=32, tokens=8):

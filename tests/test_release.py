@@ -4,9 +4,13 @@ Without the chain, a stage's W call makes every weight gradient of the
 stage before the optimizer frees any (a worker held its weights plus all
 its gradients, `tests/test_worker_memory.py`). With it, on each device the
 ops that make one variable's gradient wait for the previous variable's
-update. Exactness is the transparency tests' (train_on_batch against plain
-Keras); these check the graph: which ops wait, and that nothing is chained
-where an update reads every gradient.
+update. With remat, a backward call makes its stage's gradients in one
+traced call; the stage's last one is split so that its W call, in place,
+can be chained the same way (`keras_pipe.engine.weight_calls`). Exactness
+is the transparency tests' (train_on_batch against plain Keras,
+tests/test_every_schedule.py for every schedule and remat mode); these
+check the graph: which ops wait, and that nothing is chained where an
+update reads every gradient.
 """
 
 import keras
@@ -27,7 +31,7 @@ def _mlp(width=32, depth=4):
 
 
 def _trained(devices, monkeypatch, optimizer, remat="never", m=2,
-             schedule=None):
+             schedule="gpipe", num_stages=2):
     """Trains one step; returns what `apply_in_turn` saw and did."""
     seen, original = {}, release.apply_in_turn
 
@@ -39,8 +43,10 @@ def _trained(devices, monkeypatch, optimizer, remat="never", m=2,
 
     monkeypatch.setattr(release_lib, "apply_in_turn", spy)
     pipe = keras_pipe.PipelineModel.from_model(
-        _mlp(), num_stages=2, devices=devices[:2], num_micro_batches=m,
-        balance="params", remat=remat, schedule=schedule)
+        _mlp(), num_stages=num_stages,
+        devices=[devices[j % 2] for j in range(num_stages)],
+        num_micro_batches=m, balance="params", remat=remat,
+        schedule=schedule)
     pipe.compile(optimizer, keras.losses.SparseCategoricalCrossentropy(
         from_logits=True))
     x = np.random.default_rng(0).normal(size=(8, 16)).astype("float32")
@@ -50,19 +56,12 @@ def _trained(devices, monkeypatch, optimizer, remat="never", m=2,
     return seen
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("schedule, m", [(None, 2), ("gpipe", 1),
-                                         ("1f1b", 4)])
-def test_each_weight_gradient_waits_for_the_previous_update(
-        devices, monkeypatch, schedule, m):
-    # Split backward passes (W calls) and taped ones (GPipe's last stage
-    # at M = 1, 1F1B's) alike.
-    seen = _trained(devices, monkeypatch, keras.optimizers.SGD(0.1), m=m,
-                    schedule=schedule)
+def _check_chained(seen):
+    """Every variable's W ops are known; on each of the 2 devices all but
+    the first variable of the chain wait for an update."""
     variables = seen["variables"]
-    # Every variable's W ops are known; on each of the 2 devices all but
-    # the first variable of the chain wait.
     assert set(seen["weight_ops"]) == {id(v) for v in variables}
+
     def applied_gates(op):
         # Not the executor's NoOp of the device's last call (`_done`).
         return [c for c in op.control_inputs if c.type == "NoOp"
@@ -78,6 +77,36 @@ def test_each_weight_gradient_waits_for_the_previous_update(
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("schedule, m", [("gpipe", 2), ("gpipe", 1),
+                                         ("1f1b", 4)])
+def test_each_weight_gradient_waits_for_the_previous_update(
+        devices, monkeypatch, schedule, m):
+    # W calls and backward calls that would run whole under a tape (GPipe's
+    # last stage at M = 1, 1F1B's) alike.
+    _check_chained(_trained(devices, monkeypatch, keras.optimizers.SGD(0.1),
+                            m=m, schedule=schedule))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("remat, schedule, num_stages", [
+    ("always", "gpipe", 2),
+    ("except_last", "1f1b", 2),
+    (["always", "never"], "gpipe", 2),
+    ("always", "zb_h1", 2),
+    ("always", "interleaved_1f1b", 4),
+])
+def test_with_remat_each_weight_gradient_waits_too(
+        devices, monkeypatch, remat, schedule, num_stages):
+    # Each stage's last backward call with remat is split: its weight
+    # gradients come from a W call in place, one variable at a time (before:
+    # one traced call made them all, and nothing was chained). zb_h1's own
+    # W calls after a recompute ran as a traced call too.
+    _check_chained(_trained(devices, monkeypatch, keras.optimizers.SGD(0.1),
+                            remat=remat, schedule=schedule,
+                            num_stages=num_stages))
+
+
+@pytest.mark.slow
 def test_nothing_is_chained_where_an_update_reads_every_gradient(
         devices, monkeypatch):
     # A global norm reads every gradient before any update: no gain, and a
@@ -85,15 +114,6 @@ def test_nothing_is_chained_where_an_update_reads_every_gradient(
     seen = _trained(devices, monkeypatch,
                     keras.optimizers.SGD(0.1, global_clipnorm=1.0))
     assert seen["weight_ops"] and seen["gated"] == 0
-
-
-@pytest.mark.slow
-def test_a_fused_backward_pass_has_no_weight_ops(devices, monkeypatch):
-    # With remat each backward call makes every gradient of its stage in
-    # one traced call: no op computes one variable's gradient alone.
-    seen = _trained(devices, monkeypatch, keras.optimizers.SGD(0.1),
-                    remat="always")
-    assert seen["weight_ops"] == {} and seen["gated"] == 0
 
 
 def test_exclusive_ops_are_those_only_one_tensor_needs():

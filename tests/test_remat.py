@@ -41,9 +41,13 @@ def test_all_remat_modes_train_identically_with_batchnorm_and_dropout(
     # step's graph, with remat inside the recompute function, and grappler
     # fuses the two differently: weights 2.2e-6 apart after three Adam(0.05)
     # steps.
+    # Each stage's last backward call is split (B recomputes, W in place):
+    # zb_h1 splits every one, its W calls after a recompute.
     for remat, schedule, rtol in [("always", "gpipe", 1e-5),
                                   ("except_last", "gpipe", 1e-5),
                                   ("always", "1f1b", 1e-5),
+                                  ("except_last", "1f1b", 1e-5),
+                                  ("always", "zb_h1", 1e-5),
                                   ("never", "1f1b", 1e-5)]:
         pipe, loss = train(devices, remat, schedule=schedule)
         np.testing.assert_allclose(loss, never_loss, rtol=rtol)

@@ -25,7 +25,7 @@ def _trained(remat, devices, schedule):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb_h1"])
 def test_list_remat_matches_never_after_fit_steps(devices, schedule):
     x, y, _ = helpers.data(32)
     reference = _trained("never", devices, schedule)

@@ -50,16 +50,19 @@ def test_one_f_one_b_by_hand():
 def test_one_f_one_b_splits_each_backward_as_the_executor_does():
     # Input gradients 1, weight gradients 1 per micro-batch, whole 2.
     # Device 1: F0 [1,2] B0 [2,3] W0 [3,4] F1 [4,5] B1 [5,6] W1 [6,7];
-    # device 0 (the first stage: whole backward calls): F0 [0,1] F1 [1,2],
-    # B0 waits for device 1's B0 [3,5], B1 for its B1 [6,8]: 8, as GPipe's
-    # (device 0's B1, B0 [4,6] and one W over both [6,8]). Had device 1's
-    # calls stayed whole, its B1 would end at 8 and the step at 10.
+    # device 0 (the first stage: whole backward calls, but for the last,
+    # split so that its W call releases the gradients in turn): F0 [0,1]
+    # F1 [1,2], B0 waits for device 1's B0 [3,5], B1 for its B1 [6,7], W1
+    # [7,8]: 8, as GPipe's (device 0's B1, B0 [4,6] and one W over both
+    # [6,8]). Had device 1's calls stayed whole, its B1 would end at 8 and
+    # the step at 10.
     costs = simulator.Costs(forward=[1, 1], backward=[2, 2],
                             backward_input=[1, 1], weight=[1, 1])
     one_f_one_b = simulator.simulate(schedule.one_f_one_b(2, 2), [0, 1],
                                      costs)
     assert [(str(c), s, e) for c, s, e in one_f_one_b.spans[0]] == [
-        ("0F0", 0, 1), ("0F1", 1, 2), ("0B0", 3, 5), ("0B1", 6, 8)]
+        ("0F0", 0, 1), ("0F1", 1, 2), ("0B0", 3, 5), ("0B1", 6, 7),
+        ("0W1", 7, 8)]
     gpipe = simulator.simulate(schedule.gpipe(2, 2), [0, 1], costs)
     assert one_f_one_b.step_time == gpipe.step_time == 8
 
@@ -92,9 +95,9 @@ def test_a_received_input_occupies_the_receiving_device():
 def test_each_weight_gradient_call_pays_its_own_cost():
     # GPipe's backward runs defer one W for both micro-batches; 1F1B splits
     # the last stage's backward calls (B, then its own W: 2 W calls) and
-    # fuses the first stage's (nothing waits for their input gradients). A
-    # W call costs weight 0.5 per micro-batch + weight_call (0.25 on stage
-    # 0, 1 on stage 1) once.
+    # fuses the first stage's (nothing waits for their input gradients)
+    # but for its last (`engine.weight_calls`). A W call costs weight 0.5
+    # per micro-batch + weight_call (0.25 on stage 0, 1 on stage 1) once.
     costs = simulator.Costs(forward=[1, 1], backward=[2, 2],
                             backward_input=[1.5, 1.5], weight=[0.5, 0.5],
                             weight_call=[0.25, 1])
@@ -106,7 +109,7 @@ def test_each_weight_gradient_call_pays_its_own_cost():
                                      costs)
     w = [[(str(c), e - s) for c, s, e in spans if c.kind == "W"]
          for spans in one_f_one_b.spans]
-    assert w == [[], [("1W0", 1.5), ("1W1", 1.5)]]
+    assert w == [[("0W1", 0.75)], [("1W0", 1.5), ("1W1", 1.5)]]
 
 
 @pytest.mark.parametrize("name", schedule.schedule_names())
@@ -136,19 +139,22 @@ def test_call_cost_remat_loss_and_step_cost():
     # Every call costs 0.1 more; remat "always" redoes the forward (1) in
     # each backward; the loss (0.5) comes after both forward calls; the
     # step's own cost (0.2) comes first. One stage: F [0.2,1.3] [1.3,2.4],
-    # loss to 2.9, B (0.1 + 2 + 1) [2.9,6] [6,9.1].
+    # loss to 2.9, B (0.1 + 2 + 1) [2.9,6] [6,9.1], then the W call of the
+    # stage's last backward call, split (`engine.weight_calls`): its
+    # weight gradients cost 0 here, the call 0.1.
     costs = simulator.Costs(forward=[1], backward=[2], call=0.1, loss=0.5,
                             step=0.2)
     result = simulator.simulate(schedule.gpipe(2, 1), [0], costs,
                                 remat="always")
-    assert result.step_time == pytest.approx(9.1)
+    assert result.step_time == pytest.approx(9.2)
     # except_last: the last micro-batch (B1, first to run) keeps its
-    # activations; a lone backward call of the first stage stays whole.
+    # activations; a lone backward call of the first stage stays whole,
+    # but for the stage's last.
     result = simulator.simulate(schedule.gpipe(2, 1), [0], costs,
                                 remat="except_last")
-    assert result.step_time == pytest.approx(9.1 - 1)
+    assert result.step_time == pytest.approx(9.2 - 1)
     assert [str(c) for c, _, _ in result.spans[0]] == [
-        "0F0", "0F1", "0B1", "0B0"]
+        "0F0", "0F1", "0B1", "0B0", "0W0"]
 
 
 def test_the_full_batch_loss_and_the_parts_loss():

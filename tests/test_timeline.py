@@ -57,9 +57,10 @@ def test_timeline_writes_trace_png_and_bubble(devices, tmp_path):
     # except_last: every micro-batch but the last is recomputed; the last
     # one's backward call on stage 1, not recomputed, is split from its
     # weight gradients (its input gradient goes to stage 0's device);
-    # stage 0's stays whole.
-    assert count == {"forward": m * k, "recompute": (m - 1) * k,
-                     "backward": m * k, "weight": 1}
+    # stage 0's stays whole. Each stage's last backward call (micro-batch
+    # 0's) is split too, its recompute inside B (`engine.weight_calls`).
+    assert count == {"forward": m * k, "recompute": (m - 2) * k,
+                     "backward": m * k, "weight": 1 + k}
     forward = sorted((e for e in events if e["kind"] == "forward"),
                      key=lambda e: (e["stage"], e["micro_batch"]))
     # Only bounds that a busy host cannot break: a stamp may run late, never
@@ -179,8 +180,9 @@ def test_consecutive_recorded_steps_share_one_traced_function(devices,
     # plain one after step 2; none between steps 1 and 2.
     assert rebuilt.count(True) == 2, rebuilt
     for result in recorder.results:
+        # Each stage's last backward call is split (`engine.weight_calls`).
         assert {e["kind"] for e in result["events"]} == {
-            "forward", "recompute", "backward"}
+            "forward", "recompute", "backward", "weight"}
     assert model.step_observer is None
 
 

@@ -84,6 +84,32 @@ def test_a_worker_holds_about_its_stage(tmp_path, monkeypatch):
     assert abs(u[0] - p[0]) <= 1e-5, (u, p)
 
 
+def test_with_remat_a_worker_holds_its_stage_and_one_set_of_sums(
+        tmp_path, monkeypatch):
+    # remat="always", M = 2: micro-batch 1's backward call (one traced
+    # call) leaves the stage's running sums; micro-batch 0's, the stage's
+    # last, is split and its W call chained (`engine.weight_calls`,
+    # `engine.release`). Steady steps, both workers together, over their
+    # weights and one set of sums: 7.4-7.5 largest variables before (the
+    # last call made every gradient at once), 2.8 after. Worker 0's peak:
+    # 1.03x the unsplit process's before, 0.79x after (docs/capacity.md).
+    report = _measure(tmp_path, monkeypatch, "--remat", "always")
+    u = report["unsplit"]["phases"]
+    unsplit = max(s["VmHWM"] for _, s in u[1:]) - u[0][1]["VmHWM"]
+    phases = report["pipelined"]["phases"]
+    idle = [w["VmHWM"] for w in phases[0][1]]
+    weights = report["pipelined"]["stage_weight_bytes"]
+    steady = [w["VmHWM"] - i for w, i in zip(phases[-1][1], idle)]
+    beyond_sums = sum(steady) - 2 * sum(weights)
+    assert beyond_sums < 5 * LARGEST_VARIABLE, (
+        beyond_sums / LARGEST_VARIABLE, steady)
+    peaks = [max(ws[t]["VmHWM"] for _, ws, _ in phases[1:]) - idle[t]
+             for t in range(len(idle))]
+    assert max(peaks) < unsplit, (peaks, unsplit)
+    u, p = report["unsplit"]["loss"], report["pipelined"]["loss"]
+    assert abs(u[0] - p[0]) <= 1e-5, (u, p)
+
+
 # An idle worker holds TF's C++ runtime and its server, not TF's Python
 # package: `python -m keras_pipe.distributed.worker` measured 662 MiB
 # VmHWM before a client connected and 670 MiB after one op with `import

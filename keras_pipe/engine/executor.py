@@ -32,6 +32,7 @@ from keras_pipe.engine import schedule as schedule_lib
 from keras_pipe.engine.gradients import sum_gradients, sum_micro_batches
 from keras_pipe.engine.replicas import replica_of
 from keras_pipe.engine.tensors import is_float
+from keras_pipe.engine.weight_calls import last_backward, place_weight_calls
 
 __all__ = ["Cell", "Executor", "LossHead", "Step", "sum_on_devices"]
 
@@ -98,6 +99,8 @@ class Step:
             next call on that device waits for them.
         weight_calls: `weight_calls[(r, j)]`, the ops and the running sums
             of the last W call of stage `j` of replica `r`.
+        final_weights: the `(i, j)` whose W call makes the final sums of
+            stage `j` (of `i`'s replica): that call runs in place.
         total_rows: the rows of the global batch (int or scalar tensor).
         kernels: `kernels[(r, j)]`, stage `j`'s kernels transposed for
             replica `r`'s forward calls (`keras_pipe.engine.products`),
@@ -125,6 +128,7 @@ class Step:
     loss: object = None
     seeded_by_parts: bool = False
     weight_calls: dict = dataclasses.field(default_factory=dict)
+    final_weights: set = dataclasses.field(default_factory=set)
     kernels: dict = dataclasses.field(default_factory=dict)
     _shares: dict = dataclasses.field(default_factory=dict)
 
@@ -393,6 +397,11 @@ class Executor:
         for a in actions:
             if a.kind == "W":
                 step.cells[a.i][a.j].split = True
+        step.final_weights = {
+            (actions[n].i, actions[n].j)
+            for n in last_backward(
+                actions, lambda a: (step.replica[a.i], a.j)).values()
+            if actions[n].kind == "W"}
         # Seeds come from each micro-batch's own part of the loss when a
         # backward call starts before the last forward call, and with
         # replicas (the full-batch loss would join them); else from the
@@ -436,21 +445,22 @@ class Executor:
         gradients are computed, and no `"W"` waits behind a later `"B"`
         (`schedule_lib.defer_weight_runs` with `num_stages`). With remat,
         the stash would hold what the recompute frees, so those calls stay
-        fused.
+        fused. Each stage's last backward call is split in any case: its
+        weight gradients are the stage's final sums, made by a W call in
+        place (`_weight`), so that each can be applied and freed before the
+        next is made (`keras_pipe.engine.weight_calls`,
+        `keras_pipe.engine.release`).
         """
         if step.differentiable:
             return actions
         split = {(a.i, a.j) for a in actions if a.kind == "W"}
 
-        def eligible(a):
-            return ((a.i, a.j) not in split
-                    and not self._remat(step, a.i, a.j))
-
         def device_of(a):  # a run stays within one replica
             return (self.runner(step, a.i, a.j).device, step.replica[a.i])
 
-        actions = schedule_lib.defer_weight_runs(actions, device_of, eligible,
-                                                 self.num_stages)
+        actions = place_weight_calls(
+            actions, device_of, lambda a: (step.replica[a.i], a.j),
+            lambda a: self._remat(step, a.i, a.j), self.num_stages)
         for a in actions:
             if a.kind == "W" and (a.i, a.j) not in split:
                 step.cells[a.i][a.j].deferred = True
@@ -717,7 +727,8 @@ class Executor:
             step.params[step.replica[i]][j], stashes, sums, training=True,
             name=f"stage{j}/mb{i}/weight",
             control_inputs=step.last.get(runner.device, []),
-            observer=observer)
+            observer=observer,
+            in_place=any(cell in step.final_weights for cell in group))
         step.weight_calls[(step.replica[i], j)] = (
             graph.get_operations()[first:], list(totals))
         step.last[runner.device] = _done(
@@ -725,6 +736,7 @@ class Executor:
         sums[:] = totals
         for ii, _ in group:
             step.cells[ii][j].stash = None
+
     def gradient_parts(self, step):
         """`(variable, gradient)` per stage and trainable variable.
 

@@ -6,7 +6,11 @@ gradient of the stage is ready to run at once, and TensorFlow's executor
 runs the ready products before the optimizer's updates that free them. A
 worker then holds its weights plus all of its stage's weight gradients,
 where the unsplit process, whose backward pass makes the gradients one
-after another, frees each soon after it is made.
+after another, frees each soon after it is made. A whole backward call
+makes them all at once too (with remat, as one traced call), so each
+stage's last backward call is split (`keras_pipe.engine.weight_calls`):
+the W call that makes the stage's final sums runs in place, and each
+variable's gradient has ops of its own there.
 
 `apply_in_turn` orders it: on each device, the ops that compute only
 variable `n`'s weight gradient wait (control edges added to the graph

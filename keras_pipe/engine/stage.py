@@ -29,8 +29,10 @@ gradients, new running sums)`: it recomputes the stage under a
 their sums. Like the forward function it is traced once and called once per
 micro-batch, under the stage's `tf.device`, so the graph grows by one op per
 (micro-batch, stage) and gradient ops run on the stage's device (a tape over
-the whole step would put them all on one device). Without remat, the
-gradient comes from a tape that recorded the forward call. A backward call
+the whole step would put them all on one device). A stage's last backward
+call of a step is split instead (`backward_input` recomputes, and
+`backward_weight` runs in place: `keras_pipe.engine.weight_calls`). Without
+remat, the gradient comes from a tape that recorded the forward call. A backward call
 waits for its incoming gradient, so the recompute runs in the backward pass
 and not eagerly next to the forward pass.
 """
@@ -376,9 +378,11 @@ class Stage:
         return split is None or split.splittable
 
     def backward_weight(self, params, stashes, totals, training,
-                        name="weight", control_inputs=(), observer=None):
+                        name="weight", control_inputs=(), observer=None,
+                        in_place=False):
         """W of a split backward pass: weight gradients of several
-        micro-batches in one call, added to the running `totals`."""
+        micro-batches in one call, added to the running `totals`; with
+        `in_place`, its ops run in place (`SplitBackward.backward_weight`)."""
         split = self._split.setdefault(
             bool(training), SplitBackward(self.call_inline, training))
         with tf.device(self.device), tf.name_scope(name):
@@ -388,7 +392,7 @@ class Stage:
                                         + after)]
             with tf.control_dependencies(after):
                 totals = split.backward_weight(list(params), stashes,
-                                               list(totals))
+                                               list(totals), in_place)
             if observer is not None:
                 observer.end(name, [t for t in totals if t is not None])
         return totals

@@ -215,7 +215,7 @@ class SplitBackward:
         return ([next(grads) if is_float(t) else None for t in flat_inputs],
                 Stash(stash, key))
 
-    def backward_weight(self, params, stashes, totals=None):
+    def backward_weight(self, params, stashes, totals=None, in_place=False):
         """W: per param, the gradient summed over the stashes' micro-batches.
 
         Args:
@@ -223,6 +223,11 @@ class SplitBackward:
             stashes: the `Stash`es of `backward_input`, one per micro-batch.
             totals: running sums per param to add to, or None. Defaults to
                 `None`.
+            in_place: run W's ops in place, not as one call of a traced
+                function: each param's gradient then has ops of its own,
+                which `keras_pipe.engine.release` can order. After a B
+                that ran in place (`backward_recorded`) W always does.
+                Defaults to `False`.
 
         Returns:
             A list per param: `totals` plus the summed gradients (None where
@@ -238,7 +243,7 @@ class SplitBackward:
             dense = tuple(isinstance(t, tf.Tensor) for t in totals)
             shared = _shared_slots(self._plans[key], group)
             function = self._traced_weight(key, len(group), params, dense,
-                                           shared)
+                                           shared, in_place)
             grads, sums = function(
                 params, [list(s) for s in group],
                 [t for t, d in zip(totals, dense) if d])
@@ -290,8 +295,9 @@ class SplitBackward:
         return key, function, args
 
     def _traced_weight(self, key, num_micro_batches, params, dense,
-                       shared=()):
-        """W as a traced function, or (stashes of a recorded B) in place.
+                       shared=(), in_place=False):
+        """W as a traced function, or (`in_place`, or stashes of a recorded
+        B) its body, to run in place.
 
         After a B that ran in place (`backward_recorded`), W runs in place
         too: a function call op queued behind its device's next call would
@@ -299,7 +305,7 @@ class SplitBackward:
         `keras_pipe.engine.executor._handed_over`).
         """
         wkey = ("weight", key, num_micro_batches, dense, shared)
-        if wkey in self._functions:
+        if wkey in self._functions and not in_place:
             return self._functions[wkey]
         plan = self._plans[key]
 
@@ -323,7 +329,7 @@ class SplitBackward:
             rest = [None if d else g for g, d in zip(grads, dense)]
             return rest, new_sums
 
-        if key[0] == "recorded":
+        if in_place or key[0] == "recorded":
             return run
         specs = ([exact_spec(p) for p in params],
                  [list(plan.stash_specs)] * num_micro_batches,

@@ -99,6 +99,15 @@ def moments(actions, mode, num_micro_batches, first=False, last=False,
                     boundary + boundary_of, kept + held[i][1], sums,
                     fixed]))
             continue
+        # The stage's last call that makes weight gradients (a W call, the
+        # executor's or the schedule's): each variable's gradient waits for
+        # the update of the one before (`engine.release`), so about one new
+        # gradient is alive besides the old sums: counted as the largest
+        # two.
+        final = kind in ("Wg", "W") and not any(
+            k in ("B", "Bi", "W") for k, _ in order[n + 1:])
+        one_by_one = (sums if sums.any() else zero) + _unit(
+            "largest_variable") + _unit("second_variable")
         if kind == "Wg":
             run.append(i)
             if n + 1 < len(order) and order[n + 1][0] == "Wg":
@@ -106,15 +115,8 @@ def moments(actions, mode, num_micro_batches, first=False, last=False,
             # W: per mixing op, its inputs and output gradients of the
             # run concatenated, one product per weight into the sums.
             grads = _unit("trainable", 2 if sums.any() else 1)
-            if not any(k in ("B", "Bi", "W") for k, _ in order[n + 1:]):
-                # The stage's last W: each variable's gradient waits for
-                # the update of the one before (`engine.release`: a W call
-                # whose sums are not summed again), so about one new
-                # gradient is alive besides the old sums: counted as the
-                # largest two.
-                grads = (sums if sums.any() else zero) + _unit(
-                    "largest_variable") + _unit("second_variable")
-                released = True
+            if final:
+                grads, released = one_by_one, True
             result.append(np.stack([
                 boundary, kept, grads,
                 fixed + weight_call_transient(len(run))]))
@@ -128,9 +130,12 @@ def moments(actions, mode, num_micro_batches, first=False, last=False,
             # anyway, and output gradients) stays for the W call. No
             # scratch buffer: a conv's input gradient (Conv2DBackpropInput)
             # allocates none, only the filter gradient's im2col buffer is
-            # one.
+            # one. With remat (a stage's last backward pass is split,
+            # `engine.weight_calls`) the call recomputes what a forward
+            # pass in place keeps.
             result.append(np.stack([
-                boundary, kept + _unit("mixing") - seeded, sums,
+                boundary, kept + _unit("mixing") - seeded
+                + (_unit("recompute") if remat else zero), sums,
                 fixed + arriving + _unit("largest") + waiting]))
             # Seeded whole, the stashed output gradient is the loss
             # gradient's slice (in `fixed`); else the arrived gradient.
@@ -153,17 +158,8 @@ def moments(actions, mode, num_micro_batches, first=False, last=False,
             passing = arriving + _unit("largest")
         # The next stage may run ahead: gradients for the outputs of the
         # other micro-batches in flight can have arrived and be waiting.
-        # One micro-batch, taped, SGD: each update reads only its own
-        # gradient, so the step's function applies a gradient as soon as it
-        # is made (no sum waits for another micro-batch), as the chain does.
-        # With optimizer slots (Adam) the step keeps the full count.
-        released = m == 1 and not remat and not optimizer_slots
-        if released:
-            # While the backward pass runs, about two gradients are alive:
-            # the one being applied and the next being made: counted as
-            # the largest two (TF's profiler, `tools/allocation_trace.py`,
-            # finds no more at a stage's peak).
-            grads = _unit("largest_variable") + _unit("second_variable")
+        if final:  # the schedule's own W, the stage's last
+            grads, released = one_by_one, True
         result.append(np.stack([
             boundary, kept + recompute, grads,
             fixed + passing + waiting

@@ -15,8 +15,8 @@ What the executor adds to the schedule's actions is replayed too:
 * runs of backward calls without remat fed back to back (GPipe's backward
   phase) compute input gradients only, and one weight-gradient call after
   the run computes the weights'; every other backward call without remat
-  (1F1B's) is followed by its own weight-gradient call
-  (`schedule.defer_weight_runs` with `num_stages`);
+  (1F1B's) is followed by its own weight-gradient call, and so is each
+  stage's last backward call if whole (`engine.weight_calls`);
 * consecutive `"W"` actions of one stage on a device are one call;
 * the last stage's backward calls are seeded from the full-batch loss when
   every forward call comes before the first backward call (GPipe), else
@@ -44,6 +44,7 @@ step time 9, device 0 idle 3/9, device 1 idle 3/9.
 import dataclasses
 
 from keras_pipe.engine import schedule as schedule_lib
+from keras_pipe.engine import weight_calls
 
 __all__ = ["Call", "Costs", "Simulation", "calls", "receives", "simulate"]
 
@@ -195,11 +196,9 @@ def calls(ticks, stage_devices, remat, num_micro_batches=None):
     """
     actions = [a for tick in ticks for a in tick]
     m = num_micro_batches or 1 + max(a.i for a in actions)
-    split = {(a.i, a.j) for a in actions if a.kind == "W"}
-    actions = schedule_lib.defer_weight_runs(
-        actions, lambda a: stage_devices[a.j],
-        lambda a: (a.i, a.j) not in split
-        and not schedule_lib.is_remat(remat[a.j], a.i, m),
+    actions = weight_calls.place_weight_calls(
+        actions, lambda a: stage_devices[a.j], lambda a: a.j,
+        lambda a: schedule_lib.is_remat(remat[a.j], a.i, m),
         len(stage_devices))
     split = {(a.i, a.j) for a in actions if a.kind == "W"}
     last_forward = max(n for n, a in enumerate(actions) if a.kind == "F")

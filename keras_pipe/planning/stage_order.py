@@ -3,12 +3,12 @@
 How many micro-batches a stage holds comes from the schedule's clock ticks
 (`stage_actions`), not from a formula per schedule: a new schedule plugs in
 by name or as a function `(num_micro_batches, num_stages) -> ticks`. Where
-the executor splits a backward pass without remat
-(`schedule.defer_weight_runs`), `executor_order` says so, as the executor
-decides it.
+the executor splits a backward pass (`engine.weight_calls`),
+`executor_order` says so, as the executor decides it.
 """
 
 from keras_pipe.engine import schedule as schedule_lib
+from keras_pipe.engine import weight_calls
 
 __all__ = ["StageActions", "executor_order", "in_flight", "stage_actions"]
 
@@ -37,8 +37,9 @@ class StageActions(list):
         gradients, a later call) where the executor splits a backward pass
         (`schedule.defer_weight_runs` with `num_stages`, as
         `engine.executor` calls it: right after its `"B"`, or at the end of
-        a run fed back to back); `"W"` for a backward pass the schedule
-        splits itself (the micro-batch is held until then)."""
+        a run fed back to back), and for the stage's last backward pass if
+        whole (`engine.weight_calls`); `"W"` for a backward pass the
+        schedule splits itself (the micro-batch is held until then)."""
         key = (mode, num_micro_batches)
         if key not in self._orders:
             flat = [a for tick in self.ticks for a in tick]
@@ -53,10 +54,9 @@ def _stage_order(flat, j, mode, m, num_stages=None):
     (issue order); `num_stages=None`: every run of two or more backward
     passes deferred, lone ones whole (`defer_weight_runs` without it)."""
     split = {(a.i, a.j) for a in flat if a.kind == "W"}
-    added = schedule_lib.defer_weight_runs(
-        flat, lambda a: a.j,
-        lambda a: (a.i, a.j) not in split and not schedule_lib.is_remat(mode, a.i, m),
-        num_stages)
+    added = weight_calls.place_weight_calls(
+        flat, lambda a: a.j, lambda a: a.j,
+        lambda a: schedule_lib.is_remat(mode, a.i, m), num_stages)
     weights = {(a.i, a.j) for a in added if a.kind == "W"} - split
     out = []
     for a in added:
