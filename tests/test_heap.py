@@ -29,7 +29,7 @@ libc = ctypes.CDLL("libc.so.6")
 libc.malloc.restype = ctypes.c_void_p
 """
 _CHILD = _PRELUDE + r"""libc.free.argtypes = [ctypes.c_void_p]
-size, rounds = 4 << 20, 20
+size, rounds = int(sys.argv[3]), 20
 
 def round_():
     block = libc.malloc(size)
@@ -47,9 +47,10 @@ print(json.dumps({"applied": applied, "faults_per_round": faults / rounds,
 """
 
 
-def _faults(mode):
-    out = subprocess.run([sys.executable, "-c", _CHILD, mode, heap.__file__],
-                         capture_output=True, text=True, check=True)
+def _faults(mode, size=4 << 20):
+    out = subprocess.run(
+        [sys.executable, "-c", _CHILD, mode, heap.__file__, str(size)],
+        capture_output=True, text=True, check=True)
     return json.loads(out.stdout)
 
 
@@ -57,6 +58,16 @@ def test_reuse_keeps_freed_blocks_for_the_next_allocation():
     result = _faults("reuse")
     assert result["applied"]
     assert result["faults_per_round"] < 0.05 * result["pages"], result
+
+
+def test_reuse_gives_back_blocks_of_its_threshold():
+    # A big weight gradient's size: glibc alone would serve it from an
+    # arena after the first one freed (its threshold rises to 32 MiB).
+    result = _faults("reuse", heap.REUSE_THRESHOLD + (4 << 20))
+    assert result["applied"]
+    assert result["faults_per_round"] > 0.9 * result["pages"], result
+    assert _faults("glibc", heap.REUSE_THRESHOLD + (4 << 20))[
+        "faults_per_round"] < 0.05 * result["pages"]
 
 
 def test_return_gives_freed_blocks_back_and_faults_them_in_again():

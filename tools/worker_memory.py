@@ -15,8 +15,9 @@ the client reads each worker's `VmRSS` and `VmHWM` (resident now, resident peak)
 `/proc/<pid>/status`, then resets the peak (`/proc/<pid>/clear_refs`), so
 each phase's HWM is the peak of that phase; everything is net of the idle
 worker after the first op. The unsplit model is measured the same way in
-its own process (net of the process after one op). Every process keeps
-its heap as `--heap` says (`keras_pipe.distributed.heap`; default
+its own process (net of the process after one op), once with the
+workers' heap and once as plain Keras runs (glibc's heap). Every other
+process keeps its heap as `--heap` says (`keras_pipe.distributed.heap`; default
 `return`: freed buffers go back to the OS, the setting for a memory
 budget). Prints one table and, with `--out`, JSON.
 """
@@ -221,6 +222,10 @@ def measure(args):
                   ["--placement", args.placement, "--sizes", args.sizes]
                   if args.placement else [])
     unsplit = _run(["--child", "unsplit"] + common)
+    # And as plain Keras runs it: glibc's heap, TF's own allocators.
+    plain = unsplit if args.heap == "glibc" else _run(
+        ["--child", "unsplit"] + common[:common.index("--heap")] + [
+            "--heap", "glibc"] + common[common.index("--heap") + 2:])
     cluster = [f"127.0.0.1:{_free_port()}" for _ in range(2)]
     workers = [subprocess.Popen(
         [sys.executable, "-m", "keras_pipe.distributed.worker", "--task", str(t),
@@ -236,17 +241,22 @@ def measure(args):
         for w in workers:
             w.kill()
             w.wait()
-    return {"unsplit": unsplit, "pipelined": client, "args": vars(args)}
+    return {"unsplit": unsplit, "plain": plain, "pipelined": client,
+            "args": vars(args)}
 
 
 def net_peaks(report):
-    """Resident peaks over all phases, net of idle: unsplit and per worker."""
-    u = report["unsplit"]["phases"]
-    unsplit = max(s["VmHWM"] for _, s in u[1:]) - u[0][1]["VmHWM"]
+    """Resident peaks over all phases, net of idle: unsplit (with the
+    workers' heap, and as plain Keras: `plain`) and per worker."""
+    def peak(phases):
+        return max(s["VmHWM"] for _, s in phases[1:]) - phases[0][1]["VmHWM"]
+
     p = report["pipelined"]["phases"]
     workers = [max(ws[t]["VmHWM"] for _, ws, _ in p[1:]) - p[0][1][t]["VmHWM"]
                for t in range(len(p[0][1]))]
-    return {"unsplit": unsplit, "workers": workers}
+    plain = report.get("plain", report["unsplit"])
+    return {"unsplit": peak(report["unsplit"]["phases"]),
+            "plain": peak(plain["phases"]), "workers": workers}
 
 
 def table(report):
@@ -281,7 +291,10 @@ def table(report):
                  f"{[round(w / b, 2) for w, b in zip(peaks['workers'], weights)]}"
                  f" x stage weights, "
                  f"{[round(w / peaks['unsplit'], 2) for w in peaks['workers']]}"
-                 f" x unsplit")
+                 f" x unsplit; plain Keras (glibc's heap) "
+                 f"{peaks['plain'] / MiB:.1f}: "
+                 f"{[round(w / peaks['plain'], 2) for w in peaks['workers']]}"
+                 f" x plain")
     lines.append(f"losses: unsplit {u['loss']} pipelined {p['loss']}")
     if p.get("chosen"):
         lines.append(f"chosen: {p['chosen']}")

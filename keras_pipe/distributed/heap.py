@@ -20,10 +20,12 @@ Three settings (`HEAP_MODES`), chosen with `mallopt` before the process
 starts its threads (the environment variables `MALLOC_ARENA_MAX` and
 `MALLOC_MMAP_THRESHOLD_` do the same, set before the process starts):
 
-* `"reuse"`: at most 2 arenas; a freed block stays resident and serves the
-  next allocation while the process works (fast), and the free pages go
-  back once it idles (`trim_when_idle`, below): what planning or a build
-  freed does not stay with the steps that follow.
+* `"reuse"`: at most 2 arenas; a freed block under `REUSE_THRESHOLD`
+  stays resident and serves the next allocation while the process works
+  (fast), and the free pages go back once it idles (`trim_when_idle`,
+  below): what planning or a build freed does not stay with the steps
+  that follow. Blocks of `REUSE_THRESHOLD` or more are mapped on their own
+  and unmapped when freed, as glibc maps blocks of 32 MiB or more anyway.
 * `"return"`: 2 arenas, and blocks of `RETURN_THRESHOLD` or more are
   mapped on their own and unmapped when freed, so resident memory follows
   the allocator's bytes in use (what the memory model predicts,
@@ -41,6 +43,14 @@ are small) come from the arenas, whose freed chunks, fragmented among
 TF's long-lived small blocks, stay resident and grow from step to step.
 The price of a lower one is more page faults.
 
+Why `"reuse"` pins a threshold as well: glibc raises its threshold to the
+size of each mapped block freed, up to 32 MiB, so a model's big weight
+gradients (tens of MiB) come from the arenas after the first step, and a
+freed one leaves a hole that the next step's blocks only partly fill: a
+worker's peak then grows from step to step. At `REUSE_THRESHOLD` they are
+mapped and given back; the page faults are a small share of the product
+that makes such a block, and blocks of a micro-batch's size stay below.
+
 Why trim as well: blocks under the threshold stay in the arenas, and glibc
 gives back only the free space at an arena's top, never the free pages
 between blocks in use (what a build's transfers leave behind). Why when
@@ -57,14 +67,17 @@ import threading
 import time
 
 __all__ = ["HEAP_MODES", "ONEDNN_SYSTEM_ALLOCATOR", "RETURN_THRESHOLD",
-           "TRIM_AFTER_IDLE", "IdleSpell", "check_mode", "configure",
-           "trim_when_idle"]
+           "REUSE_THRESHOLD", "TRIM_AFTER_IDLE", "IdleSpell", "check_mode",
+           "configure", "trim_when_idle"]
 
 HEAP_MODES = ("reuse", "return", "glibc")
 # `"return"`'s mmap threshold: blocks of this many bytes or more are mapped
 # on their own and unmapped when freed (the module says why this size). The
 # memory model of a worker's resident memory reads it from here.
 RETURN_THRESHOLD = 128 << 10
+# `"reuse"`'s mmap threshold: blocks of this many bytes or more are mapped on
+# their own (the module says why).
+REUSE_THRESHOLD = 16 << 20
 # `"reuse"`, `"return"`: a worker trims its heap once it has been idle this
 # many seconds after doing work (`trim_when_idle`).
 TRIM_AFTER_IDLE = 0.5
@@ -76,6 +89,7 @@ IDLE_CPU_SHARE = 0.05
 # `"return"` set it before TF loads (the module says why).
 ONEDNN_SYSTEM_ALLOCATOR = "TF_ONEDNN_USE_SYSTEM_ALLOCATOR"
 
+_M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 _M_ARENA_MAX = -8
 
@@ -132,9 +146,13 @@ def configure(mode, arena_max=2, mmap_threshold=RETURN_THRESHOLD):
         return False
     applied = bool(libc.mallopt(_M_ARENA_MAX, int(arena_max)))
     if mode == "return":
-        applied = applied and bool(
+        return applied and bool(
             libc.mallopt(_M_MMAP_THRESHOLD, int(mmap_threshold)))
-    return applied
+    # Pinned, the threshold no longer moves glibc's trim threshold with it
+    # (twice the mmap threshold): set as glibc would.
+    return applied and bool(
+        libc.mallopt(_M_MMAP_THRESHOLD, REUSE_THRESHOLD)) and bool(
+        libc.mallopt(_M_TRIM_THRESHOLD, 2 * REUSE_THRESHOLD))
 
 
 class IdleSpell:
