@@ -161,7 +161,7 @@ def _train(keras, np, model, optimizer):
 
 def child_unsplit(args):
     from keras_pipe.distributed import heap
-    heap.configure("return")  # as its workers (--heap return): like for like
+    heap.configure(args.heap)  # as its workers: like for like
     heap.trim_when_idle()  # and trimmed when idle, as they are
     import keras
     import numpy as np
@@ -198,6 +198,13 @@ def child_client(args):
     devices = _remote(cluster)
     keras.utils.set_random_seed(0)
     model = build_model(keras, args.width)
+    if args.defaults:  # the model and the devices alone
+        pipe = keras_pipe.PipelineModel.from_model(model, devices=devices)
+        loss = _train(keras, np, pipe, args.optimizer)
+        p = pipe.plan
+        return {"loss": loss, "sizes": p.sizes, "schedule": p.schedule,
+                "num_micro_batches": p.num_micro_batches, "remat": p.remat,
+                "predicted_peaks": p.peak_memory}
     try:
         p = keras_pipe.plan(model, devices=devices,
                             memory_budget=int(args.budget / args.scale),
@@ -237,11 +244,12 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def run_unsplit(width, limit, optimizer="sgd"):
+def run_unsplit(width, limit, optimizer="sgd", heap="return"):
     watchdog = Watchdog(limit)
     try:
         result = _child("unsplit", ["--width", str(width), "--depth",
-                                    str(DEPTH), "--optimizer", optimizer],
+                                    str(DEPTH), "--optimizer", optimizer,
+                                    "--heap", heap],
                         watchdog, "unsplit")
     finally:
         watchdog.close()
@@ -251,8 +259,8 @@ def run_unsplit(width, limit, optimizer="sgd"):
     return result
 
 
-def run_on_watched_workers(limit, client):
-    """Starts two loopback workers (heap `"return"`) watched against
+def run_on_watched_workers(limit, client, heap="return"):
+    """Starts two loopback workers (heap `heap`) watched against
     `limit`, runs `client(cluster_args)` (the `--cluster` arguments of a
     client child; it returns the child's result) and adds each worker's
     peak, and whom the watchdog killed."""
@@ -265,7 +273,7 @@ def run_on_watched_workers(limit, client):
                 [sys.executable, "-m", "keras_pipe.distributed.worker",
                  "--task", str(t),
                  "--cluster", ",".join(cluster), "--intra-op-threads", "1",
-                 "--heap", "return"],
+                 "--heap", heap],
                 env=_env(), stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL)
             workers.append(w)
@@ -284,18 +292,26 @@ def run_on_watched_workers(limit, client):
 
 
 def run_pipelined(width, limit, budget=None, optimizer="sgd", idle=False,
-                  scale=1.0):
+                  scale=1.0, defaults=False):
     """Two watched workers and a client; with `idle`, one tiny op each.
 
-    The planner gets `budget / scale` (see `calibrate`)."""
+    The planner gets `budget / scale` (see `calibrate`); with `defaults`,
+    `from_model(model, devices=...)` alone on workers with their default
+    heap."""
     def client(args):
         if idle:
             return _child("idle", args)
         return _child("client", args + [
             "--width", str(width), "--depth", str(DEPTH), "--budget",
-            str(budget), "--scale", repr(scale), "--optimizer", optimizer])
+            str(budget), "--scale", repr(scale), "--optimizer", optimizer]
+            + (["--defaults"] if defaults else []))
 
-    return run_on_watched_workers(limit, client)
+    return run_on_watched_workers(limit, client, _heap(defaults))
+
+
+def _heap(defaults):
+    """The workers' heap: their default, or `"return"` for a budget."""
+    return "reuse" if defaults else "return"
 
 
 def calibrate(width, limit, budget, idle_peaks):
@@ -378,6 +394,11 @@ def main(argv=None):
                         "/ this (e.g. 0.01: the planner chooses the cut, M "
                         "and remat, the watchdog alone judges memory)")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--defaults", action="store_true",
+                        help="pipelined: from_model(model, devices=...) "
+                        "alone (planned at its first step, no budget) on "
+                        "workers with their default heap; the unsplit "
+                        "process gets that heap too")
     parser.add_argument("--adam", action="store_true",
                         help="one Adam run of each at half the unsplit width")
     parser.add_argument("--no-losses", action="store_true",
@@ -392,6 +413,7 @@ def main(argv=None):
     parser.add_argument("--scale", type=float, default=1.0,
                         help=argparse.SUPPRESS)
     parser.add_argument("--optimizer", default="sgd", help=argparse.SUPPRESS)
+    parser.add_argument("--heap", default="return", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     DEPTH = args.depth
     if args.child:
@@ -404,7 +426,7 @@ def main(argv=None):
     say = lambda text: print(text, flush=True)  # noqa: E731
     say(f"load average {os.getloadavg()}; model {DEPTH} x Dense(width) + "
         f"Dense(10) on {INPUTS} inputs, batch {BATCH}, SGD, {STEPS} steps")
-    idle = run_pipelined(None, limit, idle=True)
+    idle = run_pipelined(None, limit, idle=True, defaults=args.defaults)
     worker_idle = max(idle["peaks"])
     budget = limit - worker_idle
     report = {"limit": limit, "depth": DEPTH,
@@ -415,14 +437,16 @@ def main(argv=None):
         f"{budget / MiB:,.0f} MiB")
 
     def unsplit(width):
-        result = run_unsplit(width, limit)
+        result = run_unsplit(width, limit, heap=_heap(args.defaults))
         say(f"  unsplit   width {width}: {params(width):>12,} params: "
             f"{_why(result)}")
         return result
 
     def pipelined(width):
-        result = run_pipelined(width, limit, budget, scale=scale)
-        plan = (f" (cut {result['sizes']}, M={result['num_micro_batches']}"
+        result = run_pipelined(width, limit, budget, scale=scale,
+                               defaults=args.defaults)
+        plan = (f" ({result.get('schedule', 'gpipe')}, cut "
+                f"{result['sizes']}, M={result['num_micro_batches']}"
                 f", remat {result['remat']})" if "sizes" in result else "")
         say(f"  pipelined width {width}: {params(width):>12,} params: "
             f"{_why(result)}{plan}")
@@ -434,7 +458,8 @@ def main(argv=None):
                 json.dump(data, f, indent=1)
 
     def calibrated(w_unsplit):
-        if args.no_calibration or args.planner_scale is not None:
+        if (args.no_calibration or args.defaults
+                or args.planner_scale is not None):
             report["scale"] = args.planner_scale or 1.0
             return report["scale"]
         width = args.calibrate_width or w_unsplit
