@@ -244,6 +244,36 @@ def test_after_an_error_a_silent_task_is_not_lost_a_closed_port_is():
         assert cluster_lib._gone(tasks) == {"down": down}
 
 
+def test_an_abort_tf_flags_as_a_restart_names_the_restarted_task():
+    """A fit on a model built before task 1 restarted raised, under load,
+    TF's AbortedError as a stage's error ("Stage 1 ('sequential_1') on
+    /job:worker/...") instead of a lost worker: its text had none of the
+    restart signs. TF flags such errors with a `WorkerPossiblyRestarted`
+    payload, and its session and graph managers say "... just restarted"."""
+    tasks = {f"/job:worker/replica:0/task:{t}": f"127.0.0.1:{2220 + t}"
+             for t in range(2)}
+    task_1 = {"/job:worker/replica:0/task:1": "127.0.0.1:2221"}
+    payload = {b"type.googleapis.com/tensorflow.distributed_runtime."
+               b"WorkerPossiblyRestarted": b""}
+    session = tf.errors.AbortedError(
+        None, None, "Session handle is not found: 5e1f. Possibly this worker "
+        '("/job:worker/replica:0/task:1") just restarted.', payload)
+    assert cluster_lib._restarted(session, tasks) == task_1
+    # The payload alone: a stage's node, no task and no sign in the text.
+    flagged = tf.errors.AbortedError(
+        None, None, "Graph execution error:\n\n[[{{node stage1/mb0/forward/"
+        "dense/MatMul}}]]", payload)
+    assert cluster_lib._restarted(flagged, tasks) == tasks
+    graph = tf.errors.AbortedError(
+        None, None, "Graph handle is not found: 7. Possibly, this worker just "
+        "restarted.")
+    assert cluster_lib._restarted(graph, tasks) == tasks
+    # An abort that says nothing of a restart stays the stage's error.
+    assert cluster_lib._restarted(tf.errors.AbortedError(
+        None, None, "[[{{node stage1/mb0/forward/dense/MatMul}}]]"),
+        tasks) == {}
+
+
 def test_watchdog_probe_keeps_its_channel_and_sees_a_stop(workers):
     """One channel per task while it answers; a stopped one is silent in
     time, a port with no server is down."""

@@ -272,8 +272,12 @@ def test_exported_decode_loop_keeps_devices_and_tokens(devices, tmp_path):
     found = set().union(*saved_devices(str(tmp_path / "free")).values())
     for device in devices[:2]:
         assert any(d.endswith(device.split("device:")[-1]) for d in found)
-    with pytest.raises(ValueError, match="batch_size must be an int"):
+    with pytest.raises(ValueError, match=r"batch_size must be >= 1. "
+                       r"Received: batch_size=0"):
         pipe.export_generate(str(tmp_path / "x"), 0, SEQ)
+    with pytest.raises(TypeError, match=r"sequence_length must be an int. "
+                       r"Received: sequence_length=8.0"):
+        pipe.export_generate(str(tmp_path / "x"), 5, 8.0)
     with pytest.raises(ValueError, match="stop_token_ids must be None"):
         pipe.export_generate(str(tmp_path / "x"), 5, SEQ,
                              stop_token_ids=["end"])
