@@ -483,13 +483,11 @@ def assert_lost_task_1(result, workers):
 
 def test_worker_restarted_between_calls(workers):
     """Restart task 1 between two fits: a named error, then a clear rebuild."""
-    proc = subprocess.Popen(
-        [sys.executable, SCENARIOS, "restart", "--cluster", workers.spec],
-        env=_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    proc = warm.start([SCENARIOS, "restart", "--cluster", workers.spec],
+                      _env(), cwd=ROOT)
     try:
-        line = proc.stdout.readline()
-        assert line.strip() == "READY", line + proc.stderr.read()[-3000:]
+        line = proc.readline(timeout=240)
+        assert line.strip() == "READY", line + proc.stderr()[-3000:]
         victim = workers.procs[1]
         victim.kill()
         victim.wait(timeout=30)
@@ -498,9 +496,7 @@ def test_worker_restarted_between_calls(workers):
         out, err = proc.communicate("go\n", timeout=240)
         assert proc.returncode == 0, err[-3000:]
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(timeout=30)
+        proc.kill()
     result = json.loads(out.strip().splitlines()[-1])
     task, address = "/job:worker/replica:0/task:1", workers.addresses[1]
     for key in ("same_model", "predict", "reconnected_same_model"):
@@ -535,14 +531,13 @@ def test_hung_worker_ends_fit_in_bounded_time(workers):
 def test_worker_killed_during_fit_then_resume(workers, tmp_path):
     """Kill task 1 by PID mid-fit; restart it; fit again resumes exactly."""
     victim = workers.procs[1]
-    proc = subprocess.Popen(
-        [sys.executable, SCENARIOS, "resume", "--cluster", workers.spec,
-         "--kill-pid", str(victim.pid), "--backup", str(tmp_path / "backup")],
-        env=_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    proc = warm.start(
+        [SCENARIOS, "resume", "--cluster", workers.spec, "--kill-pid",
+         str(victim.pid), "--backup", str(tmp_path / "backup")], _env(),
+        cwd=ROOT)
     try:
-        line = proc.stdout.readline()
-        assert line.startswith("LOST "), line + proc.stderr.read()[-3000:]
+        line = proc.readline(timeout=240)
+        assert line.startswith("LOST "), line + proc.stderr()[-3000:]
         lost = json.loads(line[len("LOST "):])
         assert victim.wait(timeout=30) == -signal.SIGKILL
         assert_lost_task_1(lost, workers)
@@ -551,9 +546,7 @@ def test_worker_killed_during_fit_then_resume(workers, tmp_path):
         out, err = proc.communicate("go\n", timeout=240)
         assert proc.returncode == 0, err[-3000:]
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(timeout=30)
+        proc.kill()
     result = json.loads(out.strip().splitlines()[-1])
     assert result["resumed_epochs"] == [2, 3]
     assert result["weights_max_diff"] == 0.0, result
