@@ -91,9 +91,12 @@ def test_port_in_use_is_named(capsys, monkeypatch):
 
 def test_negative_thread_count_exits_cleanly_not_abort():
     # Broke: TF's check aborted the process (SIGABRT) on -3 threads.
-    result = warm.run(
-        ["-m", "keras_pipe.distributed.worker", "--task", "0", "--cluster",
-         _cluster(), "--intra-op-threads", "-3"], warm.env(), timeout=120)
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
+    env.pop("TF_CONFIG", None)
+    result = subprocess.run(
+        [sys.executable, "-m", "keras_pipe.distributed.worker", "--task", "0",
+         "--cluster", _cluster(), "--intra-op-threads", "-3"],
+        env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2, (result.returncode, result.stderr[-2000:])
     assert "is not a thread count; pass an int >= 1" in result.stderr
 
