@@ -34,45 +34,42 @@ def _seed():
 
 
 # The longest files, longest first: seconds of one full suite run
-# (`-n 2 --dist loadfile --durations=400 --junitxml`, summed per file, on 2
-# cores shared with another helper's memory-table runs: 881 passed in
-# 956 s wall, 1866 s of tests, at 12cc018, an empty cost cache;
-# test_sparse_gradients' 157 s less one 68 s stall of a case that takes
-# 1 s alone, not reproduced). With `--dist loadfile` xdist hands out whole
-# files in the order the workers collect them; by default it sorts them
-# by their number of tests, which leaves long files of few tests (the
-# examples, the snippets) for last. Longest first, the two workers end
-# together (this run: 932 and 934 s of tests). (*) The snippets run in
-# children of a warm process since (tests/support/snippets.py): the file
-# alone, back to back on a loaded host, 209 s before and 132 s after.
+# (the README's command with `--junitxml`, summed per file: 983 passed
+# in 1399 s wall, 2680 s of tests, at load 4-5 from other work on the
+# 2 cores, so about 1.7x a quiet host's). With `--dist loadfile` xdist
+# hands out whole files in the order the workers collect them; by
+# default it sorts them by their number of tests, which leaves long
+# files of few tests (the examples, the snippets) for last. Longest
+# first, the two workers end together. test_autoplan and test_generate
+# time loops and decode loops: the load stretches them most.
 LONGEST_FILES = (
-    "test_zoo.py",                  # 305 s
-    "test_cluster.py",              # 144
-    "test_readme_snippets.py",      # 211; 132 with the warm process (*)
-    "test_memory_tables.py",        # 125
-    "test_saving.py",               # 118
-    "test_examples.py",             # 116
-    "test_transparency.py",         # 108
-    "test_generate.py",             # 120 (quiet host, alone)
-    "test_sparse_gradients.py",     # 89
-    "test_invariance.py",           # 76
-    "test_recovery.py",             # 70 (half of 139 on a loaded host)
-    "test_heap.py",                 # 60
-    "test_every_schedule.py",       # 41
-    "test_worker_memory.py",        # 40
-    "test_partition.py",            # 38
-    "test_attached.py",             # 33
-    "test_bad_inputs.py",           # 29
-    "test_benchmark.py",            # 27
-    "test_placement.py",            # 23
-    "test_executor.py",             # 22
-    "test_timeline.py",             # 21
-    "test_remat_per_stage.py",      # 21
-    "test_local.py",                # 20
-    "test_keras_hub.py",            # 20
-    "test_remat.py",                # 16
-    "test_autoplan.py",             # 14
-    "test_verify.py",               # 13
+    "test_generate.py",             # 213 s
+    "test_zoo.py",                  # 207
+    "test_readme_snippets.py",      # 206
+    "test_autoplan.py",             # 193
+    "test_transparency.py",         # 148
+    "test_recovery.py",             # 132
+    "test_cluster.py",              # 116
+    "test_examples.py",             # 90
+    "test_sparse_gradients.py",     # 85
+    "test_partition.py",            # 84
+    "test_memory_tables.py",        # 83
+    "test_saving.py",               # 80
+    "test_every_schedule.py",       # 76
+    "test_bad_inputs.py",           # 65
+    "test_attached.py",             # 64
+    "test_inference.py",            # 55
+    "test_heap.py",                 # 53
+    "test_invariance.py",           # 53
+    "test_keras_hub.py",            # 48
+    "test_worker_memory.py",        # 46
+    "test_benchmark.py",            # 46
+    "test_placement.py",            # 41
+    "test_budget.py",               # 41
+    "test_executor.py",             # 39
+    "test_remat.py",                # 34
+    "test_timeline.py",             # 32
+    "test_verify.py",               # 30
 )
 
 

@@ -19,6 +19,7 @@ import pytest
 
 import keras_pipe
 from keras_pipe.distributed import worker as worker_lib
+from tests.support import warm
 from tests.support.ports import free_port
 
 NOT_HERE = "192.0.2.1"  # TEST-NET-1: documentation only, on no machine.
@@ -391,12 +392,8 @@ def test_full_disk_during_weights_saves_names_the_path_and_exits_cleanly(
     # Broke: libhdf5 failed a write (EFBIG), the save raised, and the
     # process segfaulted at exit (return code -11), leaving a temporary
     # file. Now the h5 file is made in memory and written by Python.
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3",
-               PYTHONPATH=os.path.dirname(os.path.dirname(
-                   os.path.abspath(__file__))))
-    result = subprocess.run(
-        [sys.executable, "-c", _FULL_DISK, str(tmp_path)], env=env,
-        capture_output=True, text=True, timeout=300)
+    result = warm.run(["-c", _FULL_DISK, str(tmp_path)], warm.env(),
+                      timeout=300)
     assert result.returncode == 0, (result.returncode, result.stderr[-3000:])
     lines = [l for l in result.stdout.splitlines() if l.startswith("ERROR")]
     weights = str(tmp_path / "full.weights.h5")
@@ -504,12 +501,8 @@ def test_v_and_interleaved_files_load_on_two_devices(devices, tmp_path):
         names.append(name)
         expected[name] = model.predict(x, verbose=0)
     np.save(tmp_path / "x.npy", x)
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3",
-               PYTHONPATH=os.path.dirname(os.path.dirname(
-                   os.path.abspath(__file__))))
-    result = subprocess.run(
-        [sys.executable, "-c", _FEWER_DEVICES, str(tmp_path / "x.npy"),
-         *names], env=env, capture_output=True, text=True, timeout=300)
+    result = warm.run(["-c", _FEWER_DEVICES, str(tmp_path / "x.npy"),
+                       *names], warm.env(), timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
     zbv, inter = report[names[0]], report[names[1]]
@@ -635,12 +628,7 @@ def test_worker_out_of_memory_is_named(when):
     # Broke: at build a ValueError "stages[1] cannot take the output of
     # stages[0] ... Connection reset by peer"; during fit a
     # WorkerUnavailableError naming the task but no stage and no memory.
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3",
-               PYTHONPATH=os.path.dirname(os.path.dirname(
-                   os.path.abspath(__file__))))
-    result = subprocess.run(
-        [sys.executable, "-c", _OUT_OF_MEMORY, when], env=env,
-        capture_output=True, text=True, timeout=600)
+    result = warm.run(["-c", _OUT_OF_MEMORY, when], warm.env(), timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     error = [l for l in result.stdout.splitlines() if l.startswith("ERROR")]
     pid = [l.split()[1] for l in result.stdout.splitlines()

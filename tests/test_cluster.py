@@ -244,6 +244,36 @@ def test_after_an_error_a_silent_task_is_not_lost_a_closed_port_is():
         assert cluster_lib._gone(tasks) == {"down": down}
 
 
+def test_an_abort_tf_flags_as_a_restart_names_the_restarted_task():
+    """A fit on a model built before task 1 restarted raised, under load,
+    TF's AbortedError as a stage's error ("Stage 1 ('sequential_1') on
+    /job:worker/...") instead of a lost worker: its text had none of the
+    restart signs. TF flags such errors with a `WorkerPossiblyRestarted`
+    payload, and its session and graph managers say "... just restarted"."""
+    tasks = {f"/job:worker/replica:0/task:{t}": f"127.0.0.1:{2220 + t}"
+             for t in range(2)}
+    task_1 = {"/job:worker/replica:0/task:1": "127.0.0.1:2221"}
+    payload = {b"type.googleapis.com/tensorflow.distributed_runtime."
+               b"WorkerPossiblyRestarted": b""}
+    session = tf.errors.AbortedError(
+        None, None, "Session handle is not found: 5e1f. Possibly this worker "
+        '("/job:worker/replica:0/task:1") just restarted.', payload)
+    assert cluster_lib._restarted(session, tasks) == task_1
+    # The payload alone: a stage's node, no task and no sign in the text.
+    flagged = tf.errors.AbortedError(
+        None, None, "Graph execution error:\n\n[[{{node stage1/mb0/forward/"
+        "dense/MatMul}}]]", payload)
+    assert cluster_lib._restarted(flagged, tasks) == tasks
+    graph = tf.errors.AbortedError(
+        None, None, "Graph handle is not found: 7. Possibly, this worker just "
+        "restarted.")
+    assert cluster_lib._restarted(graph, tasks) == tasks
+    # An abort that says nothing of a restart stays the stage's error.
+    assert cluster_lib._restarted(tf.errors.AbortedError(
+        None, None, "[[{{node stage1/mb0/forward/dense/MatMul}}]]"),
+        tasks) == {}
+
+
 def test_watchdog_probe_keeps_its_channel_and_sees_a_stop(workers):
     """One channel per task while it answers; a stopped one is silent in
     time, a port with no server is down."""
@@ -453,13 +483,11 @@ def assert_lost_task_1(result, workers):
 
 def test_worker_restarted_between_calls(workers):
     """Restart task 1 between two fits: a named error, then a clear rebuild."""
-    proc = subprocess.Popen(
-        [sys.executable, SCENARIOS, "restart", "--cluster", workers.spec],
-        env=_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    proc = warm.start([SCENARIOS, "restart", "--cluster", workers.spec],
+                      _env(), cwd=ROOT)
     try:
-        line = proc.stdout.readline()
-        assert line.strip() == "READY", line + proc.stderr.read()[-3000:]
+        line = proc.readline(timeout=240)
+        assert line.strip() == "READY", line + proc.stderr()[-3000:]
         victim = workers.procs[1]
         victim.kill()
         victim.wait(timeout=30)
@@ -468,9 +496,7 @@ def test_worker_restarted_between_calls(workers):
         out, err = proc.communicate("go\n", timeout=240)
         assert proc.returncode == 0, err[-3000:]
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(timeout=30)
+        proc.kill()
     result = json.loads(out.strip().splitlines()[-1])
     task, address = "/job:worker/replica:0/task:1", workers.addresses[1]
     for key in ("same_model", "predict", "reconnected_same_model"):
@@ -505,14 +531,13 @@ def test_hung_worker_ends_fit_in_bounded_time(workers):
 def test_worker_killed_during_fit_then_resume(workers, tmp_path):
     """Kill task 1 by PID mid-fit; restart it; fit again resumes exactly."""
     victim = workers.procs[1]
-    proc = subprocess.Popen(
-        [sys.executable, SCENARIOS, "resume", "--cluster", workers.spec,
-         "--kill-pid", str(victim.pid), "--backup", str(tmp_path / "backup")],
-        env=_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    proc = warm.start(
+        [SCENARIOS, "resume", "--cluster", workers.spec, "--kill-pid",
+         str(victim.pid), "--backup", str(tmp_path / "backup")], _env(),
+        cwd=ROOT)
     try:
-        line = proc.stdout.readline()
-        assert line.startswith("LOST "), line + proc.stderr.read()[-3000:]
+        line = proc.readline(timeout=240)
+        assert line.startswith("LOST "), line + proc.stderr()[-3000:]
         lost = json.loads(line[len("LOST "):])
         assert victim.wait(timeout=30) == -signal.SIGKILL
         assert_lost_task_1(lost, workers)
@@ -521,9 +546,7 @@ def test_worker_killed_during_fit_then_resume(workers, tmp_path):
         out, err = proc.communicate("go\n", timeout=240)
         assert proc.returncode == 0, err[-3000:]
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(timeout=30)
+        proc.kill()
     result = json.loads(out.strip().splitlines()[-1])
     assert result["resumed_epochs"] == [2, 3]
     assert result["weights_max_diff"] == 0.0, result

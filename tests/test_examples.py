@@ -1,7 +1,8 @@
 """The examples run end to end offline, and their SavedModels serve elsewhere.
 
 Each example trains two steps on `tfds.testing.mock_data` with tiny sizes in
-a subprocess (it needs its own logical CPU devices), evaluates, exports, and
+a child of a warm process (it needs its own logical CPU devices,
+`tests/support/warm.py`), evaluates, exports, and
 a second, fresh process loads the SavedModel and calls its signature: no
 keras_pipe, no example code and one CPU device there. The example's serving
 snippets of examples/README.md then run on the same export
@@ -22,7 +23,7 @@ sys.path.insert(0, EXAMPLES)
 
 import common  # noqa: E402
 
-from tests.support import snippets  # noqa: E402
+from tests.support import snippets, warm  # noqa: E402
 
 pytestmark = pytest.mark.slow  # the fast tier: `-m "not slow"`
 
@@ -35,8 +36,14 @@ def _env():
 
 
 def _run(args, cwd, timeout=240):
-    result = subprocess.run([sys.executable] + args, cwd=cwd, env=_env(),
-                            capture_output=True, text=True, timeout=timeout)
+    """Runs `python *args`; a fresh interpreter for the serving scripts
+    (no keras_pipe there), a child of the warm process for an example."""
+    if args[0] == "-c":
+        result = subprocess.run([sys.executable] + args, cwd=cwd, env=_env(),
+                                capture_output=True, text=True,
+                                timeout=timeout)
+    else:
+        result = warm.run(args, warm.env(), cwd=cwd, timeout=timeout)
     assert result.returncode == 0, (result.stdout[-3000:]
                                     + result.stderr[-5000:])
     return result.stdout

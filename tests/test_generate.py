@@ -172,6 +172,14 @@ def test_compile_with_a_sampler_still_trains_and_is_saved(devices):
     assert other._sampler.k == 1
 
 
+@pytest.fixture(scope="module")
+def bad_sampler_pair():
+    """One GPT-2 pair for the bad samplers: each is refused before Keras'
+    compile, so the pipeline stays uncompiled from case to case."""
+    from tests.conftest import DEVICES
+    return _pair(list(DEVICES), _gpt2)
+
+
 @pytest.mark.parametrize("sampler, error, match", [
     ("topk", ValueError, "Unknown sampler 'topk'.*'greedy', 'top_k'"),
     ("Greedy", ValueError, "Unknown sampler 'Greedy'"),
@@ -181,8 +189,10 @@ def test_compile_with_a_sampler_still_trains_and_is_saved(devices):
     (keras_hub.samplers.BeamSampler(num_beams=2), ValueError,
      "BeamSampler runs its own loop.*pipe.to_model\\(\\).generate"),
 ], ids=["unknown", "uppercase", "int", "class", "beam"])
-def test_bad_sampler_fails_at_compile(devices, sampler, error, match):
-    model, pipe = _pair(devices, _gpt2)
+def test_bad_sampler_fails_at_compile(bad_sampler_pair, sampler, error,
+                                      match):
+    model, pipe = bad_sampler_pair
+    model.compile(sampler="greedy")  # as `_pair` made it
     with pytest.raises(error, match=match):
         pipe.compile(optimizer="sgd", sampler=sampler)
     assert not pipe.compiled  # raised before Keras' compile
@@ -272,8 +282,12 @@ def test_exported_decode_loop_keeps_devices_and_tokens(devices, tmp_path):
     found = set().union(*saved_devices(str(tmp_path / "free")).values())
     for device in devices[:2]:
         assert any(d.endswith(device.split("device:")[-1]) for d in found)
-    with pytest.raises(ValueError, match="batch_size must be an int"):
+    with pytest.raises(ValueError, match=r"batch_size must be >= 1. "
+                       r"Received: batch_size=0"):
         pipe.export_generate(str(tmp_path / "x"), 0, SEQ)
+    with pytest.raises(TypeError, match=r"sequence_length must be an int. "
+                       r"Received: sequence_length=8.0"):
+        pipe.export_generate(str(tmp_path / "x"), 5, 8.0)
     with pytest.raises(ValueError, match="stop_token_ids must be None"):
         pipe.export_generate(str(tmp_path / "x"), 5, SEQ,
                              stop_token_ids=["end"])

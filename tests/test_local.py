@@ -8,8 +8,6 @@ and after a Ctrl-C (SIGINT) that arrives while the block runs.
 
 import os
 import signal
-import subprocess
-import sys
 import textwrap
 import time
 
@@ -19,6 +17,7 @@ import keras_pipe
 from keras_pipe import _compat
 from keras_pipe.distributed import local
 from keras_pipe.engine import products
+from tests.support import warm
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -214,20 +213,23 @@ _SCRIPT = textwrap.dedent("""
 
 
 def _run(mode, interrupt=False):
-    """Runs the script; returns (output lines by tag, return code)."""
-    env = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="3")
+    """Runs the script in a child of the warm process
+    (`tests/support/warm.py`); returns (output lines by tag, return code,
+    stderr)."""
+    env = warm.env()
     env.pop("TF_ENABLE_ONEDNN_OPTS", None)  # the default environment
-    proc = subprocess.Popen([sys.executable, "-c", _SCRIPT, mode], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+    child = warm.start(["-c", _SCRIPT, mode], env)
     lines = {}
-    for line in proc.stdout:
-        tag, _, rest = line.strip().partition(" ")
-        lines[tag] = rest
-        if interrupt and tag == "WAITING":
-            proc.send_signal(signal.SIGINT)
-    _, stderr = proc.communicate(timeout=120)
-    return lines, proc.returncode, stderr
+    try:
+        while line := child.readline(timeout=120):
+            tag, _, rest = line.strip().partition(" ")
+            lines[tag] = rest
+            if interrupt and tag == "WAITING":
+                os.kill(child.pid, signal.SIGINT)
+        _, stderr = child.communicate("", timeout=120)
+    finally:
+        child.kill()
+    return lines, child.returncode, stderr
 
 
 def _alive(pid):

@@ -5,16 +5,13 @@ log), not from what the code asked for.
 """
 
 import json
-import os
 import re
-import subprocess
-import sys
 
 import keras
 import pytest
 import tensorflow as tf
 
-from tests.support import helpers
+from tests.support import helpers, warm
 
 pytestmark = pytest.mark.slow  # the fast tier: `-m "not slow"`
 
@@ -22,11 +19,10 @@ PLACER_LINE = re.compile(r"placer\.cc:\d+\] (\S+): \((\w+)\): (\S+)$")
 
 
 def run_placement_script(remat, *policy):
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="0")
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.support.placement_script", remat, *policy],
-        capture_output=True, text=True, env=env, timeout=300,
-        cwd=os.path.dirname(os.path.dirname(__file__)))
+    # Children of one warm process that logs TF's placement (level 0).
+    proc = warm.run(
+        ["-m", "tests.support.placement_script", remat, *policy],
+        dict(warm.env(), TF_CPP_MIN_LOG_LEVEL="0"), timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.split("RESULT ", 1)[1])
     ops = [m.groups() for m in map(PLACER_LINE.search,

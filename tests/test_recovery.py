@@ -15,7 +15,6 @@ import json
 import os
 import pathlib
 import subprocess
-import sys
 import time
 
 import keras
@@ -292,9 +291,7 @@ def test_the_docs_example_runs():
     text = (ROOT / "docs" / "reliability.md").read_text()
     section = text.split("## Lost workers: fit goes on", 1)[1]
     snippet = section.split("```python\n", 1)[1].split("```", 1)[0]
-    result = subprocess.run([sys.executable, "-c", snippet], env=_env(),
-                            capture_output=True, text=True, timeout=900,
-                            cwd=ROOT)
+    result = warm.run(["-c", snippet], _env(), cwd=ROOT, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
 
 

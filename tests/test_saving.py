@@ -5,8 +5,6 @@ import io
 import json
 import os
 import pathlib
-import subprocess
-import sys
 import textwrap
 import zipfile
 
@@ -572,18 +570,15 @@ def test_kill_during_checkpoint_keeps_the_previous_file(devices, tmp_path,
                                                         fmt):
     """SIGKILL a child at 3 points of a 70 MB ModelCheckpoint save."""
     from tests.support import save_scenarios
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3",
-               KERAS_BACKEND="tensorflow",
-               PYTHONPATH=str(pathlib.Path(__file__).resolve().parents[1]))
     points = ["first_write", "middle_write", "rename"]
     suffix = ".keras" if fmt == "keras" else ".weights.h5"
-    procs = {point: subprocess.Popen(
-        [sys.executable, SAVE_SCENARIOS, str(tmp_path / f"{point}{suffix}"),
-         fmt, point], env=env, stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True) for point in points}
+    # Children of the warm process (tests/support/warm.py), one at a time.
+    done = {point: warm.run(
+        [SAVE_SCENARIOS, str(tmp_path / f"{point}{suffix}"), fmt, point],
+        warm.env(), timeout=300) for point in points}
     model = save_scenarios.make_model(devices[:2])
-    for point, proc in procs.items():
-        out, err = proc.communicate(timeout=300)
+    for point, proc in done.items():
+        out, err = proc.stdout, proc.stderr
         assert out.splitlines() == ["SAVED"], (point, out, err[-2000:])
         assert proc.returncode == -9, (point, err[-2000:])
         path = str(tmp_path / f"{point}{suffix}")

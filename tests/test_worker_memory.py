@@ -29,7 +29,7 @@ import sys
 
 import pytest
 
-from tests.support import tools
+from tests.support import tools, warm
 
 pytestmark = pytest.mark.slow
 
@@ -158,9 +158,7 @@ def test_an_idle_worker_holds_no_tensorflow_python_package():
         assert "serving /job:worker" in worker.stdout.readline()
         assert _tf_python_objects(worker.pid) == []
         before = _status(worker.pid)
-        client = subprocess.run([sys.executable, "-c", _CLIENT, address],
-                                env=env, capture_output=True, text=True,
-                                timeout=300)
+        client = warm.run(["-c", _CLIENT, address], warm.env(), timeout=300)
         assert client.stdout.split() == ["4096.0"], client.stderr[-2000:]
         after = _status(worker.pid)
         assert _tf_python_objects(worker.pid) == []

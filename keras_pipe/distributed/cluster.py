@@ -75,10 +75,18 @@ class WorkerRestartedError(WorkerUnavailableError):
     """
 
 
-# What TF says when a worker process was replaced after `connect`.
+# What TF says when a worker process was replaced after `connect`: a
+# context, session, graph or device incarnation it no longer knows. Most
+# of these errors also carry TF's `WorkerPossiblyRestarted` payload, and
+# an error with that payload is a restart whatever its text (a step's
+# error can name a stage's node and no sign, "Session handle is not found:
+# ... Possibly this worker (...) just restarted" among others).
 _RESTART_SIGNS = ("device incarnation", "was probably restarted",
                   "Unable to find a context_id", "worker was restarted",
+                  "just restarted", "server has restarted",
                   "relevant tensor remote_handle")
+_RESTART_PAYLOAD = (b"type.googleapis.com/"
+                    b"tensorflow.distributed_runtime.WorkerPossiblyRestarted")
 _TASK = re.compile(r"/job:[\w.-]+/replica:\d+/task:\d+")
 
 
@@ -708,8 +716,11 @@ def _first_line(error):
 
 def _restarted(error, tasks):
     """The tasks of `tasks` that `error` says were restarted, else {}."""
+    if not isinstance(error, tf.errors.OpError):
+        return {}
     text = str(error)
-    if not isinstance(error, tf.errors.OpError) or not any(
+    payloads = getattr(error, "experimental_payloads", None) or {}
+    if _RESTART_PAYLOAD not in payloads and not any(
             sign in text for sign in _RESTART_SIGNS):
         return {}
     named = {name: tasks[name] for name in _TASK.findall(text)

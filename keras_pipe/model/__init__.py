@@ -4,8 +4,9 @@
 methods); `building` builds it before the first trace, `calls` routes
 `fit`, `evaluate` and `predict`, `first_batch` makes the choices left to
 the pipeline when it first sees a batch, `inference` runs `predict` and
-`evaluate` as streams of micro-batches, and `generation` runs a KerasHub
-causal LM's `generate` through the stages.
+`evaluate` as streams of micro-batches, `generation` runs a KerasHub
+causal LM's `generate` through the stages, and `replication` runs
+data-parallel copies of the pipeline.
 """
 
 from keras_pipe.model.pipeline import PipelineModel

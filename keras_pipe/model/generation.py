@@ -44,7 +44,7 @@ import contextlib
 import keras
 import tensorflow as tf
 
-from keras_pipe import _compat
+from keras_pipe import _compat, _validation
 from keras_pipe.engine import microbatch, placement
 from keras_pipe.model import sampling
 
@@ -470,12 +470,8 @@ def export(pipe, filepath, batch_size, sequence_length,
            num_micro_batches=None, stop_token_ids=None, verbose=None):
     """`PipelineModel.export_generate`: the pipelined decode loop as a
     SavedModel endpoint, its variables kept on their devices."""
-    for name, value in (("batch_size", batch_size),
-                        ("sequence_length", sequence_length)):
-        if isinstance(value, bool) or not isinstance(value, int) \
-                or value < 1:
-            raise ValueError(f"{name} must be an int >= 1. Received: "
-                             f"{name}={value!r}")
+    _validation.check_positive_int("batch_size", batch_size)
+    _validation.check_positive_int("sequence_length", sequence_length)
     if stop_token_ids is not None:
         stop_token_ids = tuple(stop_token_ids)
         if not all(isinstance(t, int) and not isinstance(t, bool)

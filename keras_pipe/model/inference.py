@@ -232,10 +232,9 @@ class InferenceMethods:
 
         Raises:
             TypeError: if the pipeline was not cut from a KerasHub
-                `CausalLM`.
-            ValueError: for a size that is not an int >= 1, too few
-                `num_micro_batches`, or `stop_token_ids` not a list of
-                ints.
+                `CausalLM`, or a size is not an int.
+            ValueError: for a size below 1, too few `num_micro_batches`,
+                or `stop_token_ids` not a list of ints.
         """
         from keras_pipe.model import generation  # noqa: PLC0415 (KerasHub only)
         return generation.export(

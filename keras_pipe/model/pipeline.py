@@ -7,13 +7,13 @@ from keras_pipe import _validation, reporting
 from keras_pipe.engine import building, in_place, placement, release
 from keras_pipe.engine import executor as executor_lib
 from keras_pipe.engine import losses as losses_lib
-from keras_pipe.engine import replicas as replicas_lib
 from keras_pipe.engine.schedule import schedule_names
 from keras_pipe.engine.stage import Stage
 from keras_pipe.model import first_batch, sampling
 from keras_pipe.model.building import BuiltFirst
 from keras_pipe.model.calls import Calls
 from keras_pipe.model.inference import InferenceMethods
+from keras_pipe.model.replication import Replication
 from keras_pipe.planning import choices, planner
 from keras_pipe.saving import files as saving
 from keras_pipe.saving import model_io
@@ -28,7 +28,8 @@ _not_autograph = tf.autograph.experimental.do_not_convert
 
 @keras.saving.register_keras_serializable(package="keras_pipe")
 class PipelineModel(first_batch.FirstBatchChoices, model_io.SavingMethods,
-                    BuiltFirst, Calls, InferenceMethods, keras.Model):
+                    BuiltFirst, Calls, InferenceMethods, Replication,
+                    keras.Model):
     """A Keras model cut into stages that run as a GPipe pipeline.
 
     Each stage lives on its own device. A mini-batch is cut into
@@ -438,31 +439,3 @@ class PipelineModel(first_batch.FirstBatchChoices, model_io.SavingMethods,
     def predict_step(self, data):
         self._ensure_built(keras.utils.unpack_x_y_sample_weight(data)[0])
         return super().predict_step(data)
-
-    # ------------------------------------------------- data parallel replicas
-    @property
-    def num_replicas(self):
-        return self._executor.num_replicas
-
-    def replicate(self, devices):
-        """Runs R copies of the pipeline on `R * K` devices, data parallel.
-
-        Replica `r` runs stage `j` on `devices[r * K + j]` on its shard of
-        each global batch (`M` micro-batches of `R * M`); gradients are
-        summed over replicas on each variable's device before the one
-        optimizer step (see `keras_pipe.engine.replicas`). The first `K` devices
-        must be the model's own. `replicate(model.devices)` undoes it.
-
-        ```python
-        model = keras_pipe.PipelineModel(stages, devices=devices[:2],
-                                         num_micro_batches=4)
-        model.replicate(devices[:4])    # 2 replicas x 2 stages
-        ```
-
-        Raises:
-            TypeError, ValueError: see `keras_pipe.engine.replicas.make_runners`.
-        """
-        self._executor.replicas = replicas_lib.make_runners(
-            self._runners, devices)
-        self.train_function = self.test_function = None
-        self.predict_function = None

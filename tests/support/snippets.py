@@ -29,8 +29,6 @@ fresh TensorFlow runtime and Keras state, without importing them again.
 import os
 import re
 import shlex
-import subprocess
-import sys
 import textwrap
 
 from tests.support import warm
@@ -160,8 +158,8 @@ def _env():
 
 
 def _run(argv, cwd, timeout=900):
-    proc = subprocess.run(argv, cwd=cwd, env=_env(), capture_output=True,
-                          text=True, timeout=timeout)
+    """Runs `python *argv` in a child of the warm process."""
+    proc = warm.run(argv, _env(), cwd, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
 
 
@@ -175,7 +173,7 @@ def _export_saved_models(code, cwd):
             f"A snippet loads {path!r}, but no README command writes it "
             f"(--export {path}); commands found: {sorted(commands)}")
         script = os.path.join(ROOT, commands[path][1])
-        _run([sys.executable, script, "--mock-data", "--steps", "1",
+        _run([script, "--mock-data", "--steps", "1",
               "--eval-steps", "1", "--num-stages", "2",
               "--num-micro-batches", "2", "--export", path], cwd)
 
