@@ -417,6 +417,7 @@ def test_fit_scale_finds_the_scale_of_a_measured_step():
     assert autoplan.fit_scale(lambda s: 0.02 + s, 0.01) == 1 / 16
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("receive, weight_call", [(0.0, 0.0), (4e-6, 1e-6)])
 def test_calibration_makes_the_trained_configurations_predict_their_steps(
         devices, monkeypatch, receive, weight_call):
@@ -625,6 +626,7 @@ def test_a_calibration_fit_issues_each_steps_calls_once(devices, monkeypatch):
     assert len(calibrated) == len(plain)
 
 
+@pytest.mark.slow
 def test_a_search_lets_go_of_its_timing_loops_and_their_weight_copies(
         devices, tmp_path, monkeypatch):
     """The timing loops hold a copy of each layer's weights on the device
@@ -638,6 +640,7 @@ def test_a_search_lets_go_of_its_timing_loops_and_their_weight_copies(
     assert not profiling._LOOPS
 
 
+@pytest.mark.slow
 def test_a_search_holds_one_layer_calls_timing_loops_at_a_time(
         devices, tmp_path, monkeypatch):
     """Measured one layer call at a time over every row count, the device

@@ -156,6 +156,7 @@ print(json.dumps({"kept": kept, "busy": busy, "after": resident() - before,
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("trim", [False, True])
 def test_return_trims_free_pages_between_live_blocks_when_idle(trim):
     out = subprocess.run(

@@ -169,6 +169,7 @@ def timed_forward(devices, num_stages, num_micro_batches, seconds):
     return min(elapsed), log, batch // num_micro_batches
 
 
+@pytest.mark.slow
 def test_stages_overlap_as_the_schedule_says(devices):
     # K stages, M micro-batches, each stage-time t: the pipeline takes
     # about (M + K - 1) t, a sequential run M K t. Sleeping does not use
