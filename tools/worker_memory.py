@@ -216,16 +216,15 @@ def measure(args):
     common = ["--width", str(args.width), "--depth", str(args.depth),
               "--optimizer", args.optimizer, "--steps", str(args.steps),
               "--num-micro-batches", str(args.num_micro_batches),
-              "--remat", args.remat, "--heap", args.heap,
-              "--schedule", args.schedule] + (
+              "--remat", args.remat, "--schedule", args.schedule] + (
                   ["--defaults"] if args.defaults else []) + (
                   ["--placement", args.placement, "--sizes", args.sizes]
                   if args.placement else [])
-    unsplit = _run(["--child", "unsplit"] + common)
+    heap = ["--heap", args.heap]
+    unsplit = _run(["--child", "unsplit"] + common + heap)
     # And as plain Keras runs it: glibc's heap, TF's own allocators.
     plain = unsplit if args.heap == "glibc" else _run(
-        ["--child", "unsplit"] + common[:common.index("--heap")] + [
-            "--heap", "glibc"] + common[common.index("--heap") + 2:])
+        ["--child", "unsplit"] + common + ["--heap", "glibc"])
     cluster = [f"127.0.0.1:{_free_port()}" for _ in range(2)]
     workers = [subprocess.Popen(
         [sys.executable, "-m", "keras_pipe.distributed.worker", "--task", str(t),
@@ -236,7 +235,7 @@ def measure(args):
     try:
         client = _run(["--child", "client", "--cluster", ",".join(cluster),
                        "--pids", ",".join(str(w.pid) for w in workers)]
-                      + common)
+                      + common + heap)
     finally:
         for w in workers:
             w.kill()
