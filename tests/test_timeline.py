@@ -10,7 +10,7 @@ import tensorflow as tf
 
 import keras_pipe
 from keras_pipe import timeline
-from tests.support import warm
+from tests.support import tools
 
 pytestmark = pytest.mark.slow  # the fast tier: `-m "not slow"`
 
@@ -186,17 +186,15 @@ def test_consecutive_recorded_steps_share_one_traced_function(devices,
     assert model.step_observer is None
 
 
-def test_timeline_tool_places_a_v_schedule_on_half_the_devices(tmp_path):
-    # tools/timeline.py in its own process (it creates the logical devices):
-    # zbv's 4 stages on 2 devices in a V, a warm step drawn.
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    done = warm.run(
-        [os.path.join(root, "tools", "timeline.py"),
-         "--schedule", "zbv", "--num-micro-batches", "2", "--batch-size",
-         "64", "--out", str(tmp_path), "--name", "v"], warm.env(),
-        timeout=600)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert "measured bubble" in done.stdout
+def test_timeline_tool_places_a_v_schedule_on_half_the_devices(
+        tmp_path, capsys):
+    # zbv's 4 stages on the first 2 of this process's devices in a V, a
+    # warm step drawn.
+    tools.load("timeline").main(
+        ["--schedule", "zbv", "--num-micro-batches", "2", "--batch-size",
+         "64", "--out", str(tmp_path), "--name", "v"])
+    done = capsys.readouterr()
+    assert "measured bubble" in done.out
     trace = json.loads((tmp_path / "v.trace.json").read_text())
     rows = sorted(e["args"]["name"] for e in trace["traceEvents"]
                   if e["ph"] == "M")

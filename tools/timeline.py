@@ -9,7 +9,9 @@ Runs the demo's model (`keras_pipe.demo`) through `fit` with the
 `NAME.trace.json` (chrome://tracing) to `--out` (`--name`, default
 `timeline`). Without GPUs the
 stages run on logical CPU devices, which share the machine's cores: the
-picture shows the schedule, not a speed-up. Schedules that run several
+picture shows the schedule, not a speed-up. Called from a process that
+already has enough logical CPU devices (a test, a notebook), `main` uses
+the first of them. Schedules that run several
 stages per device (`interleaved_1f1b`, `zbv`) get `--num-devices` devices
 (default: half the stages for them, else one per stage), in the order the
 schedule needs.
@@ -22,6 +24,20 @@ import sys
 import tempfile
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+
+def _logical_devices(num_devices):
+    """`num_devices` logical CPU devices: made here, or the first of those
+    this process already has."""
+    import tensorflow as tf
+
+    import keras_pipe
+    try:
+        return keras_pipe.logical_cpu_devices(num_devices)
+    except RuntimeError:
+        if len(tf.config.list_logical_devices("CPU")) < num_devices:
+            raise
+        return [f"/device:CPU:{k}" for k in range(num_devices)]
 
 
 def main(argv=None):
@@ -45,7 +61,7 @@ def main(argv=None):
     if num_devices is None:
         num_devices = (args.num_stages // 2 if entry.placement
                        else args.num_stages)
-    logical = keras_pipe.logical_cpu_devices(num_devices)
+    logical = _logical_devices(num_devices)
     devices = [logical[d] for d in schedule_lib.stage_placement(
         args.num_stages, num_devices, entry.placement or "loop")]
     import keras
