@@ -279,8 +279,8 @@ def test_an_embeddings_gradient_is_timed_as_its_rows():
     x = keras.Input((8,), dtype="int32")
     model = keras.Model(x, keras.layers.Embedding(50, 8)(x))
     call = graph_lib.read_graph(model).calls[0]
-    _, _, run_all = profiling._functions(call, training=True)
-    flat = [tf.zeros((4, 8), "int32")]
+    (_, _, run_all), copies = profiling._functions(call, training=True)
+    flat = [tf.zeros((4, 8), "int32")] + copies
     outputs = tf.function(run_all)(flat)
     assert outputs and all(isinstance(t, tf.Tensor) for t in outputs)
 
@@ -658,6 +658,37 @@ def test_a_search_holds_one_layer_calls_timing_loops_at_a_time(
     autoplan.search(_mlp(depth=2), devices=devices[:2], batch_size=16,
                     micro_batch_choices=(1, 2), calibrate=False)
     assert held and max(held) == 1, held
+
+
+def test_timing_loops_free_their_weight_copies_without_a_collection(
+        devices, tmp_path, monkeypatch):
+    """The copies of a layer's weights the timing loops read on the device
+    are freed when the loops are let go, with the cyclic collector off: a
+    full collection per layer call (what freed them when the traced
+    loops captured them) walks a long-lived process's whole heap."""
+    import gc
+    import weakref
+    monkeypatch.setattr(profiling, "cache_path",
+                        lambda: tmp_path / "costs.json")
+    made, functions = [], profiling._functions
+
+    def keeping(call, training, device=None):
+        loops, copies = functions(call, training, device)
+        made.extend(weakref.ref(c) for c in copies)
+        return loops, copies
+
+    monkeypatch.setattr(profiling, "_functions", keeping)
+    graph = graph_lib.read_graph(_mlp(depth=2, width=16))
+    gc.collect()
+    gc.disable()
+    try:
+        profiling.call_costs_at(graph, [2, 4], devices[1], target=1e-4,
+                                repeats=1, cache=False)
+        alive = sum(r() is not None for r in made)
+    finally:
+        gc.enable()
+    assert len(made) == 6  # 3 Dense layers, a kernel and a bias each
+    assert alive == 0, f"{alive} of {len(made)} weight copies still held"
 
 
 @pytest.mark.parametrize("slack, trains", [(1e-9, False), (1e9, True)])

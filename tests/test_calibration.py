@@ -103,10 +103,11 @@ def test_a_timed_loop_reads_no_variable_inside():
     x = keras.Input((16,))
     graph = graph_lib.read_graph(keras.Model(x, keras.layers.Dense(8)(x)))
     call = graph.calls[0]
+    loops, copies = profiling._loops(call, True, None)
     inputs = [cost_lib.sample_input(t, 4, None) for t in call.inputs]
-    for loop in profiling._loops(call, True, None):
+    for loop in loops:
         definition = loop.get_concrete_function(
-            tf.constant(2), *inputs).graph.as_graph_def()
+            tf.constant(2), *inputs, *copies).graph.as_graph_def()
         ops = [n.op for n in definition.node] + [
             n.op for f in definition.library.function for n in f.node_def]
         assert "While" in ops or "StatelessWhile" in ops

@@ -20,7 +20,6 @@ Where nothing can be measured (`measure=False`), costs come from FLOPs at
 
 import contextlib
 import dataclasses
-import gc
 import hashlib
 import importlib
 import importlib.util
@@ -211,7 +210,7 @@ def _probe(outputs):
     return tf.clip_by_value(total, -1.0, 1.0)
 
 
-def _loop(body, device=None):
+def _loop(body, device=None, moved=None):
     """A tf.function running `body(flat)` `n` times in a `tf.while_loop`,
     every op of it on `device`.
 
@@ -220,15 +219,19 @@ def _loop(body, device=None):
     loop runs on the device without a call per run: one call's own cost
     (a remote call's round trip) is paid once however large `n` is. The
     whole loop is pinned to `device`: a loop counter left on the client
-    would make every run a round trip to a remote device.
+    would make every run a round trip to a remote device. Only the first
+    `moved` tensors of `flat` (all by default) take the edge; the rest
+    (a layer's weights) are read as given, as a stage reads its variables.
     """
     @tf.function(reduce_retracing=True)  # one trace for most row counts
     def run(n, *flat):
+        limit = len(flat) if moved is None else moved
         with tf.device(device) if device else contextlib.nullcontext():
             def step(count, probe):
-                moved = [t + tf.cast(probe * 0.0, t.dtype)
-                         if t.dtype.is_floating else t for t in flat]
-                return count + 1, _probe(body(moved))
+                edge = [t + tf.cast(probe * 0.0, t.dtype)
+                        if k < limit and t.dtype.is_floating else t
+                        for k, t in enumerate(flat)]
+                return count + 1, _probe(body(edge))
 
             _, probe = tf.while_loop(lambda count, _: count < n, step,
                                      [tf.constant(0), tf.constant(0.0)])
@@ -252,13 +255,18 @@ def _dense(gradients):
 
 def _functions(call, training, device=None):
     """Three tf.functions: forward; forward and input gradients; forward
-    and all gradients. Stateless: the model's variables do not change.
+    and all gradients, each of `flat`, the call's inputs followed by the
+    values of its variables; and those values. Stateless: the model's
+    variables do not change.
 
     The layer reads copies of its variables made on `device` once (a
     `keras.StatelessScope` mapping), as a stage reads the variables placed
     with it: the model's own variables live on the client, and reading
     them from a remote device would time a transfer of every weight at
-    every run.
+    every run. The copies are arguments of the functions, not captured by
+    their graphs: whoever holds the copies holds the device memory, and
+    it is freed when they let go, without a garbage collection of the
+    traced functions' reference cycles.
     """
     operation = call.operation
     variables = list(getattr(operation, "variables", None) or [])
@@ -266,6 +274,7 @@ def _functions(call, training, device=None):
                                          None) or [])}
     with tf.device(device) if device else contextlib.nullcontext():
         copies = [tf.identity(v.value) for v in variables]
+    count = len(call.inputs)
 
     def forward(flat, values):
         tensors = {id(x): t for x, t in zip(call.inputs, flat)}
@@ -280,22 +289,22 @@ def _functions(call, training, device=None):
         return tf.add_n(terms) if terms else tf.constant(0.0)
 
     def run_forward(flat):
-        return forward(flat, copies)
+        return forward(flat[:count], flat[count:])
 
     def gradients(flat, weights):
-        values = list(copies)
+        inputs, values = list(flat[:count]), list(flat[count:])
         with tf.GradientTape() as tape:
-            for t in flat:
+            for t in inputs:
                 if t.dtype.is_floating:
                     tape.watch(t)
-            sources = [t for t in flat if t.dtype.is_floating]
+            sources = [t for t in inputs if t.dtype.is_floating]
             if weights:
-                values = [tf.identity(t) for t in copies]
+                values = [tf.identity(t) for t in values]
                 for v, t in zip(variables, values):
                     if id(v) in trainable:
                         tape.watch(t)
                         sources.append(t)
-            y = loss(forward(flat, values))
+            y = loss(forward(inputs, values))
         return _dense(tape.gradient(y, sources)) + [y]
 
     def run_input(flat):
@@ -304,41 +313,38 @@ def _functions(call, training, device=None):
     def run_all(flat):
         return gradients(flat, True)
 
-    return run_forward, run_input, run_all
+    return (run_forward, run_input, run_all), copies
 
 
-_LOOPS = {}  # (id(call), training, device) -> (call, its three loops)
+_LOOPS = {}  # (id(call), training, device) -> (call, its loops, copies)
 
 
 def _loops(call, training, device):
-    """The `_loop`s of `_functions(call, ...)`, made once per call and
-    device and kept until released (`_release_loops_of`, `release_loops`):
-    a search measures each call at several row counts, and tracing
-    dominates measuring."""
+    """The `_loop`s of `_functions(call, ...)` and the weight copies they
+    read, made once per call and device and kept until released
+    (`_release_loops_of`, `release_loops`): a search measures each call at
+    several row counts, and tracing dominates measuring."""
     key = (id(call), training, device)
     if key not in _LOOPS or _LOOPS[key][0] is not call:
         if len(_LOOPS) > 1024:  # another model's: let them go
             _LOOPS.clear()
-        _LOOPS[key] = (call, [_loop(f, device) for f in _functions(
-            call, training, device)])
-    return _LOOPS[key][1]
+        functions, copies = _functions(call, training, device)
+        _LOOPS[key] = (call, [_loop(f, device, len(call.inputs))
+                              for f in functions], copies)
+    return _LOOPS[key][1], _LOOPS[key][2]
 
 
 def _release_loops_of(call, training, device):
     """Lets one call's `_loops` go (`call_costs_at`), with its weight
-    copies: the traced loops are reference cycles, collected now when the
-    call has weights to free."""
+    copies on the device: nothing else holds them."""
     _LOOPS.pop((id(call), training, device), None)
-    if getattr(call.operation, "variables", None):
-        gc.collect()
 
 
 def release_loops():
     """Lets the `_loops` made so far go, with the copies of the layers'
-    weights they hold on the devices they time (a search makes them
+    weights they read on the devices they time (a search makes them
     once, for every row count, and releases them when it is done)."""
     _LOOPS.clear()
-    gc.collect()
 
 
 def _per_run(run, inputs, repeats, target, device=None):
@@ -435,10 +441,11 @@ def call_costs_at(graph, all_rows, device=None, shapes=None, training=True,
     times = {rows: ([], [], []) for rows in missing}
     with tf.device(device) if device else contextlib.nullcontext():
         for call in graph.calls if missing else []:
-            run_forward, run_input, run_all = _loops(call, training, device)
+            (run_forward, run_input, run_all), copies = _loops(
+                call, training, device)
             for rows in missing:
                 inputs = [cost_lib.sample_input(x, rows, shapes)
-                          for x in call.inputs]
+                          for x in call.inputs] + copies
                 f = _per_run(run_forward, inputs, repeats, target, device)
                 fi = max(_per_run(run_input, inputs, repeats, target,
                                   device), f)
@@ -450,7 +457,7 @@ def call_costs_at(graph, all_rows, device=None, shapes=None, training=True,
                 forward.append(f)
                 backward_input.append(fi - f)
                 weight.append(fa - fi)
-            del run_forward, run_input, run_all
+            del run_forward, run_input, run_all, copies, inputs
             _release_loops_of(call, training, device)
     for rows in missing:
         found[rows] = CallCosts(rows, *times[rows], True)
