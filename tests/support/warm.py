@@ -31,7 +31,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__))))
 
 ZYGOTE = textwrap.dedent('''
-    import json, os, runpy, sys
+    import gc, json, os, runpy, sys
+    gc.set_threshold(20000, 50, 100)  # as tests/conftest.py
     os.environ.setdefault("KERAS_BACKEND", "tensorflow")
     import keras, numpy, tensorflow, keras_pipe  # noqa: F401
     print("READY", flush=True)
