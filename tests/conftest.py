@@ -10,12 +10,9 @@ import keras  # noqa: E402
 import pytest  # noqa: E402
 
 import keras_pipe  # noqa: E402
+from tests.support.warm import GC_THRESHOLDS  # noqa: E402
 
-# Python's cyclic collector at its default thresholds walks a test
-# process's whole heap (every traced graph it keeps) thousands of times a
-# run; collecting less often frees the same cycles, later.
-GC_THRESHOLDS = (20000, 50, 100)
-gc.set_threshold(*GC_THRESHOLDS)
+gc.set_threshold(*GC_THRESHOLDS)  # tests/support/warm.py says why
 
 NUM_DEVICES = 4
 # Enough inter-op threads for every stage to wait at once (schedule test).

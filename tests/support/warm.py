@@ -30,9 +30,15 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__))))
 
+# Python's cyclic collector at its default thresholds walks a test
+# process's whole heap (every traced graph it keeps) thousands of times a
+# run; collecting less often frees the same cycles, later. The test
+# processes (tests/conftest.py) and the warm processes here use these.
+GC_THRESHOLDS = (20000, 50, 100)
+
 ZYGOTE = textwrap.dedent('''
     import gc, json, os, runpy, sys
-    gc.set_threshold(20000, 50, 100)  # as tests/conftest.py
+    gc.set_threshold(*GC_THRESHOLDS)
     os.environ.setdefault("KERAS_BACKEND", "tensorflow")
     import keras, numpy, tensorflow, keras_pipe  # noqa: F401
     print("READY", flush=True)
@@ -63,7 +69,7 @@ ZYGOTE = textwrap.dedent('''
         print(json.dumps(pid), flush=True)
         _, status = os.waitpid(pid, 0)
         print(json.dumps(os.waitstatus_to_exitcode(status)), flush=True)
-''')
+''').replace("GC_THRESHOLDS", repr(GC_THRESHOLDS))
 
 _WARM = {}  # environment items -> the warm process for that environment
 
