@@ -283,23 +283,30 @@ def measure_stage(stage, j, devices, num_micro_batches, remat, schedule,
         layers[j + 1] = _head()
         rows = len(keras.tree.flatten(x)[0])
         y, loss = np.zeros((rows, 1), "float32"), "mse"
+    # Garbage that holds tensors would be freed at random during the
+    # measurement: collect it first, then freeze what survived, so that
+    # the collection after the first step walks only what it made.
     gc.collect()
-    before = allocator_stats(tf)["current"]
-    pipe = keras_pipe.PipelineModel(
-        layers, devices=devices,
-        num_micro_batches=num_micro_batches, remat=remat,
-        schedule=schedule)
-    pipe.compile(optimizer_of(keras, optimizer)[0], loss)
-    pipe.train_on_batch(x, y)
-    gc.collect()
-    tf.config.experimental.reset_memory_stats("CPU:0")
-    for _ in range(WARM_STEPS):  # op order varies step to step: the worst
+    gc.freeze()
+    try:
+        before = allocator_stats(tf)["current"]
+        pipe = keras_pipe.PipelineModel(
+            layers, devices=devices,
+            num_micro_batches=num_micro_batches, remat=remat,
+            schedule=schedule)
+        pipe.compile(optimizer_of(keras, optimizer)[0], loss)
         pipe.train_on_batch(x, y)
-    # The model's weights were allocated before `before`: add the stage's.
-    weights = sum(v.numpy().nbytes for v in stage.weights)
-    measured = allocator_stats(tf)["peak"] - before + weights
-    del pipe
-    return measured
+        gc.collect()
+        tf.config.experimental.reset_memory_stats("CPU:0")
+        for _ in range(WARM_STEPS):  # op order varies step to step: the worst
+            pipe.train_on_batch(x, y)
+        # The model's weights were allocated before `before`: add the stage's.
+        weights = sum(v.numpy().nbytes for v in stage.weights)
+        measured = allocator_stats(tf)["peak"] - before + weights
+        del pipe
+        return measured
+    finally:
+        gc.unfreeze()
 
 
 def _head():

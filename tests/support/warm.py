@@ -7,7 +7,10 @@ each. Here a warm process imports them once (importing starts no
 TensorFlow runtime) and forks a child per script: the child has a fresh
 runtime, fresh Keras state, its own working directory and arguments, and
 runs the script as `python` would (`__main__`, the script's folder first on
-`sys.path`, its exit code, the interpreter's own exit). There is one warm
+`sys.path`, its exit code; at its end its threads are joined, its atexit
+functions run and its output flushed, but the interpreter is not torn down:
+that would collect the whole heap inherited from the warm process, more
+than a second per child, for nothing a script can see). There is one warm
 process per environment a test passes (the environment is read at import).
 A script whose environment must differ before the imports (an allocator,
 a preloaded library) runs with `subprocess` as before. `run` waits for the
@@ -37,7 +40,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(
 GC_THRESHOLDS = (20000, 50, 100)
 
 ZYGOTE = textwrap.dedent('''
-    import gc, json, os, runpy, sys
+    import atexit, gc, json, os, runpy, sys, threading
     gc.set_threshold(*GC_THRESHOLDS)
     os.environ.setdefault("KERAS_BACKEND", "tensorflow")
     import keras, numpy, tensorflow, keras_pipe  # noqa: F401
@@ -53,19 +56,39 @@ ZYGOTE = textwrap.dedent('''
                 os.dup2(opened, fd)
                 os.close(opened)
             os.chdir(cwd)
-            if argv[0] == "-c":
-                sys.argv, sys.path[0] = argv[:1] + argv[2:], ""
-                exec(compile(argv[1], "<string>", "exec"),
-                     {"__name__": "__main__", "__builtins__": __builtins__})
-            elif argv[0] == "-m":
-                sys.argv, sys.path[0] = argv[1:], os.getcwd()
-                runpy.run_module(argv[1], run_name="__main__",
-                                 alter_sys=True)
-            else:
-                sys.argv = argv
-                sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
-                runpy.run_path(argv[0], run_name="__main__")
-            sys.exit(0)
+            try:
+                if argv[0] == "-c":
+                    sys.argv, sys.path[0] = argv[:1] + argv[2:], ""
+                    exec(compile(argv[1], "<string>", "exec"),
+                         {"__name__": "__main__",
+                          "__builtins__": __builtins__})
+                elif argv[0] == "-m":
+                    sys.argv, sys.path[0] = argv[1:], os.getcwd()
+                    runpy.run_module(argv[1], run_name="__main__",
+                                     alter_sys=True)
+                else:
+                    sys.argv = argv
+                    sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
+                    runpy.run_path(argv[0], run_name="__main__")
+                code = 0
+            except SystemExit as exc:
+                code = exc.code
+            # Any other exception ends the child as `python` would (its
+            # traceback, its exit status). Otherwise: what `python` does at
+            # exit (wait for the threads, run the atexit functions, flush),
+            # without tearing the interpreter down, which would walk the
+            # whole heap inherited from the warm process.
+            for thread in threading.enumerate():
+                if thread is not threading.main_thread() \
+                        and not thread.daemon:
+                    thread.join()
+            atexit._run_exitfuncs()
+            if code is not None and not isinstance(code, int):
+                print(code, file=sys.stderr)
+                code = 1
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code or 0)
         print(json.dumps(pid), flush=True)
         _, status = os.waitpid(pid, 0)
         print(json.dumps(os.waitstatus_to_exitcode(status)), flush=True)
