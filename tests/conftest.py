@@ -98,6 +98,14 @@ def _longest_first(items):
     items.sort(key=key)  # stable: each file's tests keep their order
 
 
+def pytest_sessionfinish(session):
+    """Freezes the heap the tests leave: pytest's last collections (it
+    collects several times at the end to report exceptions raised in
+    finalizers, as warnings) and the interpreter's then skip every graph the
+    process traced instead of walking it again."""
+    gc.freeze()
+
+
 def pytest_collection_modifyitems(config, items):
     """Leaves out the `zoo` cases unless `-m` names them (`-m zoo`).
 
