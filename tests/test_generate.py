@@ -243,6 +243,35 @@ def test_caches_stay_on_their_stage_between_rounds(devices):
                        for d in stages)
 
 
+def _compiled_calls(body):
+    """`[device, ...]` of the body's calls of functions XLA must compile."""
+    return [n.device for n in body.node_def
+            if n.op in ("PartitionedCall", "StatefulPartitionedCall")
+            and n.attr["_XlaMustCompile"].b]
+
+
+def test_each_stages_tick_is_one_xla_function_on_its_device(devices):
+    # A token's work per stage is many small ops: one XLA cluster per
+    # stage and tick, each on its own device (XLA compiles for one device:
+    # the loop across the stages stays uncompiled).
+    model, pipe = _pair(devices, _gpt2)
+    prompts = _prompts(5)
+    expected = model.generate(prompts, stop_token_ids=None)
+    _assert_same(pipe.generate(prompts, stop_token_ids=None), expected)
+    calls = _compiled_calls(_loop_body(pipe))
+    # M = K = 2: each stage runs twice a round, on its own device.
+    assert len(calls) == 4, calls
+    assert sorted({c.split("device:")[-1] for c in calls}) == sorted(
+        d.split("device:")[-1] for d in devices[:2]), calls
+    pipe._generators.clear()
+    _assert_same(pipe.generate(prompts, stop_token_ids=None,
+                               jit_compile=False), expected)
+    assert _compiled_calls(_loop_body(pipe)) == []
+    with pytest.raises(TypeError, match=r"jit_compile must be True .* "
+                       r"Received: jit_compile='yes'"):
+        pipe.generate(prompts, jit_compile="yes")
+
+
 def test_generate_on_worker_processes_equals_unsplit():
     # Two `keras_pipe.distributed.worker` processes, as
     # tools/generation_capacity.py runs them (there with a memory limit):

@@ -26,6 +26,12 @@ the head's on the head's device, where the sampled tokens are), and each
 stage counts the rounds itself. The prompt is first run through the
 stages micro-batch after micro-batch (prefill), which fills the caches.
 
+A stage's layers on one tick are one XLA cluster on the stage's device
+(`jit_compile=True`, the default): a token's work per stage is many small
+ops, each of which costs more to launch than to run, and XLA fuses them.
+The loop itself is not compiled: XLA compiles for one device, and the loop
+spans them all; each stage's cluster runs on its own.
+
 The task's code is reused for all but the loop: its `generate` (inputs,
 batching, `stop_token_ids`, `strip_prompt`, the preprocessor) calls this
 module's step function, the sampler's `compute_probabilities` and
@@ -93,14 +99,18 @@ class Generator:
             `backbone.transformer_layers`, `sampler`).
         num_micro_batches: `M`, or None: one per stage (`K`).
         sampler: a KerasHub sampler, or None: the task's.
+        jit_compile: compile each stage's layers of a tick with XLA, on
+            the stage's device.
 
     Raises:
-        TypeError: if `task` is not a KerasHub `CausalLM`.
+        TypeError: if `task` is not a KerasHub `CausalLM`, or
+            `jit_compile` is not a bool.
         ValueError: if `num_micro_batches` is below the number of stages,
             or the sampler runs its own loop (`sampling.resolve`).
     """
 
-    def __init__(self, task, num_micro_batches=None, sampler=None):
+    def __init__(self, task, num_micro_batches=None, sampler=None,
+                 jit_compile=True):
         backbone = getattr(task, "backbone", None)
         if not (hasattr(task, "call_with_cache")
                 and hasattr(task, "_build_cache")
@@ -121,6 +131,8 @@ class Generator:
                 "hold decoder layers, so that each stage has a micro-batch "
                 f"to run at every tick. Received: num_micro_batches={m!r}")
         self.num_micro_batches = m
+        self.jit_compile = _checked_jit_compile(jit_compile)
+        self._compiled = {}  # stage -> its layers as one XLA function
         # The task's sampler may be one `compile(sampler=...)` refuses.
         self.sampler = sampling.resolve(sampler or task.sampler)
         self.head_device = self.groups[-1][0]
@@ -213,18 +225,32 @@ class Generator:
 
     def _stage(self, j, x, caches, index, weights=()):
         """Stage `j`'s decoder layers with their caches, on its device
-        (`weights`: `_stage_weights(j)`, read in their stead)."""
+        (`weights`: `_stage_weights(j)`, read in their stead; with
+        `jit_compile`, one XLA function of them)."""
         device, indices = self.groups[j]
         layers = self.backbone.transformer_layers
-        new = []
-        with tf.device(device), keras.StatelessScope(
-                state_mapping=list(weights)):
-            for n, cache in zip(indices, caches):
-                x, cache = layers[n](
-                    x, self_attention_cache=cache,
-                    self_attention_cache_update_index=index)
-                new.append(cache)
-        return x, new
+        variables = [v for v, _ in weights]
+
+        def run(x, caches, index, values):
+            new = []
+            with keras.StatelessScope(
+                    state_mapping=list(zip(variables, values))):
+                for n, cache in zip(indices, caches):
+                    x, cache = layers[n](
+                        x, self_attention_cache=cache,
+                        self_attention_cache_update_index=index)
+                    new.append(cache)
+            return x, new
+
+        values = [t for _, t in weights]
+        if self.jit_compile and weights:
+            if j not in self._compiled:
+                self._compiled[j] = tf.function(run, jit_compile=True,
+                                                autograph=False)
+            run = self._compiled[j]
+        with tf.device(device):
+            x, new = run(x, list(caches), index, values)
+        return x, list(new)
 
     # ------------------------------------------------------- the step
 
@@ -389,6 +415,14 @@ class Generator:
                                               stop_token_ids)}
 
 
+def _checked_jit_compile(jit_compile):
+    if not isinstance(jit_compile, bool):
+        raise TypeError(
+            "jit_compile must be True (each stage's layers compiled with XLA "
+            f"on its device) or False. Received: jit_compile={jit_compile!r}")
+    return jit_compile
+
+
 def _on_input_device_else(default):
     """A device function: an op made without a device goes to `default`,
     but an Identity of a tensor placed elsewhere stays with that tensor
@@ -443,16 +477,17 @@ def _sampler_of(pipe, task):
 
 
 def generate(pipe, inputs, max_length=None, stop_token_ids="auto",
-             strip_prompt=False, num_micro_batches=None):
+             strip_prompt=False, num_micro_batches=None, jit_compile=True):
     """`PipelineModel.generate`: the task's `generate`, pipelined."""
     task = pipe.to_model()
     # The loop is traced again when either sampler is compiled anew.
     sampler = _sampler_of(pipe, task)
-    key = num_micro_batches
+    key = (num_micro_batches, _checked_jit_compile(jit_compile))
     cache = pipe.__dict__.setdefault("_generators", {})
     if key not in cache or cache[key][0].task is not task \
             or cache[key][0].sampler is not sampler:
-        generator = Generator(task, num_micro_batches, sampler=sampler)
+        generator = Generator(task, num_micro_batches, sampler=sampler,
+                              jit_compile=jit_compile)
         cache[key] = (generator, tf.function(generator.generate_step,
                                              autograph=False))
     _, function = cache[key]
@@ -467,7 +502,8 @@ def generate(pipe, inputs, max_length=None, stop_token_ids="auto",
 
 
 def export(pipe, filepath, batch_size, sequence_length,
-           num_micro_batches=None, stop_token_ids=None, verbose=None):
+           num_micro_batches=None, stop_token_ids=None, verbose=None,
+           jit_compile=True):
     """`PipelineModel.export_generate`: the pipelined decode loop as a
     SavedModel endpoint, its variables kept on their devices."""
     _validation.check_positive_int("batch_size", batch_size)
@@ -482,7 +518,8 @@ def export(pipe, filepath, batch_size, sequence_length,
                 f"stop_token_ids={stop_token_ids!r}")
     task = pipe.to_model()
     generator = Generator(task, num_micro_batches,
-                          sampler=_sampler_of(pipe, task))
+                          sampler=_sampler_of(pipe, task),
+                          jit_compile=jit_compile)
     spec = {"token_ids": tf.TensorSpec([batch_size, sequence_length],
                                        tf.int32),
             "padding_mask": tf.TensorSpec([batch_size, sequence_length],

@@ -160,7 +160,8 @@ class InferenceMethods:
         return test_function
 
     def generate(self, inputs, max_length=None, stop_token_ids="auto",
-                 strip_prompt=False, num_micro_batches=None):
+                 strip_prompt=False, num_micro_batches=None,
+                 jit_compile=True):
         """The `generate` of the KerasHub `CausalLM` this pipeline was cut
         from, its decode loop pipelined (`keras_pipe.model.generation`).
 
@@ -184,13 +185,16 @@ class InferenceMethods:
             num_micro_batches: micro-batches of the prompts, at least the
                 number of stages that hold decoder layers. Defaults to
                 `None`: that number of stages.
+            jit_compile: compile each stage's layers of a decode tick with
+                XLA on the stage's device (the loop across the stages is
+                not compiled). Defaults to `True`.
 
         Returns:
             What the task's `generate` returns.
 
         Raises:
             TypeError: if the pipeline was not cut from a KerasHub
-                `CausalLM`.
+                `CausalLM`, or `jit_compile` is not a bool.
             ValueError: for too few `num_micro_batches`, or a sampler of
                 the task that runs its own loop (beam search).
         """
@@ -198,11 +202,11 @@ class InferenceMethods:
         return generation.generate(
             self, inputs, max_length=max_length,
             stop_token_ids=stop_token_ids, strip_prompt=strip_prompt,
-            num_micro_batches=num_micro_batches)
+            num_micro_batches=num_micro_batches, jit_compile=jit_compile)
 
     def export_generate(self, filepath, batch_size, sequence_length,
                         num_micro_batches=None, stop_token_ids=None,
-                        verbose=None):
+                        verbose=None, jit_compile=True):
         """Exports `generate`'s pipelined decode loop as a SavedModel.
 
         The endpoint `generate` takes `{"token_ids": int32, "padding_mask":
@@ -229,10 +233,12 @@ class InferenceMethods:
                 sequence has one, baked into the export. Defaults to
                 `None`: every sequence runs to `sequence_length`.
             verbose: print the endpoints. Defaults to `None` (True).
+            jit_compile: as in `generate`. Defaults to `True`.
 
         Raises:
             TypeError: if the pipeline was not cut from a KerasHub
-                `CausalLM`, or a size is not an int.
+                `CausalLM`, a size is not an int, or `jit_compile` is not a
+                bool.
             ValueError: for a size below 1, too few `num_micro_batches`,
                 or `stop_token_ids` not a list of ints.
         """
@@ -240,7 +246,8 @@ class InferenceMethods:
         return generation.export(
             self, filepath, batch_size, sequence_length,
             num_micro_batches=num_micro_batches,
-            stop_token_ids=stop_token_ids, verbose=verbose)
+            stop_token_ids=stop_token_ids, verbose=verbose,
+            jit_compile=jit_compile)
 
     def _keras_predict(self, *args, **kwargs):
         """Keras' `predict`, `S` batches per call (`_inference_call`),

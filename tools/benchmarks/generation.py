@@ -3,15 +3,16 @@
 A randomly initialised KerasHub `GPT2CausalLM` (or `LlamaCausalLM`),
 greedy, 16 prompts of 8 to 16 tokens, 64 positions, no stop token (every
 row runs to the end): the task's own `generate` in a process pinned to one
-core, then `PipelineModel.generate` on 2 `keras_pipe.local_workers` (the
-model cut into 2 stages by parameters), for each `num_micro_batches`. A
+core, as the task comes and with `jit_compile=True` (XLA), then
+`PipelineModel.generate` on 2 `keras_pipe.local_workers` (the model cut
+into 2 stages by parameters), for each `num_micro_batches`. A
 time is the wall time of a warm call (after a first, tracing call), the
 median of the rounds, with the CPU seconds of each process; tokens per
 second count the generated positions.
 The pipeline's process also checks the tokens against the unsplit model.
 
     python -m tools.benchmarks.generation [--models gpt2,llama]
-        [--micro-batches 2,4] [--rounds 3]
+        [--micro-batches 2,3] [--rounds 3]
 """
 
 import argparse
@@ -99,13 +100,20 @@ def _timed(call, rounds, pids):
 
 @child("generation_baseline")
 def child_generation_baseline(p):
-    """The task's own generate in this process (pinned by the parent)."""
+    """The task's own generate in this process (pinned by the parent), as
+    the task comes (Keras leaves XLA off on a CPU) and with
+    `jit_compile=True` (the whole decode loop compiled, one device)."""
     task = _task(p["model"])
     prompts, tokens = _prompts()
-    times, cpu = _timed(lambda: task.generate(prompts, stop_token_ids=None),
-                        p["rounds"], [os.getpid()])
-    return {"seconds": times, "cpu": cpu, "tokens": tokens,
-            "jit_compile": bool(getattr(task, "jit_compile", False))}
+    out = {"tokens": tokens}
+    for name, jit in (("", False), ("_xla", True)):
+        task.jit_compile = jit
+        task.generate_function = None  # made again, with the setting
+        times, cpu = _timed(
+            lambda: task.generate(prompts, stop_token_ids=None),
+            p["rounds"], [os.getpid()])
+        out["seconds" + name], out["cpu" + name] = times, cpu
+    return out
 
 
 @child("generation_pipeline")
@@ -163,17 +171,24 @@ def table(result):
         if base is None or tokens is None:
             rows.append([model, "error", "", "", ""])
             continue
-        cpu = median([(entry[w].get("cpu") or [None])[0]
-                      for w in ("baseline_before", "baseline_after")])
-        rows.append([model, "1 core (task.generate)", fmt(tokens / base, 0),
-                     "1.00", fmt(cpu), ""])
+        xla = median(entry["baseline_before"].get("seconds_xla", []) +
+                     entry["baseline_after"].get("seconds_xla", []))
+        for name, seconds, key in (("1 core (task.generate)", base, "cpu"),
+                                   ("1 core, jit_compile=True", xla,
+                                    "cpu_xla")):
+            cpu = median([(entry[w].get(key) or [None])[0]
+                          for w in ("baseline_before", "baseline_after")])
+            rows.append([model, name, fmt(tokens / seconds, 0),
+                         fmt(base / seconds), fmt(xla / seconds), fmt(cpu),
+                         ""])
         for m, r in entry["pipeline"]["runs"].items():
             seconds = median(r["seconds"])
             rows.append([model, f"2 workers, M={m}", fmt(tokens / seconds, 0),
-                         fmt(base / seconds),
+                         fmt(base / seconds), fmt(xla / seconds),
                          " / ".join(fmt(c) for c in r["cpu"]),
                          str(r["tokens_equal"])])
     return format_table(["model", "run", "tokens/s", "x 1 core",
+                         "x 1 core XLA",
                          "CPU s (1 core; worker 0 / 1 / client)",
                          "tokens equal"], rows)
 
@@ -181,7 +196,7 @@ def table(result):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="gpt2,llama")
-    parser.add_argument("--micro-batches", default="2,4")
+    parser.add_argument("--micro-batches", default="2,3")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", default=None, help="JSON file to write")
     args = parser.parse_args(argv)
