@@ -132,7 +132,7 @@ class Generator:
                 f"to run at every tick. Received: num_micro_batches={m!r}")
         self.num_micro_batches = m
         self.jit_compile = _checked_jit_compile(jit_compile)
-        self._compiled = {}  # stage -> its layers as one XLA function
+        self._compiled = {}  # stage -> `_stage_function`
         # The task's sampler may be one `compile(sampler=...)` refuses.
         self.sampler = sampling.resolve(sampler or task.sampler)
         self.head_device = self.groups[-1][0]
@@ -223,13 +223,23 @@ class Generator:
                 tf.zeros([rows, 1], tf.int32), [first] + [rest] * (n - 1),
                 index)
 
-    def _stage(self, j, x, caches, index, weights=()):
+    def _stage(self, j, x, caches, index, weights):
         """Stage `j`'s decoder layers with their caches, on its device
         (`weights`: `_stage_weights(j)`, read in their stead; with
         `jit_compile`, one XLA function of them)."""
-        device, indices = self.groups[j]
+        run = self._stage_function(j, [v for v, _ in weights])
+        with tf.device(self.groups[j][0]):
+            x, new = run(x, list(caches), index, [t for _, t in weights])
+        return x, list(new)
+
+    def _stage_function(self, j, variables):
+        """`run(x, caches, index, values)`: stage `j`'s layers, reading
+        `values` for `variables`; made once per stage, an XLA function
+        with `jit_compile` (when the stage reads weights in its stead)."""
+        if j in self._compiled:
+            return self._compiled[j]
         layers = self.backbone.transformer_layers
-        variables = [v for v, _ in weights]
+        indices = self.groups[j][1]
 
         def run(x, caches, index, values):
             new = []
@@ -242,15 +252,10 @@ class Generator:
                     new.append(cache)
             return x, new
 
-        values = [t for _, t in weights]
-        if self.jit_compile and weights:
-            if j not in self._compiled:
-                self._compiled[j] = tf.function(run, jit_compile=True,
-                                                autograph=False)
-            run = self._compiled[j]
-        with tf.device(device):
-            x, new = run(x, list(caches), index, values)
-        return x, list(new)
+        if self.jit_compile and variables:
+            run = tf.function(run, jit_compile=True, autograph=False)
+        self._compiled[j] = run
+        return run
 
     # ------------------------------------------------------- the step
 
