@@ -63,12 +63,12 @@ def _assert_same(got, expected):
 @pytest.mark.parametrize("make", [_gpt2, _llama], ids=["gpt2", "llama"])
 def test_greedy_tokens_equal_unsplit(devices, make):
     model, pipe = _pair(devices, make)
-    prompts = _prompts(5)  # 5 rows: micro-batches of 3 and 2
+    prompts = _prompts(5)  # 5 rows: micro-batches of 2, 2 and 1
     expected = model.generate(prompts, stop_token_ids=None)
     _assert_same(pipe.generate(prompts, stop_token_ids=None), expected)
-    # More micro-batches than stages, one row, and three stages.
+    # As many micro-batches as stages (3 and 2 rows), one row.
     _assert_same(pipe.generate(prompts, stop_token_ids=None,
-                               num_micro_batches=3), expected)
+                               num_micro_batches=2), expected)
     one = {k: v[:1] for k, v in prompts.items()}
     _assert_same(pipe.generate(one, stop_token_ids=None),
                  model.generate(one, stop_token_ids=None))
@@ -259,8 +259,11 @@ def test_each_stages_tick_is_one_xla_function_on_its_device(devices):
     expected = model.generate(prompts, stop_token_ids=None)
     _assert_same(pipe.generate(prompts, stop_token_ids=None), expected)
     calls = _compiled_calls(_loop_body(pipe))
-    # M = K = 2: each stage runs twice a round, on its own device.
-    assert len(calls) == 4, calls
+    # The default M = K + 1 = 3: each stage runs 3 times a round, on its
+    # own device.
+    (generator, _), = pipe._generators.values()
+    assert generator.num_micro_batches == 3
+    assert len(calls) == 6, calls
     assert sorted({c.split("device:")[-1] for c in calls}) == sorted(
         d.split("device:")[-1] for d in devices[:2]), calls
     pipe._generators.clear()

@@ -97,7 +97,10 @@ class Generator:
     Args:
         task: a KerasHub `CausalLM` (`call_with_cache`, `_build_cache`,
             `backbone.transformer_layers`, `sampler`).
-        num_micro_batches: `M`, or None: one per stage (`K`).
+        num_micro_batches: `M`, or None: one more than the stages
+            (`K + 1`), so that the token the last stage samples for a
+            micro-batch has a tick to reach the first stage before that
+            stage needs it.
         sampler: a KerasHub sampler, or None: the task's.
         jit_compile: compile each stage's layers of a tick with XLA, on
             the stage's device.
@@ -124,7 +127,7 @@ class Generator:
         self.backbone = backbone
         self.groups = _device_groups(list(backbone.transformer_layers))
         k = len(self.groups)
-        m = k if num_micro_batches is None else num_micro_batches
+        m = k + 1 if num_micro_batches is None else num_micro_batches
         if isinstance(m, bool) or not isinstance(m, int) or m < k:
             raise ValueError(
                 f"num_micro_batches must be an int >= the {k} stages that "

@@ -184,7 +184,7 @@ class InferenceMethods:
                 task's `generate`.
             num_micro_batches: micro-batches of the prompts, at least the
                 number of stages that hold decoder layers. Defaults to
-                `None`: that number of stages.
+                `None`: one more than that number of stages.
             jit_compile: compile each stage's layers of a decode tick with
                 XLA on the stage's device (the loop across the stages is
                 not compiled). Defaults to `True`.

@@ -5,14 +5,15 @@ greedy, 16 prompts of 8 to 16 tokens, 64 positions, no stop token (every
 row runs to the end): the task's own `generate` in a process pinned to one
 core, as the task comes and with `jit_compile=True` (XLA), then
 `PipelineModel.generate` on 2 `keras_pipe.local_workers` (the model cut
-into 2 stages by parameters), for each `num_micro_batches`. A
+into 2 stages at `MODELS`' balance), for each `num_micro_batches`
+(`default`: generate's own, `K + 1`). A
 time is the wall time of a warm call (after a first, tracing call), the
 median of the rounds, with the CPU seconds of each process; tokens per
 second count the generated positions.
 The pipeline's process also checks the tokens against the unsplit model.
 
     python -m tools.benchmarks.generation [--models gpt2,llama]
-        [--micro-batches 2,3] [--rounds 3]
+        [--micro-batches default,2] [--rounds 3]
 """
 
 import argparse
@@ -32,16 +33,17 @@ from tools.benchmarks.peer import _worker_pids
 
 # The models: about 6 decoder layers of width 512, a vocabulary of 8192
 # (GPT-2's 50257 would make the head alone outweigh the layers). The cut,
-# as layer-call counts: GPT-2's embedding and 4 decoder layers, then 2
-# layers and the head (about 1.3 layers of work per row at this
-# vocabulary); Llama's 3 decoder layers, then 3 and the head (its
-# embedding layer, which holds the head's weights too, lives on the last
-# stage, and generation embeds each token there).
+# as layer-call counts, puts about as much of a decode tick's work on each
+# worker: GPT-2's embedding and 4 decoder layers, then 2 layers and the
+# head (about 1.3 layers of work per row at this vocabulary); Llama's 4
+# decoder layers, then 2 and the head (its embedding layer, which holds
+# the head's weights too, lives on the last stage, and generation embeds
+# each token there).
 MODELS = {
     "gpt2": {"layers": 6, "d": 512, "heads": 8, "ffn": 2048,
              "vocab": 8192, "balance": [8, 4]},
     "llama": {"layers": 6, "d": 512, "heads": 8, "kv_heads": 4,
-              "ffn": 1536, "vocab": 8192, "balance": [4, 5]},
+              "ffn": 1536, "vocab": 8192, "balance": [5, 4]},
 }
 ROWS, LENGTH = 16, 64
 
@@ -137,10 +139,14 @@ def child_generation_pipeline(p):
             seconds, cpu = _timed(lambda m=m: pipe.generate(
                 prompts, stop_token_ids=None, num_micro_batches=m),
                 p["rounds"], pids)
-            out["runs"][str(m)] = {
+            out["runs"][_label(m)] = {
                 "seconds": seconds, "cpu": cpu,
                 "tokens_equal": bool(np.array_equal(got, expected))}
     return out
+
+
+def _label(m):
+    return "default M" if m is None else f"M={m}"
 
 
 def run(models, micro_batches, rounds, log=print):
@@ -183,7 +189,7 @@ def table(result):
                          ""])
         for m, r in entry["pipeline"]["runs"].items():
             seconds = median(r["seconds"])
-            rows.append([model, f"2 workers, M={m}", fmt(tokens / seconds, 0),
+            rows.append([model, f"2 workers, {m}", fmt(tokens / seconds, 0),
                          fmt(base / seconds), fmt(xla / seconds),
                          " / ".join(fmt(c) for c in r["cpu"]),
                          str(r["tokens_equal"])])
@@ -196,12 +202,15 @@ def table(result):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="gpt2,llama")
-    parser.add_argument("--micro-batches", default="2,3")
+    parser.add_argument(
+        "--micro-batches", default="default,2",
+        help="M per run; 'default': generate's own (K + 1)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", default=None, help="JSON file to write")
     args = parser.parse_args(argv)
     result = run(args.models.split(","),
-                 [int(m) for m in args.micro_batches.split(",")],
+                 [None if m == "default" else int(m)
+                  for m in args.micro_batches.split(",")],
                  args.rounds)
     print(table(result))
     if args.out:
