@@ -96,6 +96,30 @@ def test_compiled_steps_per_execution(devices):
         plain.evaluate(x, y, batch_size=4, verbose=0), atol=1e-5, rtol=1e-5)
 
 
+def test_predict_outputs_leave_the_last_stage_batch_by_batch(devices):
+    # Each batch's outputs go to this process as soon as the last stage
+    # has them: concatenated here, not on the last stage's device (there
+    # they would all leave after the last batch, while the stages idle).
+    from keras_pipe.distributed import cluster
+    plain, pipe = _pair([devices[1], devices[2]])
+    pipe.inference_steps_per_execution = 3
+    x, _ = _data()
+    np.testing.assert_allclose(pipe.predict(x, batch_size=8, verbose=0),
+                               plain.predict(x, batch_size=8, verbose=0),
+                               atol=1e-5, rtol=1e-5)
+    import tensorflow as tf
+    batch = (tf.constant(x[:8]),)
+    step = pipe._make_predict_batches(force=True)  # the tf.function
+    graph = step.get_concrete_function([batch] * 3).graph
+    concats = [op for op in graph.get_operations() if op.type == "ConcatV2"
+               and len(op.inputs) == 4]  # 3 batches and the axis
+    assert concats, [op.type for op in graph.get_operations()]
+    assert {op.device for op in concats} == {cluster.local_cpu()}
+    last = tf.DeviceSpec.from_string(devices[2])
+    assert tf.DeviceSpec.from_string(cluster.local_cpu()).device_index \
+        != last.device_index
+
+
 def test_predict_batches_on_data_device(devices, monkeypatch):
     plain, pipe = _pair(devices)
     pipe.data_device = devices[0]

@@ -45,8 +45,9 @@ from keras_pipe.distributed.probes import unreachable as _unreachable
 from keras_pipe.distributed.probes import why_down as _why_down
 
 __all__ = ["WorkerRestartedError", "WorkerUnavailableError", "check_addresses",
-           "cluster_spec", "connect", "describe_tasks", "is_remote", "probe",
-           "reconnect", "remote_tasks", "run", "raise_if_lost"]
+           "cluster_spec", "connect", "describe_tasks", "is_remote",
+           "local_cpu", "probe", "reconnect", "remote_tasks", "run",
+           "raise_if_lost"]
 
 
 class WorkerUnavailableError(ConnectionError):
@@ -403,12 +404,25 @@ def is_remote(device):
     return bool(remote_tasks([device]))
 
 
+def _local_task(server_def):
+    if server_def is None:
+        return "/job:localhost/replica:0/task:0"
+    return (f"/job:{server_def.job_name}/replica:0/"
+            f"task:{server_def.task_index}")
+
+
+def local_cpu():
+    """The full name of this process's CPU device, whether or not it is
+    connected to a cluster."""
+    return _local_task(_compat.get_server_def()) + "/device:CPU:0"
+
+
 def remote_tasks(devices):
     """`{task: address}` of the cluster tasks that `devices` live on."""
     server_def = _compat.get_server_def()
     if server_def is None:
         return {}
-    local = f"/job:{server_def.job_name}/replica:0/task:{server_def.task_index}"
+    local = _local_task(server_def)
     addresses = {}
     for job in server_def.cluster.job:
         for index, address in job.tasks.items():

@@ -8,9 +8,11 @@ the devices overlap only within one batch (`K M / (M + K - 1)` at best,
 less the call's round trip). Here one call runs the forward passes of
 `S` batches (`inference_steps_per_execution`) as one stream of `S M`
 micro-batches in GPipe order (`Executor.forward_batches`): no backward
-pass, no remat, the weights read once, the outputs of every micro-batch
-merged on the last stage's device and sent back once per call, the
-losses and metrics computed there per batch, as Keras' `test_step` does.
+pass, no remat, the weights read once; `predict`'s outputs of each batch
+sent to this process as soon as the last stage has them (the transfer
+overlaps the next batches' work) and concatenated here; `evaluate`'s
+losses and metrics computed on the last stage's device per batch, as
+Keras' `test_step` does.
 
 ```
 S = 2 batches of M = 2 micro-batches, K = 2 stages, one call:
@@ -24,13 +26,16 @@ import keras
 import tensorflow as tf
 
 from keras_pipe import _compat, _validation, placed_data
+from keras_pipe.distributed import cluster
 
 __all__ = ["InferenceMethods", "AUTO"]
 
 AUTO = "auto"
-# "auto": micro-batches in flight per stage for each call's stream, the
-# bubble `(K - 1) / (S M + K - 1)` then at most a fifth.
-_STREAM_PER_STAGE = 4
+# "auto": micro-batches per stage in each call's stream, the bubble
+# `(K - 1) / (S M + K - 1)` then at most a ninth; this process's work
+# between calls (the next batches in, the outputs out) waits for the
+# stream's end, so fewer, longer calls hide more of it.
+_STREAM_PER_STAGE = 8
 
 
 def _check_setting(name, value):
@@ -68,7 +73,7 @@ class InferenceMethods:
         """Batches per call of `predict`, `evaluate` and validation, run
         as one stream of micro-batches: an int >= 1 or `"auto"` (default):
         the compiled `steps_per_execution` if it is above 1, else enough
-        batches for 4 micro-batches per stage in each call. Callbacks see
+        batches for 8 micro-batches per stage in each call. Callbacks see
         one batch end per call, as with Keras' `steps_per_execution`."""
         return getattr(self, "_inference_steps_per_execution", AUTO)
 
@@ -111,7 +116,10 @@ class InferenceMethods:
             outputs = self._forward_batches(xs)
             if len(outputs) == 1:
                 return outputs[0]
-            with tf.device(self._resolved_devices[-1]):
+            # Concatenated in this process: each batch's outputs leave the
+            # last stage as soon as they are made, while it works on the
+            # next batches, instead of all at once after the last.
+            with tf.device(cluster.local_cpu()):
                 return keras.tree.map_structure(
                     lambda *parts: tf.concat(parts, axis=0), *outputs)
 

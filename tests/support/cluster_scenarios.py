@@ -466,6 +466,8 @@ def run_interrupt(args):
                         "threads_left": threads,
                         "weights_max_diff": max_diff(values(model), expected)}
     model = make_model(devices)
+    # Three calls of 2 batches each: interrupted at the second call's end.
+    model.inference_steps_per_execution = 2
     for action in ("evaluate", "predict"):
         counter = _InterruptAt(2, "sigint")
         raised = None
