@@ -83,6 +83,14 @@ def test_settings_and_uneven_batches(devices, micro_batches, steps):
         plain.evaluate(x, y, batch_size=10, verbose=0), atol=1e-5, rtol=1e-5)
 
 
+def test_auto_streams_eight_micro_batches_per_stage(devices):
+    # S = ceil(8 K / M) batches per call: the bubble at most a ninth of it.
+    _, pipe = _pair(devices)  # K = 2 stages, M = 2
+    assert pipe._inference_counts() == (2, 8)
+    pipe.inference_micro_batches = 3
+    assert pipe._inference_counts() == (3, 6)
+
+
 def test_compiled_steps_per_execution(devices):
     plain, pipe = _pair(devices, steps_per_execution=3)
     x, y = _data()
