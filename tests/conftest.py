@@ -7,12 +7,15 @@ import tempfile
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
-# XLA's executables kept on disk for this test process and its children:
-# the tests compile the same tiny functions (a tiny GPT-2's decode tick,
-# an optimizer update) many times over, each time for a new model.
-_XLA_CACHE = tempfile.mkdtemp(prefix="keras_pipe_tests_xla_")
-os.environ.setdefault(
-    "TF_XLA_FLAGS", f"--tf_xla_persistent_cache_directory={_XLA_CACHE}")
+# XLA's executables kept on disk for the test session (xdist's workers and
+# the children of tests inherit the setting): the tests compile the same
+# tiny functions (a tiny GPT-2's decode tick, an optimizer update) many
+# times over, each time for a new model.
+_XLA_CACHE = None
+if "TF_XLA_FLAGS" not in os.environ:
+    _XLA_CACHE = tempfile.mkdtemp(prefix="keras_pipe_tests_xla_")
+    os.environ["TF_XLA_FLAGS"] = (
+        f"--tf_xla_persistent_cache_directory={_XLA_CACHE}")
 
 import keras  # noqa: E402
 import pytest  # noqa: E402
@@ -112,7 +115,8 @@ def pytest_sessionfinish(session):
     finalizers, as warnings) and the interpreter's then skip every graph the
     process traced instead of walking it again. Removes the XLA cache."""
     gc.freeze()
-    shutil.rmtree(_XLA_CACHE, ignore_errors=True)
+    if _XLA_CACHE is not None:  # the process that made it
+        shutil.rmtree(_XLA_CACHE, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items):
