@@ -8,9 +8,11 @@ import warnings
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 
 import keras_pipe
 from keras_pipe import placed_data
+from keras_pipe.distributed import cluster
 from tests.support import warm
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -108,14 +110,12 @@ def test_predict_outputs_leave_the_last_stage_batch_by_batch(devices):
     # Each batch's outputs go to this process as soon as the last stage
     # has them: concatenated here, not on the last stage's device (there
     # they would all leave after the last batch, while the stages idle).
-    from keras_pipe.distributed import cluster
     plain, pipe = _pair([devices[1], devices[2]])
     pipe.inference_steps_per_execution = 3
     x, _ = _data()
     np.testing.assert_allclose(pipe.predict(x, batch_size=8, verbose=0),
                                plain.predict(x, batch_size=8, verbose=0),
                                atol=1e-5, rtol=1e-5)
-    import tensorflow as tf
     batch = (tf.constant(x[:8]),)
     step = pipe._make_predict_batches(force=True)  # the tf.function
     graph = step.get_concrete_function([batch] * 3).graph

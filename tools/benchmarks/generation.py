@@ -169,13 +169,15 @@ def run(models, micro_batches, rounds, log=print):
 
 
 def table(result):
+    headers = ["model", "run", "tokens/s", "x 1 core", "x 1 core XLA",
+               "CPU s (1 core; worker 0 / 1 / client)", "tokens equal"]
     rows = []
     for model, entry in result.items():
         base = median(entry["baseline_before"].get("seconds", []) +
                       entry["baseline_after"].get("seconds", []))
         tokens = entry["pipeline"].get("tokens")
         if base is None or tokens is None:
-            rows.append([model, "error", "", "", ""])
+            rows.append([model, "error"] + [""] * (len(headers) - 2))
             continue
         xla = median(entry["baseline_before"].get("seconds_xla", []) +
                      entry["baseline_after"].get("seconds_xla", []))
@@ -193,10 +195,7 @@ def table(result):
                          fmt(base / seconds), fmt(xla / seconds),
                          " / ".join(fmt(c) for c in r["cpu"]),
                          str(r["tokens_equal"])])
-    return format_table(["model", "run", "tokens/s", "x 1 core",
-                         "x 1 core XLA",
-                         "CPU s (1 core; worker 0 / 1 / client)",
-                         "tokens equal"], rows)
+    return format_table(headers, rows)
 
 
 def main(argv=None):

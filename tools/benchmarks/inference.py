@@ -9,15 +9,15 @@ For each job of `peer_jobs` (the MLP and the Transformer): plain Keras
 then the one core again. A time is one warm call's wall time over its
 batches, the median of the rounds (5: now and then a pipelined call
 takes about 0.5 s longer, and a median of 3 can land on it); the
-pipeline's configs are all built
-and warmed first, then timed in turn in each round. With it, the CPU
+pipeline's configs are all built and warmed first, then timed in turn
+in each round. With it, the CPU
 seconds per batch of each process (the one-core process; worker 0, worker
 1 and the client), which a loaded host moves less than the wall times.
 The pipeline's process also runs the unsplit model and reports the
 largest difference of the outputs.
 
     python -m tools.benchmarks.inference [--jobs mlp,transformer]
-        [--batches 16] [--rounds 5] [--configs auto,1:1,2:1,4:1,2:4]
+        [--batches 16] [--rounds 5] [--configs auto,1:1,4:1,2:4,4:4]
 """
 
 import argparse
