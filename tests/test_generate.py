@@ -54,6 +54,17 @@ def _pair(devices, make, num_stages=2):
     return model, pipe
 
 
+@pytest.fixture(scope="module")
+def gpt2_pair():
+    """`(model, pipe, tokens)`: one GPT-2 and its 2-stage pipeline for the
+    tests that do not change them, and the unsplit model's greedy tokens of
+    `_prompts(5)`. Their `generate` calls of the same arguments reuse one
+    traced loop."""
+    from tests.conftest import DEVICES
+    model, pipe = _pair(list(DEVICES), _gpt2)
+    return model, pipe, model.generate(_prompts(5), stop_token_ids=None)
+
+
 def _assert_same(got, expected):
     np.testing.assert_array_equal(got["token_ids"], expected["token_ids"])
     np.testing.assert_array_equal(got["padding_mask"],
@@ -61,10 +72,13 @@ def _assert_same(got, expected):
 
 
 @pytest.mark.parametrize("make", [_gpt2, _llama], ids=["gpt2", "llama"])
-def test_greedy_tokens_equal_unsplit(devices, make):
-    model, pipe = _pair(devices, make)
+def test_greedy_tokens_equal_unsplit(devices, gpt2_pair, make):
     prompts = _prompts(5)  # 5 rows: micro-batches of 2, 2 and 1
-    expected = model.generate(prompts, stop_token_ids=None)
+    if make is _gpt2:
+        model, pipe, expected = gpt2_pair
+    else:
+        model, pipe = _pair(devices, make)
+        expected = model.generate(prompts, stop_token_ids=None)
     _assert_same(pipe.generate(prompts, stop_token_ids=None), expected)
     # As many micro-batches as stages (3 and 2 rows), one row.
     _assert_same(pipe.generate(prompts, stop_token_ids=None,
@@ -83,10 +97,9 @@ def test_three_stages_and_strip_prompt(devices):
                                 strip_prompt=True))
 
 
-def test_stop_tokens_end_the_loop_as_the_task(devices):
-    model, pipe = _pair(devices, _gpt2)
+def test_stop_tokens_end_the_loop_as_the_task(gpt2_pair):
+    model, pipe, free = gpt2_pair
     prompts = _prompts(5)
-    free = model.generate(prompts, stop_token_ids=None)
     # A token generated early in row 0 and one generated late in row 3:
     # rows stop at different steps, micro-batches at different ticks.
     lengths = prompts["padding_mask"].sum(axis=1)
@@ -101,8 +114,8 @@ def test_stop_tokens_end_the_loop_as_the_task(devices):
                  model.generate(prompts, stop_token_ids=stops[:1]))
 
 
-def test_bad_arguments(devices):
-    _, pipe = _pair(devices, _gpt2)
+def test_bad_arguments(devices, gpt2_pair):
+    _, pipe, _ = gpt2_pair
     with pytest.raises(ValueError, match="num_micro_batches must be an int"):
         pipe.generate(_prompts(4), stop_token_ids=None, num_micro_batches=1)
     plain = keras_pipe.PipelineModel.from_model(
@@ -203,22 +216,25 @@ def test_bad_sampler_fails_at_compile(bad_sampler_pair, sampler, error,
             pipe.generate(_prompts(2), stop_token_ids=None)
 
 
-def _loop_body(pipe):
-    """The GraphDef function of the traced decode loop's body."""
-    (_, function), = pipe._generators.values()
-    concrete, = function._list_all_concrete_functions_for_serialization()
+def _loop_body(pipe, jit_compile=True, rows=5):
+    """The GraphDef function of the body of the decode loop traced for
+    `rows` prompts at the default `num_micro_batches`."""
+    _, function = pipe._generators[(None, jit_compile)]
+    concrete, = [
+        c for c in function._list_all_concrete_functions_for_serialization()
+        if c.structured_input_signature[0][0]["token_ids"].shape[0] == rows]
     graph = concrete.graph.as_graph_def()
     loop, = [n for n in graph.node if n.op in ("While", "StatelessWhile")]
     return {f.signature.name: f for f in graph.library.function}[
         loop.attr["body"].func.name]
 
 
-def test_caches_stay_on_their_stage_between_rounds(devices):
+def test_caches_stay_on_their_stage_between_rounds(devices, gpt2_pair):
     # The loop returned every loop variable through an Identity on the
     # head's device: each round sent every cache of the other stages to
     # the head's worker and back, which cost more than the decode itself.
-    _, pipe = _pair(devices, _gpt2)
-    pipe.generate(_prompts(4), stop_token_ids=None)
+    _, pipe, _ = gpt2_pair
+    pipe.generate(_prompts(5), stop_token_ids=None)
     body = _loop_body(pipe)
     nodes = {n.name: n for n in body.node_def}
     crossing = []
@@ -250,26 +266,25 @@ def _compiled_calls(body):
             and n.attr["_XlaMustCompile"].b]
 
 
-def test_each_stages_tick_is_one_xla_function_on_its_device(devices):
+def test_each_stages_tick_is_one_xla_function_on_its_device(devices,
+                                                            gpt2_pair):
     # A token's work per stage is many small ops: one XLA cluster per
     # stage and tick, each on its own device (XLA compiles for one device:
     # the loop across the stages stays uncompiled).
-    model, pipe = _pair(devices, _gpt2)
+    _, pipe, expected = gpt2_pair
     prompts = _prompts(5)
-    expected = model.generate(prompts, stop_token_ids=None)
     _assert_same(pipe.generate(prompts, stop_token_ids=None), expected)
     calls = _compiled_calls(_loop_body(pipe))
     # The default M = K + 1 = 3: each stage runs 3 times a round, on its
     # own device.
-    (generator, _), = pipe._generators.values()
+    generator, _ = pipe._generators[(None, True)]
     assert generator.num_micro_batches == 3
     assert len(calls) == 6, calls
     assert sorted({c.split("device:")[-1] for c in calls}) == sorted(
         d.split("device:")[-1] for d in devices[:2]), calls
-    pipe._generators.clear()
     _assert_same(pipe.generate(prompts, stop_token_ids=None,
                                jit_compile=False), expected)
-    assert _compiled_calls(_loop_body(pipe)) == []
+    assert _compiled_calls(_loop_body(pipe, jit_compile=False)) == []
     with pytest.raises(TypeError, match=r"jit_compile must be True .* "
                        r"Received: jit_compile='yes'"):
         pipe.generate(prompts, jit_compile="yes")
@@ -292,13 +307,13 @@ def test_generate_on_worker_processes_equals_unsplit():
     assert all(peak for peak in got["peaks"])  # both workers were watched
 
 
-def test_exported_decode_loop_keeps_devices_and_tokens(devices, tmp_path):
+def test_exported_decode_loop_keeps_devices_and_tokens(devices, gpt2_pair,
+                                                       tmp_path):
     import tensorflow as tf
-    model, pipe = _pair(devices, _gpt2)
+    model, pipe, free = gpt2_pair
     prompts = _prompts(5)
     inputs = {"token_ids": tf.constant(prompts["token_ids"]),
               "padding_mask": tf.constant(prompts["padding_mask"] > 0)}
-    free = model.generate(prompts, stop_token_ids=None)
     stops = [int(free["token_ids"][3, SEQ - 2])]
     pipe.export_generate(str(tmp_path / "free"), 5, SEQ, verbose=False)
     pipe.export_generate(str(tmp_path / "stops"), 5, SEQ,

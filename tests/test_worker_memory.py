@@ -46,7 +46,8 @@ def _measure(tmp_path, monkeypatch, *flags):
     for name in ("TF_CONFIG", "LD_PRELOAD", "MALLOC_ARENA_MAX",
                  "MALLOC_MMAP_THRESHOLD_"):
         monkeypatch.delenv(name, raising=False)
-    tools.load("worker_memory").main(["--out", str(out), *flags])
+    tools.load("worker_memory").main(["--out", str(out), "--no-plain",
+                                      *flags])
     return json.loads(out.read_text())
 
 

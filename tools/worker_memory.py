@@ -16,7 +16,8 @@ the client reads each worker's `VmRSS` and `VmHWM` (resident now, resident peak)
 each phase's HWM is the peak of that phase; everything is net of the idle
 worker after the first op. The unsplit model is measured the same way in
 its own process (net of the process after one op), once with the
-workers' heap and once as plain Keras runs (glibc's heap). Every other
+workers' heap and once as plain Keras runs (glibc's heap; `--no-plain`
+leaves that run out). Every other
 process keeps its heap as `--heap` says (`keras_pipe.distributed.heap`; default
 `return`: freed buffers go back to the OS, the setting for a memory
 budget). Prints one table and, with `--out`, JSON.
@@ -223,8 +224,8 @@ def measure(args):
     heap = ["--heap", args.heap]
     unsplit = _run(["--child", "unsplit"] + common + heap)
     # And as plain Keras runs it: glibc's heap, TF's own allocators.
-    plain = unsplit if args.heap == "glibc" else _run(
-        ["--child", "unsplit"] + common + ["--heap", "glibc"])
+    plain = None if not args.plain else unsplit if args.heap == "glibc" \
+        else _run(["--child", "unsplit"] + common + ["--heap", "glibc"])
     cluster = [f"127.0.0.1:{_free_port()}" for _ in range(2)]
     workers = [subprocess.Popen(
         [sys.executable, "-m", "keras_pipe.distributed.worker", "--task", str(t),
@@ -246,16 +247,17 @@ def measure(args):
 
 def net_peaks(report):
     """Resident peaks over all phases, net of idle: unsplit (with the
-    workers' heap, and as plain Keras: `plain`) and per worker."""
+    workers' heap, and as plain Keras: `plain`, None when not measured)
+    and per worker."""
     def peak(phases):
         return max(s["VmHWM"] for _, s in phases[1:]) - phases[0][1]["VmHWM"]
 
     p = report["pipelined"]["phases"]
     workers = [max(ws[t]["VmHWM"] for _, ws, _ in p[1:]) - p[0][1][t]["VmHWM"]
                for t in range(len(p[0][1]))]
-    plain = report.get("plain", report["unsplit"])
+    plain = report.get("plain")
     return {"unsplit": peak(report["unsplit"]["phases"]),
-            "plain": peak(plain["phases"]), "workers": workers}
+            "plain": plain and peak(plain["phases"]), "workers": workers}
 
 
 def table(report):
@@ -290,10 +292,12 @@ def table(report):
                  f"{[round(w / b, 2) for w, b in zip(peaks['workers'], weights)]}"
                  f" x stage weights, "
                  f"{[round(w / peaks['unsplit'], 2) for w in peaks['workers']]}"
-                 f" x unsplit; plain Keras (glibc's heap) "
-                 f"{peaks['plain'] / MiB:.1f}: "
-                 f"{[round(w / peaks['plain'], 2) for w in peaks['workers']]}"
-                 f" x plain")
+                 f" x unsplit")
+    if peaks["plain"]:
+        lines.append(
+            f"plain Keras (glibc's heap) {peaks['plain'] / MiB:.1f}: "
+            f"{[round(w / peaks['plain'], 2) for w in peaks['workers']]}"
+            " x plain")
     lines.append(f"losses: unsplit {u['loss']} pipelined {p['loss']}")
     if p.get("chosen"):
         lines.append(f"chosen: {p['chosen']}")
@@ -323,6 +327,10 @@ def main(argv=None):
                         "e.g. 0110 (zbv's V on 2 workers); with --sizes")
     parser.add_argument("--sizes", default=None,
                         help="layer calls per stage, e.g. 2,2,1,3")
+    parser.add_argument("--plain", action=argparse.BooleanOptionalAction,
+                        default=True,
+                        help="also measure the unsplit model as plain Keras "
+                        "runs it (glibc's heap; default: yes)")
     parser.add_argument("--out", default=None)
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--cluster", default=None, help=argparse.SUPPRESS)
