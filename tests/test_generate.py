@@ -218,11 +218,12 @@ def test_bad_sampler_fails_at_compile(bad_sampler_pair, sampler, error,
 
 def _loop_body(pipe, jit_compile=True, rows=5):
     """The GraphDef function of the body of the decode loop traced for
-    `rows` prompts at the default `num_micro_batches`."""
+    `rows` prompts and no stop token at the default `num_micro_batches`."""
     _, function = pipe._generators[(None, jit_compile)]
     concrete, = [
         c for c in function._list_all_concrete_functions_for_serialization()
-        if c.structured_input_signature[0][0]["token_ids"].shape[0] == rows]
+        if c.structured_input_signature[0][0]["token_ids"].shape[0] == rows
+        and c.structured_input_signature[0][1] is None]  # stop_token_ids
     graph = concrete.graph.as_graph_def()
     loop, = [n for n in graph.node if n.op in ("While", "StatelessWhile")]
     return {f.signature.name: f for f in graph.library.function}[
