@@ -219,7 +219,7 @@ def test_bad_sampler_fails_at_compile(bad_sampler_pair, sampler, error,
 def _loop_body(pipe, jit_compile=True, rows=5):
     """The GraphDef function of the body of the decode loop traced for
     `rows` prompts and no stop token at the default `num_micro_batches`."""
-    _, function = pipe._generators[(None, jit_compile)]
+    _, function = pipe._generators[(None, jit_compile, False)]
     concrete, = [
         c for c in function._list_all_concrete_functions_for_serialization()
         if c.structured_input_signature[0][0]["token_ids"].shape[0] == rows
@@ -278,7 +278,7 @@ def test_each_stages_tick_is_one_xla_function_on_its_device(devices,
     calls = _compiled_calls(_loop_body(pipe))
     # The default M = K + 1 = 3: each stage runs 3 times a round, on its
     # own device.
-    generator, _ = pipe._generators[(None, True)]
+    generator, _ = pipe._generators[(None, True, False)]
     assert generator.num_micro_batches == 3
     assert len(calls) == 6, calls
     assert sorted({c.split("device:")[-1] for c in calls}) == sorted(
@@ -289,6 +289,30 @@ def test_each_stages_tick_is_one_xla_function_on_its_device(devices,
     with pytest.raises(TypeError, match=r"jit_compile must be True .* "
                        r"Received: jit_compile='yes'"):
         pipe.generate(prompts, jit_compile="yes")
+
+
+def test_generate_shares_the_workers_cores_and_then_runs_m_equal_k(
+        gpt2_pair, monkeypatch):
+    # On pinned local workers the call runs inside `cores_shared`, which
+    # says the handoff is fast: the default M is then K (here faked: the
+    # stages are logical devices, which it leaves alone).
+    import contextlib
+
+    from keras_pipe.distributed import local
+    model, pipe, expected = gpt2_pair
+    seen = []
+
+    @contextlib.contextmanager
+    def shared(devices):
+        seen.append(list(devices))
+        yield True
+
+    monkeypatch.setattr(local, "cores_shared", shared)
+    prompts = _prompts(5)
+    _assert_same(pipe.generate(prompts, stop_token_ids=None), expected)
+    assert seen == [pipe.devices]
+    generator, _ = pipe._generators[(None, True, True)]
+    assert generator.num_micro_batches == 2
 
 
 def test_generate_on_worker_processes_equals_unsplit():

@@ -199,6 +199,23 @@ _SCRIPT = textwrap.dedent("""
                      .read().split(b"\\0") if b"=" in v)
                 .get(b"TF_ENABLE_ONEDNN_OPTS", b"unset").decode()
                 for p in pids), flush=True)
+            from keras_pipe.distributed import local
+
+            def threads(pid):  # the CPU sets of the worker's threads
+                sets = set()
+                for t in os.listdir(f"/proc/{pid}/task"):
+                    try:
+                        sets.add(tuple(sorted(os.sched_getaffinity(int(t)))))
+                    except OSError:  # the thread ended
+                        pass
+                return sorted(sets)
+
+            with local.cores_shared(devices) as shared:
+                print("SHARED", shared, [threads(p) for p in pids],
+                      flush=True)
+            print("REPINNED", [threads(p) for p in pids], flush=True)
+            with local.cores_shared(devices[:1]) as shared:
+                print("ONE", shared, flush=True)
             if mode == "error":
                 raise RuntimeError("boom inside the block")
             if mode == "sigint":
@@ -264,6 +281,14 @@ def test_workers_run_ops_and_none_is_left_running(mode):
         f"[{c}]" for c in cores)
     # The fast kernels reach the workers without an environment variable.
     assert lines["ONEDNN"] == "1,1"
+    # `cores_shared`: every thread of both on both cores, then each
+    # worker's on its own again; one worker alone shares nothing.
+    both = tuple(cores)
+    assert lines["SHARED"] == f"True {[[both], [both]]}", lines
+    by_pid = dict(zip(pids, lines["AFFINITY"].split(",")))
+    assert lines["REPINNED"] == str(
+        [[(int(by_pid[p].strip("[]")),)] for p in pids]), lines
+    assert lines["ONE"] == "False"
     _assert_gone(pids)
     if mode == "ok":
         assert code == 0 and "DONE" in lines

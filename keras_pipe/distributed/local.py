@@ -28,7 +28,7 @@ from keras_pipe.distributed import exits
 from keras_pipe.distributed import heap as heap_lib
 from keras_pipe.distributed.worker import ONEDNN_VARIABLE
 
-__all__ = ["local_workers"]
+__all__ = ["local_workers", "cores_shared"]
 
 _PR_SET_PDEATHSIG = 1
 
@@ -240,6 +240,8 @@ def local_workers(num_workers=2, cores=None, gpus=None,
     logdir = tempfile.TemporaryDirectory(prefix="keras_pipe_workers_")
     procs = []
     supervisor = None
+    names = [f"/job:worker/replica:0/task:{task}"
+             for task in range(num_workers)]
     try:
         for task in range(num_workers):
             procs.append(_start(task, addresses, cores, gpus,
@@ -264,12 +266,71 @@ def local_workers(num_workers=2, cores=None, gpus=None,
                     f"Worker task {task} has no {kind}:0; its devices: "
                     f"{listing.get(name)}. Pass gpus=None for CPU workers.")
             devices.append(wanted)
+        if cores is not None:
+            for task, name in enumerate(names):
+                _PINNED[name] = (procs, task, cores[task])
         yield devices
     finally:
+        for name in names:
+            _PINNED.pop(name, None)
         if supervisor is not None:
             supervisor.stop()
         _stop(procs)
         logdir.cleanup()
+
+
+# The running pinned workers: task name -> (the block's process list, the
+# task's index in it, its core). The list is the supervisor's too: a
+# restarted worker is found in it.
+_PINNED = {}
+
+
+def _task_of(device):
+    return device.split("/device:")[0] if device.startswith("/job:") else None
+
+
+def _set_threads_affinity(pid, cpus):
+    """Confines every thread of process `pid` to `cpus` (a thread that
+    ends meanwhile is skipped)."""
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return
+    for tid in tids:
+        try:
+            os.sched_setaffinity(int(tid), cpus)
+        except OSError:
+            pass
+
+
+@contextlib.contextmanager
+def cores_shared(devices):
+    """While the block runs, the threads of the pinned `local_workers` that
+    hold `devices` may run on any of those workers' cores, then each is
+    confined to its own core again. Yields whether it shared any (two or
+    more such workers).
+
+    For work that hands small tensors from worker to worker many times a
+    second (a decode tick): a worker's threads on its one core wait for
+    that core, which the worker's own kernels keep busy, before they pass
+    on what the next worker needs; the cores shared, they run on the core
+    that is free. Devices of other processes (remote workers, this one's)
+    are left as they are; so is everything when no device is a pinned local
+    worker's.
+    """
+    found = [_PINNED[t] for t in {_task_of(d) for d in devices}
+             if t in _PINNED]
+    shared = {core for _, _, core in found}
+    if len(shared) < 2:
+        yield False
+        return
+    for procs, task, _ in found:
+        _set_threads_affinity(procs[task].pid, shared)
+    try:
+        yield True
+    finally:
+        for procs, task, core in found:
+            _set_threads_affinity(procs[task].pid, {core})
 
 
 def _start(task, addresses, cores, gpus, intra, inter, heap, onednn,

@@ -51,6 +51,7 @@ import keras
 import tensorflow as tf
 
 from keras_pipe import _compat, _validation
+from keras_pipe.distributed import local
 from keras_pipe.engine import microbatch, placement
 from keras_pipe.model import sampling
 
@@ -97,13 +98,15 @@ class Generator:
     Args:
         task: a KerasHub `CausalLM` (`call_with_cache`, `_build_cache`,
             `backbone.transformer_layers`, `sampler`).
-        num_micro_batches: `M`, or None: one more than the stages
-            (`K + 1`), so that the token the last stage samples for a
-            micro-batch has a tick to reach the first stage before that
-            stage needs it.
+        num_micro_batches: `M`, or None: as many as the stages (`K`)
+            when `fast_handoff`, else one more (`K + 1`), so that the token
+            the last stage samples for a micro-batch has a tick to reach
+            the first stage before that stage needs it.
         sampler: a KerasHub sampler, or None: the task's.
         jit_compile: compile each stage's layers of a tick with XLA, on
             the stage's device.
+        fast_handoff: whether a tensor reaches the next stage's device in
+            a small part of a tick (`local.cores_shared` is in effect).
 
     Raises:
         TypeError: if `task` is not a KerasHub `CausalLM`, or
@@ -113,7 +116,7 @@ class Generator:
     """
 
     def __init__(self, task, num_micro_batches=None, sampler=None,
-                 jit_compile=True):
+                 jit_compile=True, fast_handoff=False):
         backbone = getattr(task, "backbone", None)
         if not (hasattr(task, "call_with_cache")
                 and hasattr(task, "_build_cache")
@@ -127,7 +130,9 @@ class Generator:
         self.backbone = backbone
         self.groups = _device_groups(list(backbone.transformer_layers))
         k = len(self.groups)
-        m = k + 1 if num_micro_batches is None else num_micro_batches
+        m = num_micro_batches
+        if m is None:
+            m = k if fast_handoff else k + 1
         if isinstance(m, bool) or not isinstance(m, int) or m < k:
             raise ValueError(
                 f"num_micro_batches must be an int >= the {k} stages that "
@@ -490,23 +495,28 @@ def generate(pipe, inputs, max_length=None, stop_token_ids="auto",
     task = pipe.to_model()
     # The loop is traced again when either sampler is compiled anew.
     sampler = _sampler_of(pipe, task)
-    key = (num_micro_batches, _checked_jit_compile(jit_compile))
-    cache = pipe.__dict__.setdefault("_generators", {})
-    if key not in cache or cache[key][0].task is not task \
-            or cache[key][0].sampler is not sampler:
-        generator = Generator(task, num_micro_batches, sampler=sampler,
-                              jit_compile=jit_compile)
-        cache[key] = (generator, tf.function(generator.generate_step,
-                                             autograph=False))
-    _, function = cache[key]
-    saved = task.generate_function
-    task.generate_function = function
-    try:
-        return task.generate(inputs, max_length=max_length,
-                             stop_token_ids=stop_token_ids,
-                             strip_prompt=strip_prompt)
-    finally:
-        task.generate_function = saved
+    _checked_jit_compile(jit_compile)
+    # A tick hands a token's hidden state to the next stage: on pinned
+    # local workers, their threads share their cores meanwhile, and the
+    # handoff is then fast enough for `M = K`.
+    with local.cores_shared(pipe.devices) as fast_handoff:
+        key = (num_micro_batches, jit_compile, fast_handoff)
+        cache = pipe.__dict__.setdefault("_generators", {})
+        if key not in cache or cache[key][0].task is not task \
+                or cache[key][0].sampler is not sampler:
+            generator = Generator(task, num_micro_batches, sampler=sampler,
+                                  jit_compile=jit_compile,
+                                  fast_handoff=fast_handoff)
+            cache[key] = (generator, tf.function(generator.generate_step,
+                                                 autograph=False))
+        saved = task.generate_function
+        task.generate_function = cache[key][1]
+        try:
+            return task.generate(inputs, max_length=max_length,
+                                 stop_token_ids=stop_token_ids,
+                                 strip_prompt=strip_prompt)
+        finally:
+            task.generate_function = saved
 
 
 def export(pipe, filepath, batch_size, sequence_length,

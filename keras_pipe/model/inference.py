@@ -192,7 +192,10 @@ class InferenceMethods:
                 task's `generate`.
             num_micro_batches: micro-batches of the prompts, at least the
                 number of stages that hold decoder layers. Defaults to
-                `None`: one more than that number of stages.
+                `None`: that number of stages when they are pinned
+                `local_workers` (which then share their cores for the
+                call: `keras_pipe.distributed.local.cores_shared`), else
+                one more.
             jit_compile: compile each stage's layers of a decode tick with
                 XLA on the stage's device (the loop across the stages is
                 not compiled). Defaults to `True`.
