@@ -9,6 +9,9 @@ pinned to its core or given its one GPU), connects this process to them
 (`keras_pipe.connect`) and stops them when the `with` block ends, on an
 error or a `KeyboardInterrupt` too. A worker also ends if this process dies
 without unwinding (Linux: it is started with a parent-death signal).
+`cores_shared` lets the pinned workers' threads share their cores for the
+length of a call that hands small tensors between them many times a second
+(`PipelineModel.generate`).
 """
 
 import contextlib
