@@ -225,7 +225,7 @@ def main():
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
     print("| job | 1 core, TF kernels (ms) | 1 core, oneDNN (ms) | defaults "
-          "| best of grid | best / defaults | chosen |")
+          "| best of grid | defaults / best (speed-ups) | chosen |")
     print("|---|---|---|---|---|---|---|")
     for name, entry in result["jobs"].items():
         print(summary_line(name, entry))
