@@ -42,7 +42,7 @@ def _seed():
     yield
 
 
-# The fast tier (`python -m pytest -q -m "not slow" tests`): pure tests,
+# The fast tier (`python -m pytest -q -n 2 -m "not slow" tests`): pure tests,
 # argument checks and small transparency checks, under ~90 s on 2 cores.
 # A test is fast unless marked: long ones carry `@pytest.mark.slow`, or
 # their module `pytestmark = pytest.mark.slow`.
