@@ -621,7 +621,9 @@ def _gone_within(tasks, error, seconds):
         time.sleep(0.2)
 
 
-def _task_of(device):
+def task_of(device):
+    """`/job:J/replica:0/task:T` of a device string, or None without a
+    job (a device of this process)."""
     spec = tf.DeviceSpec.from_string(device)
     if spec.job is None:
         return None
@@ -632,7 +634,7 @@ def _describe_lost(lost, devices):
     """Each lost task, its address, its stages and why its process ended."""
     parts = []
     for name, address in lost.items():
-        stages = [j for j, d in enumerate(devices) if _task_of(d) == name]
+        stages = [j for j, d in enumerate(devices) if task_of(d) == name]
         held = (f", which held stage{'s' if len(stages) > 1 else ''} "
                 f"{', '.join(map(str, stages))}" if stages else "")
         why = exits.why_ended(name)

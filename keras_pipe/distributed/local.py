@@ -261,8 +261,7 @@ def local_workers(num_workers=2, cores=None, gpus=None,
                           inter_op_threads=inter_op_threads)
         kind = "CPU" if gpus is None else "GPU"
         devices = []
-        for task in range(num_workers):
-            name = f"/job:worker/replica:0/task:{task}"
+        for task, name in enumerate(names):
             wanted = f"{name}/device:{kind}:0"
             if wanted not in listing.get(name, []):
                 raise RuntimeError(
@@ -286,10 +285,6 @@ def local_workers(num_workers=2, cores=None, gpus=None,
 # task's index in it, its core). The list is the supervisor's too: a
 # restarted worker is found in it.
 _PINNED = {}
-
-
-def _task_of(device):
-    return device.split("/device:")[0] if device.startswith("/job:") else None
 
 
 def _set_threads_affinity(pid, cpus):
@@ -321,7 +316,8 @@ def cores_shared(devices):
     are left as they are; so is everything when no device is a pinned local
     worker's.
     """
-    found = [_PINNED[t] for t in {_task_of(d) for d in devices}
+    from keras_pipe.distributed.cluster import task_of  # imports TF
+    found = [_PINNED[t] for t in {task_of(d) for d in devices}
              if t in _PINNED]
     shared = {core for _, _, core in found}
     if len(shared) < 2:
