@@ -669,8 +669,12 @@ def test_a_split_backward_stashes_the_incoming_gradient_without_a_copy():
 
 @pytest.fixture
 def onednn(monkeypatch):
+    """oneDNN on, and the transposed form measured the faster one."""
     from keras_pipe import _compat
+    from keras_pipe.engine import products
     monkeypatch.setattr(_compat, "onednn_enabled", lambda: True)
+    monkeypatch.setattr(products, "transposed_is_faster",
+                        lambda rows, count, device=None: True)
 
 
 def test_a_dense_stage_counts_the_kernels_it_would_transpose():
@@ -723,6 +727,9 @@ def test_predict_counts_transposed_kernels_when_the_step_makes_them(
     # 1F1B, M = 4: each stage's largest backward pass (old and new sums)
     # runs between two forward passes, with the copies alive.
     from keras_pipe import _compat
+    from keras_pipe.engine import products
+    monkeypatch.setattr(products, "transposed_is_faster",
+                        lambda rows, count, device=None: True)
     part = partition.cut(_mlp(width=512, depth=4), 2, balance=[2, 3])
     peaks = {}
     for onednn in (True, False):

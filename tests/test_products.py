@@ -46,7 +46,11 @@ def _transposed_products(graph):
 
 @pytest.fixture
 def onednn(monkeypatch):
+    """oneDNN on, and the transposed form measured the faster one (which
+    form wins depends on the CPU: `products.transposed_is_faster`)."""
     monkeypatch.setattr(_compat, "onednn_enabled", lambda: True)
+    monkeypatch.setattr(products, "transposed_is_faster",
+                        lambda rows, count, device=None: True)
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb_h1"])
@@ -139,6 +143,42 @@ def test_worth_it_rule(onednn):
     assert not products.worth_it(tf.constant(64), 512)
 
 
+def test_the_device_decides_which_form_is_faster(devices, monkeypatch):
+    # oneDNN on, small micro-batches, but the transposed form measured
+    # slower on the device (as on some CPUs): nothing is rewritten.
+    monkeypatch.setattr(_compat, "onednn_enabled", lambda: True)
+    asked = []
+    monkeypatch.setattr(products, "transposed_is_faster",
+                        lambda rows, count, device=None:
+                        asked.append((rows, count)) or False)
+    assert not products.worth_it(128, 512)
+    pipe, _ = helpers.pair(_stages, devices, M, "never")
+    pipe.compile("sgd", keras.losses.SparseCategoricalCrossentropy(
+        from_logits=True))
+    x, y, _ = helpers.data(BATCH)
+    assert not _transposed_products(_graph(pipe, x, y))
+    assert (BATCH // M, M) in asked, asked
+
+
+def test_the_probe_times_both_forms_once_per_process_and_size(monkeypatch):
+    monkeypatch.setattr(products, "_FASTER", {})
+    first = products.transposed_is_faster(64, 4)
+    assert isinstance(first, bool)
+
+    def again(rows, count):
+        raise AssertionError("timed again")
+
+    monkeypatch.setattr(products, "_probe", again)
+    # Kept for this process, and for another logical device of it.
+    assert products.transposed_is_faster(64, 4) is first
+    assert products.transposed_is_faster(64, 4, "/device:CPU:1") is first
+    # Another size, or another process's device, is timed.
+    for rows, count, device in ((32, 8, None),
+                                (64, 4, "/job:worker/task:1/device:CPU:0")):
+        with pytest.raises(AssertionError, match="timed again"):
+            products.transposed_is_faster(rows, count, device)
+
+
 def test_replacement_is_exact_alone():
     # The product itself: x @ transpose(wt)^T is x @ w.
     rng = np.random.default_rng(0)
@@ -190,6 +230,8 @@ def test_a_worker_device_follows_the_workers_kernels(monkeypatch):
     client decides the transposed form by the device's kernels, not by its
     own (an AMD client runs TF's own kernels by default)."""
     monkeypatch.setattr(products._compat, "onednn_enabled", lambda: False)
+    monkeypatch.setattr(products, "transposed_is_faster",
+                        lambda rows, count, device=None: True)
     worker = "/job:worker/replica:0/task:1/device:CPU:0"
     try:
         for workers in (True, False):

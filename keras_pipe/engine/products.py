@@ -23,16 +23,26 @@ the split backward (`keras_pipe.engine.weight_grad`) replays the original
 op; the original op feeds nothing and TF prunes it before the step runs.
 With TF's own kernels (oneDNN off) the transposed form is the slow one:
 nothing is rewritten there.
+
+Which form is faster depends on the CPU and the kernels oneDNN picks for
+it: on some the transposed form is slower at every row count. So the rule
+(`worth_it`) also asks the device (`transposed_is_faster`): both forms are
+timed there once per process, device and micro-batch size, on a
+`PROBE_COLUMNS`-wide kernel, the transpose counted as paid once per step,
+and the transposed form is taken only when it is faster by `MARGIN`.
 """
 
 import contextlib
+import time
 
 import tensorflow as tf
 
 from keras_pipe import _compat
 
-__all__ = ["MAX_ROWS", "MIN_COLUMNS", "TransposedKernels", "eligible",
-           "fits", "onednn", "set_workers_onednn", "transposes", "worth_it"]
+__all__ = ["MARGIN", "MAX_ROWS", "MIN_COLUMNS", "PROBE_COLUMNS",
+           "TransposedKernels", "eligible", "fits", "onednn",
+           "set_workers_onednn", "transposed_is_faster", "transposes",
+           "worth_it"]
 
 # Micro-batches of at most this many rows get the transposed form (above,
 # both forms cost the same).
@@ -66,11 +76,78 @@ def onednn(device=None):
 def worth_it(rows, total_rows, device=None):
     """Whether a stage's forward calls of `rows` rows (of `total_rows` in
     the step) on `device` should use transposed kernels: oneDNN on there,
-    small micro-batches, and enough rows in the step (`MAX_ROWS` or more)
-    to pay for the transposes."""
+    small micro-batches, enough rows in the step (`MAX_ROWS` or more) to
+    pay for the transposes, and the transposed form faster on the device
+    (`transposed_is_faster`)."""
     return (isinstance(rows, int) and isinstance(total_rows, int)
             and rows <= MAX_ROWS and total_rows >= MAX_ROWS
-            and onednn(device))
+            and onednn(device)
+            and transposed_is_faster(rows, -(-total_rows // rows), device))
+
+
+# The probe's kernel is PROBE_COLUMNS x PROBE_COLUMNS; the transposed form
+# must be at least MARGIN faster (timing noise decides nothing).
+PROBE_COLUMNS = 1024
+MARGIN = 0.05
+_PROBE_ROUNDS = 5
+# `{(device's process, rows, products): bool}`, measured in this process.
+_FASTER = {}
+
+
+def _process_of(device):
+    """The process a device string's kernels run in: its job and task, or
+    None for this process."""
+    spec = tf.DeviceSpec.from_string(device or "")
+    if spec.job in (None, "localhost"):
+        return None
+    return (spec.job, spec.replica or 0, spec.task or 0)
+
+
+def transposed_is_faster(rows, products, device=None):
+    """Whether `products` forward products of `rows` rows on one kernel
+    cost less on `device` as `x @ transpose(w)^T`, the transpose made once,
+    than as `x @ w` (by `MARGIN` at least).
+
+    Timed on `device` (default: this process's CPU) the first time a
+    process asks for that device's process, `rows` and `products`, with a
+    `PROBE_COLUMNS`-wide square kernel: the least of `_PROBE_ROUNDS` runs
+    of each form. Runs eagerly, also when asked while a step is traced.
+    """
+    key = (_process_of(device), rows, products)
+    if key not in _FASTER:
+        with tf.init_scope(), tf.device(device or "/device:CPU:0"):
+            _FASTER[key] = _probe(rows, products)
+    return _FASTER[key]
+
+
+def _probe(rows, products):
+    w = tf.random.stateless_normal([PROBE_COLUMNS] * 2, seed=[1, 2])
+    x = tf.random.stateless_normal([rows, PROBE_COLUMNS], seed=[3, 4])
+
+    # Each product reads its own input (`x + n`): equal products would be
+    # computed once.
+    @tf.function(autograph=False)
+    def plain(x, w):
+        return tf.add_n([tf.matmul(x + float(n), w)[0, 0]
+                         for n in range(products)])
+
+    @tf.function(autograph=False)
+    def transposed(x, w):
+        # Through a Snapshot, as in a step (`TransposedKernels`).
+        wt = tf.raw_ops.Snapshot(input=tf.transpose(w))
+        return tf.add_n([tf.matmul(x + float(n), wt, transpose_b=True)[0, 0]
+                         for n in range(products)])
+
+    def least(f):
+        f(x, w).numpy()  # traced and warm
+        best = float("inf")
+        for _ in range(_PROBE_ROUNDS):
+            start = time.perf_counter()
+            f(x, w).numpy()
+            best = min(best, time.perf_counter() - start)
+        return best
+
+    return least(transposed) < (1 - MARGIN) * least(plain)
 
 
 def transposes(sizes, device=None):

@@ -156,8 +156,12 @@ def child_pipeline(p):
             runs[label] = {"steps": [], "cpu": [], "wait": [],
                            "cpu_per_step": [], "run": run}
         _interleave(runs, p["rounds"], pids, errors)
+    # Per process (the workers, then this client): CPU seconds per step
+    # and the share of the wall time spent waiting for a core.
     return {"runs": {label: {"step_seconds": median(r["steps"]),
-                             "steps": r["steps"]}
+                             "steps": r["steps"],
+                             "cpu_per_step": r["cpu_per_step"],
+                             "wait": r["wait"]}
                      for label, r in runs.items() if r["steps"]},
             "chosen": chosen, "errors": errors}
 
