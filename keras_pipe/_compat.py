@@ -110,6 +110,13 @@ def sync_executors():
 train_validation_split = array_slicing.train_validation_split
 
 
+def runtime_started():
+    """Whether this process's TF runtime has started: its devices are then
+    fixed (logical devices can no longer be made)."""
+    from tensorflow.python.eager import context
+    return bool(context.context()._initialized)
+
+
 def onednn_enabled():
     """Whether this process's TF runs oneDNN's kernels (fixed at import).
 

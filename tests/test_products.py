@@ -16,7 +16,7 @@ import tensorflow as tf
 
 from keras_pipe import _compat
 from keras_pipe.engine import products
-from tests.support import helpers
+from tests.support import helpers, warm
 from tests.test_transparency import check_one_step, compile_both
 
 WIDTH = products.MIN_COLUMNS
@@ -177,6 +177,22 @@ def test_the_probe_times_both_forms_once_per_process_and_size(monkeypatch):
                                 (64, 4, "/job:worker/task:1/device:CPU:0")):
         with pytest.raises(AssertionError, match="timed again"):
             products.transposed_is_faster(rows, count, device)
+
+
+def test_before_the_runtime_starts_nothing_is_timed():
+    # A memory prediction made before any op ran must not start TF's
+    # runtime (logical devices could no longer be made): the probe answers
+    # True untimed, and the devices are still free to configure.
+    code = (
+        "from tensorflow.python.eager import context\n"
+        "from keras_pipe.engine import products\n"
+        "assert products.transposed_is_faster(64, 4) is True\n"
+        "assert not context.context()._initialized\n"
+        "import keras_pipe\n"
+        "print(len(keras_pipe.logical_cpu_devices(2)))\n")
+    result = warm.run(["-c", code], warm.env())
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split() == ["2"]
 
 
 def test_replacement_is_exact_alone():

@@ -112,8 +112,15 @@ def transposed_is_faster(rows, products, device=None):
     process asks for that device's process, `rows` and `products`, with a
     `PROBE_COLUMNS`-wide square kernel: the least of `_PROBE_ROUNDS` runs
     of each form. Runs eagerly, also when asked while a step is traced.
+    Asked for this process before its TF runtime started (a memory
+    prediction made before any op ran), it answers True untimed: timing
+    would start the runtime and fix its devices, and True predicts the
+    larger memory.
     """
     key = (_process_of(device), rows, products)
+    if key[0] is None and key not in _FASTER and (
+            not _compat.runtime_started()):
+        return True
     if key not in _FASTER:
         with tf.init_scope(), tf.device(device or "/device:CPU:0"):
             _FASTER[key] = _probe(rows, products)
