@@ -20,7 +20,7 @@ from keras_pipe.engine import colocation
 
 __all__ = ["IN_TURN_BYTES", "logical_cpu_devices", "resolve_devices",
            "default_devices", "place_variables", "colocate_optimizer",
-           "device_of"]
+           "device_of", "process_of"]
 
 # `place_variables` waits until a moved variable of at least this many bytes
 # is on its device before it sends the next (see there).
@@ -96,6 +96,16 @@ def default_devices(num_stages):
         f"GPUs for {num_stages} stages. Pass devices=[...] explicitly, e.g. "
         f"devices=keras_pipe.logical_cpu_devices({num_stages}) at the start "
         "of the program on a machine without GPUs.")
+
+
+def process_of(device):
+    """The process a device string's kernels run in: `(job, replica, task)`
+    for a device of a cluster job (a worker process), None for a device of
+    this process (no job, or `localhost`)."""
+    spec = tf.DeviceSpec.from_string(device or "")
+    if spec.job in (None, "localhost"):
+        return None
+    return (spec.job, spec.replica or 0, spec.task or 0)
 
 
 def _matches(spec, full):

@@ -38,6 +38,7 @@ import time
 import tensorflow as tf
 
 from keras_pipe import _compat
+from keras_pipe.engine import placement
 
 __all__ = ["MARGIN", "MAX_ROWS", "MIN_COLUMNS", "PROBE_COLUMNS",
            "TransposedKernels", "eligible", "fits", "onednn",
@@ -67,8 +68,7 @@ def onednn(device=None):
     """Whether `device` runs oneDNN's kernels: a device of a cluster job
     (a worker process) as its workers were started, else this process's
     TF (`keras_pipe._compat.onednn_enabled`)."""
-    if device is not None and tf.DeviceSpec.from_string(device).job not in (
-            None, "localhost"):
+    if placement.process_of(device) is not None:
         return _WORKERS_ONEDNN[0]
     return _compat.onednn_enabled()
 
@@ -94,15 +94,6 @@ _PROBE_ROUNDS = 5
 _FASTER = {}
 
 
-def _process_of(device):
-    """The process a device string's kernels run in: its job and task, or
-    None for this process."""
-    spec = tf.DeviceSpec.from_string(device or "")
-    if spec.job in (None, "localhost"):
-        return None
-    return (spec.job, spec.replica or 0, spec.task or 0)
-
-
 def transposed_is_faster(rows, products, device=None):
     """Whether `products` forward products of `rows` rows on one kernel
     cost less on `device` as `x @ transpose(w)^T`, the transpose made once,
@@ -117,11 +108,10 @@ def transposed_is_faster(rows, products, device=None):
     would start the runtime and fix its devices, and True predicts the
     larger memory.
     """
-    key = (_process_of(device), rows, products)
-    if key[0] is None and key not in _FASTER and (
-            not _compat.runtime_started()):
-        return True
+    key = (placement.process_of(device), rows, products)
     if key not in _FASTER:
+        if key[0] is None and not _compat.runtime_started():
+            return True
         with tf.init_scope(), tf.device(device or "/device:CPU:0"):
             _FASTER[key] = _probe(rows, products)
     return _FASTER[key]

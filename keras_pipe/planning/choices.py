@@ -29,7 +29,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_pipe import _compat
-from keras_pipe.engine import building
+from keras_pipe.engine import building, placement
 from keras_pipe.engine import schedule as schedule_lib
 
 __all__ = ["DEFAULT_BATCH_SIZE", "DEFAULT_OPTIMIZER_SLOTS", "DEFAULT_REMAT",
@@ -94,8 +94,8 @@ def measured(devices):
     from FLOPs."""
     for device in devices or ():
         spec = tf.DeviceSpec.from_string(device)
-        if (spec.device_type or "").upper() == "GPU" or spec.job not in (
-                None, "localhost"):
+        if (spec.device_type or "").upper() == "GPU" or (
+                placement.process_of(device) is not None):
             return True
     return False
 
